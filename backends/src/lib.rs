@@ -1,0 +1,2 @@
+//! Policy backends of RolloutPipe (placeholder until the CPU reference lands).
+#![deny(missing_docs)]

@@ -1,0 +1,4 @@
+//! The `rolloutpipe` binary (placeholder until the subcommands land).
+fn main() {
+    println!("rolloutpipe");
+}
