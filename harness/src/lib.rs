@@ -1,0 +1,10 @@
+//! The harness glues RolloutPipe together: it drives `rolloutpipe-core` (scheduling decisions)
+//! with `rolloutpipe-backends` (generation and training) for end-to-end runs, runs the
+//! discrete-event simulator, evaluates models and writes metrics, plots and traces.
+#![deny(missing_docs)]
+
+pub mod cli;
+pub mod cmd;
+pub mod sim;
+pub mod tasks;
+pub mod train;

@@ -1,0 +1,1 @@
+//! (placeholder: sim lands with its issue)

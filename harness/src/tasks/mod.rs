@@ -1,0 +1,1 @@
+//! (placeholder: tasks lands with its issue)

@@ -1,0 +1,1 @@
+//! (placeholder: train lands with its issue)
