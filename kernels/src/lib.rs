@@ -1,3 +1,186 @@
-//! Kernel sources of RolloutPipe, embedded as strings (placeholder until the kernels land).
+//! Kernel sources of RolloutPipe, embedded as strings; no dependencies.
+//!
+//! Every op of the Qwen3 forward and backward, sampling, log-probs, the GRPO loss and AdamW
+//! has one WGSL file in `kernels/wgsl/<op>.wgsl`, named like the CPU reference's function
+//! (`rmsnorm_fwd` in `cpu/ops.rs`, `fn rmsnorm_fwd` in WGSL, [`Kernel::RmsnormFwd`] here).
+//! Backends load them through [`Kernel::wgsl`]; this crate knows no device, so it builds
+//! everywhere and a broken kernel is caught on the CPU by `tests/naga.rs`.
+//!
+//! Binding convention shared by every file (the wgpu backend builds its layouts from it):
+//! `@group(0) @binding(0)` is a `Params` uniform of at most [`PARAMS_BYTES`] bytes (bound
+//! with a dynamic offset into one arena), and bindings `1..=storage_bindings()` are
+//! `read_write` storage buffers, never more than [`MAX_STORAGE_BINDINGS`] so that the
+//! kernels fit WebGPU's default limits. All entry points of a file share that layout.
+//!
+//! ```
+//! use rolloutpipe_kernels::Kernel;
+//! let k = Kernel::MatmulBwd;
+//! assert_eq!(k.name(), "matmul_bwd");
+//! assert_eq!(k.entry_points(), &["matmul_bwd_dx", "matmul_bwd_dw"]);
+//! assert!(k.wgsl().contains("fn matmul_bwd_dw"));
+//! ```
 #![no_std]
 #![deny(unsafe_code, missing_docs)]
+
+/// Largest `Params` uniform of any kernel, in bytes; also the stride a backend may use
+/// when it packs many dispatches' parameters into one buffer (with 256-byte alignment).
+pub const PARAMS_BYTES: u64 = 64;
+
+/// Most storage buffers any kernel binds (WebGPU's default per-stage limit).
+pub const MAX_STORAGE_BINDINGS: u32 = 8;
+
+macro_rules! kernels {
+    ($( $(#[$doc:meta])* $variant:ident => $name:literal, [$($entry:literal),+], $storage:literal, $wg:expr; )+) => {
+        /// One kernel source file: one op of the model, named as the CPU reference names it.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Kernel {
+            $( $(#[$doc])* $variant, )+
+        }
+
+        impl Kernel {
+            /// Every kernel, in a fixed order.
+            pub const ALL: &'static [Kernel] = &[$(Kernel::$variant),+];
+
+            /// The op's name: the WGSL file stem and the CPU reference's function name.
+            pub const fn name(self) -> &'static str {
+                match self { $(Kernel::$variant => $name,)+ }
+            }
+
+            /// The WGSL source of the op.
+            pub const fn wgsl(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => include_str!(concat!("../wgsl/", $name, ".wgsl")),)+
+                }
+            }
+
+            /// The compute entry points of the file; the first is the op itself, further
+            /// ones are the parts of its computation that need another launch geometry.
+            pub const fn entry_points(self) -> &'static [&'static str] {
+                match self { $(Kernel::$variant => &[$($entry),+],)+ }
+            }
+
+            /// Number of storage buffers, bound at `1..=storage_bindings()`.
+            pub const fn storage_bindings(self) -> u32 {
+                match self { $(Kernel::$variant => $storage,)+ }
+            }
+
+            /// `@workgroup_size` of every entry point of the file.
+            pub const fn workgroup_size(self) -> [u32; 3] {
+                match self { $(Kernel::$variant => $wg,)+ }
+            }
+        }
+    };
+}
+
+kernels! {
+    /// `out[n, d] = table[tokens[n], :]`.
+    EmbeddingFwd => "embedding_fwd", ["embedding_fwd"], 3, [256, 1, 1];
+    /// `dtable[tokens[n], :] += dout[n, :]`, one thread per column.
+    EmbeddingBwd => "embedding_bwd", ["embedding_bwd"], 3, [64, 1, 1];
+    /// RMSNorm of rows (also per head for q_norm/k_norm), saving `rstd`.
+    RmsnormFwd => "rmsnorm_fwd", ["rmsnorm_fwd"], 4, [64, 1, 1];
+    /// RMSNorm backward: `dx` per row, `dw` per column.
+    RmsnormBwd => "rmsnorm_bwd", ["rmsnorm_bwd", "rmsnorm_bwd_dw"], 6, [64, 1, 1];
+    /// `y = x·Wᵀ`, tiled 64x64 per 16x16 workgroup.
+    MatmulFwd => "matmul_fwd", ["matmul_fwd"], 3, [16, 16, 1];
+    /// `dx = dy·W` and `dW += dyᵀ·x`, same tiling.
+    MatmulBwd => "matmul_bwd", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, [16, 16, 1];
+    /// Rotate-half RoPE in place from cos/sin tables.
+    RopeFwd => "rope_fwd", ["rope_fwd"], 4, [256, 1, 1];
+    /// Transposed rotation of a gradient, in place.
+    RopeBwd => "rope_bwd", ["rope_bwd"], 4, [256, 1, 1];
+    /// Causal GQA attention with online softmax, per (query, head); saves log-sum-exp.
+    AttentionFwd => "attention_fwd", ["attention_fwd"], 6, [64, 1, 1];
+    /// Attention backward: `dq` per (query, head), then `dk, dv` per (key, kv head).
+    AttentionBwd => "attention_bwd", ["attention_bwd_dq", "attention_bwd_dkv"], 8, [64, 1, 1];
+    /// `silu(gate) * up`.
+    SwigluFwd => "swiglu_fwd", ["swiglu_fwd"], 3, [256, 1, 1];
+    /// Gradients of `silu(gate) * up` with respect to gate and up.
+    SwigluBwd => "swiglu_bwd", ["swiglu_bwd"], 5, [256, 1, 1];
+    /// `out = a + b`.
+    ResidualFwd => "residual_fwd", ["residual_fwd"], 3, [256, 1, 1];
+    /// `log_softmax(logits / T)` at the targets, and the entropy, per row.
+    LogprobFwd => "logprob_fwd", ["logprob_fwd"], 4, [256, 1, 1];
+    /// Gradient of log-prob and entropy with respect to the logits.
+    LogprobBwd => "logprob_bwd", ["logprob_bwd"], 5, [256, 1, 1];
+    /// Weighted sums of the clipped GRPO objective (or SFT), KL, clip count and entropy.
+    GrpoLossFwd => "grpo_loss_fwd", ["grpo_loss_fwd"], 7, [256, 1, 1];
+    /// Per-token gradient of the weighted objective with respect to the log-probs.
+    GrpoLossBwd => "grpo_loss_bwd", ["grpo_loss_bwd"], 6, [256, 1, 1];
+    /// One AdamW update of one tensor, torch semantics.
+    AdamwStep => "adamw_step", ["adamw_step"], 4, [256, 1, 1];
+    /// Sum of squares: per-workgroup partials, then one final reduction.
+    GradNorm => "grad_norm", ["grad_norm", "grad_norm_reduce"], 3, [256, 1, 1];
+    /// Temperature / top-k / top-p sampling from a host-drawn uniform, with the log-prob.
+    Sample => "sample", ["sample"], 4, [256, 1, 1];
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The op list fixed by the backend interface (STYLE.md: one name everywhere).
+    const OPS: [&str; 20] = [
+        "embedding_fwd",
+        "embedding_bwd",
+        "rmsnorm_fwd",
+        "rmsnorm_bwd",
+        "matmul_fwd",
+        "matmul_bwd",
+        "rope_fwd",
+        "rope_bwd",
+        "attention_fwd",
+        "attention_bwd",
+        "swiglu_fwd",
+        "swiglu_bwd",
+        "residual_fwd",
+        "logprob_fwd",
+        "logprob_bwd",
+        "grpo_loss_fwd",
+        "grpo_loss_bwd",
+        "adamw_step",
+        "grad_norm",
+        "sample",
+    ];
+
+    #[test]
+    fn every_op_has_exactly_one_kernel() {
+        assert_eq!(Kernel::ALL.len(), OPS.len());
+        for op in OPS {
+            assert_eq!(
+                Kernel::ALL.iter().filter(|k| k.name() == op).count(),
+                1,
+                "{op}"
+            );
+        }
+    }
+
+    #[test]
+    fn entry_points_carry_the_op_name() {
+        for k in Kernel::ALL {
+            let eps = k.entry_points();
+            // Ops with a single launch use the op name itself; split ops prefix it.
+            if eps.len() == 1 {
+                assert_eq!(eps[0], k.name());
+            }
+            for ep in eps {
+                assert!(ep.starts_with(k.name()), "{ep} in {}", k.name());
+                let mut buf = [0u8; 64];
+                let needle = concat_fn(&mut buf, ep);
+                assert!(k.wgsl().contains(needle), "fn {ep} missing");
+            }
+            assert!(k.storage_bindings() >= 1 && k.storage_bindings() <= MAX_STORAGE_BINDINGS);
+        }
+    }
+
+    // `no_std` without alloc: build "fn <name>(" in a stack buffer.
+    fn concat_fn<'a>(buf: &'a mut [u8; 64], name: &str) -> &'a str {
+        let parts: [&[u8]; 3] = [b"fn ", name.as_bytes(), b"("];
+        let mut n = 0;
+        for p in parts {
+            buf[n..n + p.len()].copy_from_slice(p);
+            n += p.len();
+        }
+        core::str::from_utf8(&buf[..n]).unwrap_or("")
+    }
+}

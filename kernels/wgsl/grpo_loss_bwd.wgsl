@@ -1,0 +1,56 @@
+// grpo_loss_bwd: dlogp = w · dL/dlogp for the objective of grpo_loss_fwd:
+//   unclipped branch chosen (ρA <= clip(ρ)A): −A·ρ; clipped branch: 0 (clip(ρ) is constant
+//   outside the range, and on a tie inside it both branches have the same gradient);
+//   KL term: β·(1 − exp(ref − logp));  SFT: −1.
+
+struct Params {
+    n: u32,
+    objective: u32,
+    eps_low: f32,
+    eps_high: f32,
+    beta: f32,
+    _p0: u32,
+    _p1: u32,
+    _p2: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read_write> logp: array<f32>;
+@group(0) @binding(2) var<storage, read_write> old_logp: array<f32>;
+@group(0) @binding(3) var<storage, read_write> ref_logp: array<f32>;
+@group(0) @binding(4) var<storage, read_write> adv: array<f32>;
+@group(0) @binding(5) var<storage, read_write> weight: array<f32>;
+@group(0) @binding(6) var<storage, read_write> dlogp: array<f32>;
+
+@compute @workgroup_size(256)
+fn grpo_loss_bwd(
+    @builtin(global_invocation_id) gid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+    let i = gid.x + gid.y * nwg.x * 256u;
+    if (i >= p.n) {
+        return;
+    }
+    let w = weight[i];
+    if (w == 0.0) {
+        dlogp[i] = 0.0;
+        return;
+    }
+    let lp = logp[i];
+    var g = 0.0;
+    if (p.objective == 1u) {
+        g = -1.0;
+    } else {
+        let a = adv[i];
+        let ratio = exp(lp - old_logp[i]);
+        let unclipped = ratio * a;
+        let clipped_v = clamp(ratio, 1.0 - p.eps_low, 1.0 + p.eps_high) * a;
+        if (unclipped <= clipped_v) {
+            g = -a * ratio;
+        }
+        if (p.beta != 0.0) {
+            g += p.beta * (1.0 - exp(ref_logp[i] - lp));
+        }
+    }
+    dlogp[i] = w * g;
+}

@@ -1,0 +1,72 @@
+// rmsnorm_bwd: with xh = x * rstd and g = w * dout,
+//   dx = rstd * (g - xh * mean(g * xh))          (entry rmsnorm_bwd, one workgroup per row)
+//   dw += sum over rows of dout * xh             (entry rmsnorm_bwd_dw, one thread per column)
+// The weight gradient is a column sum over rows; giving each column to one thread avoids
+// float atomics and keeps a fixed summation order.
+
+struct Params {
+    rows: u32,
+    dim: u32,
+    accumulate: u32, // 1: dx += result (residual stream gradients), 0: dx = result
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> w: array<f32>;
+@group(0) @binding(3) var<storage, read_write> rstd: array<f32>;
+@group(0) @binding(4) var<storage, read_write> dout: array<f32>;
+@group(0) @binding(5) var<storage, read_write> dx: array<f32>;
+@group(0) @binding(6) var<storage, read_write> dw: array<f32>;
+
+const WG: u32 = 64u;
+var<workgroup> red: array<f32, WG>;
+
+@compute @workgroup_size(64)
+fn rmsnorm_bwd(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let row = wid.x + wid.y * nwg.x;
+    if (row >= p.rows) {
+        return;
+    }
+    let base = row * p.dim;
+    let r = rstd[row];
+    var acc = 0.0;
+    for (var i = lid; i < p.dim; i += WG) {
+        acc += w[i] * dout[base + i] * x[base + i] * r;
+    }
+    red[lid] = acc;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (lid < s) {
+            red[lid] += red[lid + s];
+        }
+        workgroupBarrier();
+    }
+    let m = red[0] / f32(p.dim);
+    for (var i = lid; i < p.dim; i += WG) {
+        let xh = x[base + i] * r;
+        let v = r * (w[i] * dout[base + i] - xh * m);
+        if (p.accumulate != 0u) {
+            dx[base + i] += v;
+        } else {
+            dx[base + i] = v;
+        }
+    }
+}
+
+@compute @workgroup_size(64)
+fn rmsnorm_bwd_dw(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let col = gid.x;
+    if (col >= p.dim) {
+        return;
+    }
+    var acc = 0.0;
+    for (var row = 0u; row < p.rows; row++) {
+        acc += dout[row * p.dim + col] * x[row * p.dim + col] * rstd[row];
+    }
+    dw[col] += acc;
+}
