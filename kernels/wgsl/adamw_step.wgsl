@@ -1,19 +1,20 @@
-// adamw_step with torch.optim.AdamW semantics on one tensor, g scaled by grad_scale
-// (1/normaliser times the global-norm clip factor, applied to the raw gradient sums):
-//   p ← p·(1 − lr·wd);  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²
-//   p ← p − (lr / bc1) · m / (sqrt(v) / sqrt(bc2) + eps)
-// bc1 = 1 − β1^t and bc2 = 1 − β2^t come from the host (computed once, in f64 there).
+// adamw_step with torch.optim.AdamW semantics on one tensor, the arithmetic of the CPU
+// reference's `adamw_step` (scalars derived in f64 on the host, applied in f32):
+//   g = grad·grad_scale   (1/normaliser times the global-norm clip factor)
+//   p ← p·decay;  m ← m + (1−β1)(g − m)  (torch's lerp);  v ← β2·v + (1−β2)·g²
+//   p ← p − step_size · m / (√v / √bc2 + eps)
+// with decay = 1 − lr·wd, step_size = lr / (1 − β1^t), √bc2 = √(1 − β2^t).
 
 struct Params {
     n: u32,
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    eps: f32,
-    wd: f32,
-    bc1: f32,
-    sqrt_bc2: f32,
     grad_scale: f32,
+    decay: f32,
+    step_size: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    sqrt_bc2: f32,
+    eps: f32,
     _p0: u32,
     _p1: u32,
     _p2: u32,
@@ -35,12 +36,12 @@ fn adamw_step(
         return;
     }
     let g = grad[i] * p.grad_scale;
-    var x = param[i] * (1.0 - p.lr * p.wd);
-    let mi = p.beta1 * m[i] + (1.0 - p.beta1) * g;
-    let vi = p.beta2 * v[i] + (1.0 - p.beta2) * g * g;
+    var x = param[i] * p.decay;
+    let mi = m[i] + p.one_minus_beta1 * (g - m[i]);
+    let vi = v[i] * p.beta2 + p.one_minus_beta2 * g * g;
     m[i] = mi;
     v[i] = vi;
     let denom = sqrt(vi) / p.sqrt_bc2 + p.eps;
-    x -= (p.lr / p.bc1) * (mi / denom);
+    x -= p.step_size * (mi / denom);
     param[i] = x;
 }

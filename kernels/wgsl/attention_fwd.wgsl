@@ -1,9 +1,10 @@
 // attention_fwd: causal grouped-query attention, one workgroup per (query row, head).
 //   q   [n_q, heads, head_dim]                      (after q_norm and RoPE)
-//   k,v [n_seq, max_t, kv_heads, head_dim]          (a training batch or the KV cache)
-//   qmeta[2 * n_q] = (sequence, position) of each query; it sees keys 0..=position of its
-//                   sequence. The same kernel serves training (every position of each
-//                   sequence), prefill and one-token decode against the cache.
+//   k,v [n_k, kv_heads, head_dim]                   (a packed batch or the KV cache)
+//   qmeta[2 * n_q] = (base, pos) of each query: it attends key rows base ..= base + pos.
+//                   The same kernel serves training and scoring (packed sequences: base is
+//                   the sequence's first row), prefill and decode against the KV cache (base
+//                   is the request's slot).
 //   out [n_q, heads, head_dim]; stats[0 .. n_q*heads] = log-sum-exp of the scaled scores,
 //   kept for attention_bwd (which stores its row sums in the second half of stats).
 // Query head h reads kv head h / (heads / kv_heads). Keys are visited in chunks of 64 with
@@ -16,10 +17,10 @@ struct Params {
     heads: u32,
     kv_heads: u32,
     head_dim: u32,
-    max_t: u32,
-    n_seq: u32,
+    n_k: u32, // rows of k and v, to keep a bad base/pos from reading past them
     scale: f32,
-    _pad: u32,
+    _p0: u32,
+    _p1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -36,7 +37,7 @@ const NEG: f32 = -3.0e38;
 var<workgroup> qs: array<f32, 256>;
 var<workgroup> sc: array<f32, WG>;
 var<workgroup> pw: array<f32, WG>;
-var<workgroup> seq_s: u32;
+var<workgroup> base_s: u32;
 var<workgroup> pos_s: u32;
 
 @compute @workgroup_size(64)
@@ -53,12 +54,13 @@ fn attention_fwd(
     let h = flat % p.heads;
     let kvh = h / (p.heads / p.kv_heads);
     if (lid == 0u) {
-        seq_s = min(qmeta[2u * qi], p.n_seq - 1u);
-        pos_s = min(qmeta[2u * qi + 1u], p.max_t - 1u);
+        let b = min(qmeta[2u * qi], p.n_k - 1u);
+        base_s = b;
+        pos_s = min(qmeta[2u * qi + 1u], p.n_k - 1u - b);
     }
     // Broadcast through workgroup memory: values read from a storage buffer are not
     // uniform to the compiler, and the loop below holds barriers.
-    let seq = workgroupUniformLoad(&seq_s);
+    let kbase = workgroupUniformLoad(&base_s);
     let pos = workgroupUniformLoad(&pos_s);
     let hd = p.head_dim;
     let kv_stride = p.kv_heads * hd;
@@ -77,7 +79,7 @@ fn attention_fwd(
         let j = c + lid;
         var s = NEG;
         if (j <= pos) {
-            let kb = (seq * p.max_t + j) * kv_stride + kvh * hd;
+            let kb = (kbase + j) * kv_stride + kvh * hd;
             var dot = 0.0;
             for (var d = 0u; d < hd; d++) {
                 dot += qs[d] * k[kb + d];
@@ -105,7 +107,7 @@ fn attention_fwd(
             if (d < hd) {
                 var a = acc[r] * alpha;
                 for (var jj = 0u; jj < cnt; jj++) {
-                    a += pw[jj] * v[(seq * p.max_t + c + jj) * kv_stride + kvh * hd + d];
+                    a += pw[jj] * v[(kbase + c + jj) * kv_stride + kvh * hd + d];
                 }
                 acc[r] = a;
             }

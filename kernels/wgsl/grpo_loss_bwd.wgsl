@@ -2,6 +2,7 @@
 //   unclipped branch chosen (ρA <= clip(ρ)A): −A·ρ; clipped branch: 0 (clip(ρ) is constant
 //   outside the range, and on a tie inside it both branches have the same gradient);
 //   KL term: β·(1 − exp(ref − logp));  SFT: −1.
+// flags as in grpo_loss_fwd; unscored tokens get 0. Written, not accumulated.
 
 struct Params {
     n: u32,
@@ -21,6 +22,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> adv: array<f32>;
 @group(0) @binding(5) var<storage, read_write> weight: array<f32>;
 @group(0) @binding(6) var<storage, read_write> dlogp: array<f32>;
+@group(0) @binding(7) var<storage, read_write> flags: array<u32>;
 
 @compute @workgroup_size(256)
 fn grpo_loss_bwd(
@@ -31,26 +33,27 @@ fn grpo_loss_bwd(
     if (i >= p.n) {
         return;
     }
-    let w = weight[i];
-    if (w == 0.0) {
+    let f = flags[i];
+    if ((f & 1u) == 0u) {
         dlogp[i] = 0.0;
         return;
     }
+    let w = weight[i];
     let lp = logp[i];
     var g = 0.0;
     if (p.objective == 1u) {
         g = -1.0;
     } else {
         let a = adv[i];
-        let ratio = exp(lp - old_logp[i]);
+        let old = select(lp, old_logp[i], (f & 2u) != 0u);
+        let rf = select(lp, ref_logp[i], (f & 4u) != 0u);
+        let ratio = exp(lp - old);
         let unclipped = ratio * a;
         let clipped_v = clamp(ratio, 1.0 - p.eps_low, 1.0 + p.eps_high) * a;
         if (unclipped <= clipped_v) {
             g = -a * ratio;
         }
-        if (p.beta != 0.0) {
-            g += p.beta * (1.0 - exp(ref_logp[i] - lp));
-        }
+        g += p.beta * (1.0 - exp(rf - lp));
     }
     dlogp[i] = w * g;
 }

@@ -3,9 +3,12 @@
 //   ρ = exp(logp − old),  L = −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)·A) + β·KL,
 //   KL = exp(ref − logp) − (ref − logp) − 1   (k3).
 // objective = 1 selects SFT instead: L = −logp.
+// flags[t]: bit 0 = a scored token (others are skipped), bit 1 = old_logp given (else the
+// current logp, detached: ρ = 1), bit 2 = ref_logp given (else the current logp: KL = 0).
 // One workgroup walks all tokens and writes four scalars, so the host reads back 16 bytes:
-//   stats = [Σ w·L, Σ w·KL, #clipped tokens, Σ w·entropy]   (tokens with w = 0 are skipped)
-// A token counts as clipped when the clipped branch is the one min() picks strictly.
+//   stats = [Σ w·L, Σ KL, #clipped tokens, Σ entropy]   (KL and entropy unweighted, as the
+//   CPU reference's AccumStats). A token is clipped when min() picks the clipped branch
+//   strictly.
 
 struct Params {
     n: u32,
@@ -26,6 +29,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> weight: array<f32>;
 @group(0) @binding(6) var<storage, read_write> entropy: array<f32>;
 @group(0) @binding(7) var<storage, read_write> stats: array<f32>;
+@group(0) @binding(8) var<storage, read_write> flags: array<u32>;
 
 const WG: u32 = 256u;
 var<workgroup> red: array<vec4<f32>, WG>;
@@ -34,10 +38,11 @@ var<workgroup> red: array<vec4<f32>, WG>;
 fn grpo_loss_fwd(@builtin(local_invocation_index) lid: u32) {
     var acc = vec4<f32>(0.0);
     for (var i = lid; i < p.n; i += WG) {
-        let w = weight[i];
-        if (w == 0.0) {
+        let f = flags[i];
+        if ((f & 1u) == 0u) {
             continue;
         }
+        let w = weight[i];
         let lp = logp[i];
         var loss = 0.0;
         var kl = 0.0;
@@ -46,20 +51,20 @@ fn grpo_loss_fwd(@builtin(local_invocation_index) lid: u32) {
             loss = -lp;
         } else {
             let a = adv[i];
-            let ratio = exp(lp - old_logp[i]);
+            let old = select(lp, old_logp[i], (f & 2u) != 0u);
+            let rf = select(lp, ref_logp[i], (f & 4u) != 0u);
+            let ratio = exp(lp - old);
             let unclipped = ratio * a;
             let clipped_v = clamp(ratio, 1.0 - p.eps_low, 1.0 + p.eps_high) * a;
             loss = -min(unclipped, clipped_v);
             if (clipped_v < unclipped) {
                 clipped = 1.0;
             }
-            if (p.beta != 0.0) {
-                let dr = ref_logp[i] - lp;
-                kl = exp(dr) - dr - 1.0;
-                loss += p.beta * kl;
-            }
+            let dr = rf - lp;
+            kl = exp(dr) - dr - 1.0;
+            loss += p.beta * kl;
         }
-        acc += vec4<f32>(w * loss, w * kl, clipped, w * entropy[i]);
+        acc += vec4<f32>(w * loss, kl, clipped, entropy[i]);
     }
     red[lid] = acc;
     workgroupBarrier();

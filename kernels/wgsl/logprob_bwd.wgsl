@@ -1,7 +1,7 @@
-// logprob_bwd: for logp = z[t] − lse and H = −Σ π·log π with z = logits / temperature,
-//   dz_k = dlogp · (1[k = t] − π_k) − dentropy · π_k · (log π_k + H)
-//   dlogits = dz / temperature   (written, not accumulated: logits are per micro-batch)
-// One workgroup per row; lse and H are recomputed (cheaper than storing π).
+// logprob_bwd: for logp = z[t] − lse with z = logits / temperature and π = softmax(z),
+//   dlogits_k = dlogp / temperature · (1[k = t] − π_k)
+// (written, not accumulated: logits are per micro-batch; the objective has no entropy term,
+// as in the CPU reference). One workgroup per row; lse is recomputed rather than stored.
 
 struct Params {
     rows: u32,
@@ -14,8 +14,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read_write> logits: array<f32>;
 @group(0) @binding(2) var<storage, read_write> targets: array<u32>;
 @group(0) @binding(3) var<storage, read_write> dlogp: array<f32>;
-@group(0) @binding(4) var<storage, read_write> dentropy: array<f32>;
-@group(0) @binding(5) var<storage, read_write> dlogits: array<f32>;
+@group(0) @binding(4) var<storage, read_write> dlogits: array<f32>;
 
 const WG: u32 = 256u;
 const NEG: f32 = -3.0e38;
@@ -66,28 +65,17 @@ fn logprob_bwd(
     }
     let m = reduce_max(lid, mx);
     var se = 0.0;
-    var sz = 0.0;
     for (var i = lid; i < p.vocab; i += WG) {
-        let z = logits[base + i] * p.inv_temp;
-        let e = exp(z - m);
-        se += e;
-        sz += e * (z - m);
+        se += exp(logits[base + i] * p.inv_temp - m);
     }
-    let s = reduce_sum(lid, se);
-    let szm = reduce_sum(lid, sz);
-    let log_s = log(s);
-    let ent = log_s - szm / s;
+    let lse = m + log(reduce_sum(lid, se));
     let t = min(targets[row], p.vocab - 1u);
-    let gl = dlogp[row];
-    let ge = dentropy[row];
+    let g = dlogp[row] * p.inv_temp;
     for (var i = lid; i < p.vocab; i += WG) {
-        let zm = logits[base + i] * p.inv_temp - m;
-        let lp = zm - log_s;
-        let pr = exp(lp);
-        var dz = -gl * pr - ge * pr * (lp + ent);
+        var dz = -g * exp(logits[base + i] * p.inv_temp - lse);
         if (i == t) {
-            dz += gl;
+            dz += g;
         }
-        dlogits[base + i] = dz * p.inv_temp;
+        dlogits[base + i] = dz;
     }
 }

@@ -4,20 +4,23 @@
 // Also writes the token's log-prob under the sampling distribution log_softmax(z / T)
 // (temperature 0 = greedy argmax, log-prob of the temperature-1 distribution).
 //
-// Semantics (those of a sort-based sampler): order tokens by scaled logit descending, ties
-// by lower index first; keep the shortest prefix holding top_k tokens and the shortest
-// holding probability mass >= top_p (the intersection of two prefixes is the shorter);
-// then walk the kept prefix in that order and return the first token whose cumulative
-// mass exceeds u · (kept mass).
-// Sorting a 150k-entry row inside one workgroup is costly, so each "shortest prefix whose
-// count/mass satisfies a monotone predicate" is found by bisection instead: first on the
-// order-preserving integer image of the logit (32 steps), then on the index among tied
-// logits (20 steps); each step is one pass over the row with a workgroup reduction.
-// Where this can differ from a CPU walk: the prefix masses are summed in a different order,
-// so when u·mass (or top_p) lies within a few ulps of a cumulative boundary the neighbouring
-// token may be picked (probability about 1e-6 per token; see the conformance suite).
+// Semantics are those of the CPU reference `cpu::ops::sample`, with e_j = exp(z_j − max z):
+// - greedy: the first maximum of z;
+// - no truncation: inverse CDF in token order, the first j with Σ_{i<=j} e_i > u·Σ e;
+// - top-k / top-p: order tokens by f32(e) descending, ties by lower index; keep the first
+//   top_k; of those, keep the shortest prefix whose renormalised mass reaches top_p; then
+//   walk the kept prefix in that order to the first cumulative mass > u·(kept mass).
+// Sorting a 150k-entry row inside one workgroup is costly, so every "shortest prefix whose
+// count or mass satisfies a monotone predicate" is found by bisection instead: first on the
+// ordering key's bits (32 steps), then on the index among equal keys (20 steps); each step
+// is one pass over the row with a workgroup reduction. In token order only the index
+// bisection runs.
+// Where this can differ from the CPU: it sums in f64 in sequence, this kernel in f32 by a
+// tree, and u arrives rounded to f32; so when u·mass (or top_p) falls within ~1e-6 relative
+// of a cumulative boundary the neighbouring token may be picked (the conformance suite
+// measures how often).
 //
-// rowp[r] = (inv_temp (0 = greedy), bitcast top_k (0 = off), top_p (1 = off), u).
+// rowp[r] = (1/temperature (0 = greedy), bitcast top_k (0 = off), top_p (1 = off), u).
 
 struct Params {
     rows: u32,
@@ -35,7 +38,15 @@ struct Params {
 const WG: u32 = 256u;
 const NEG: f32 = -3.0e38;
 const IDX_BITS: u32 = 20u; // vocabularies up to 2^20 entries
+const ALL: u32 = 0xffffffffu;
+// Ordering modes: by f32 probability (truncated sampling), by token index (untruncated),
+// by logit (greedy: exact, where probabilities near the max could round to equal).
+const BY_PROB: u32 = 0u;
+const BY_INDEX: u32 = 1u;
+const BY_LOGIT: u32 = 2u;
+
 var<workgroup> red: array<vec2<f32>, WG>;
+var<workgroup> rp_s: vec4<f32>;
 
 // Maps an f32 to a u32 whose unsigned order is the float order.
 fn key_of(x: f32) -> u32 {
@@ -46,20 +57,39 @@ fn key_of(x: f32) -> u32 {
     return b | 0x80000000u;
 }
 
+fn order_key(mode: u32, z: f32, e: f32) -> u32 {
+    if (mode == BY_PROB) {
+        // e >= 0, so its bit pattern already orders like its value.
+        return bitcast<u32>(e);
+    }
+    if (mode == BY_LOGIT) {
+        return key_of(z);
+    }
+    return 0u;
+}
+
 // Is element (k, i) at or before the cut (ck, ci) in the order (key desc, index asc)?
 fn at_or_before(k: u32, i: u32, ck: u32, ci: u32) -> bool {
     return k > ck || (k == ck && i <= ci);
 }
 
-// (count, mass) of the elements at or before cut (ck, ci) and also at or before the kept
-// cut (kk, ki); mass is Σ exp(z − m) (unnormalised, as the host-free reference sums it).
-fn prefix(lid: u32, base: u32, scale: f32, m: f32, ck: u32, ci: u32, kk: u32, ki: u32) -> vec2<f32> {
+struct Row {
+    base: u32,
+    scale: f32,
+    m: f32,
+    mode: u32,
+}
+
+// (count, mass) of the elements at or before cut c and also at or before the kept cut kc;
+// mass is Σ e_j with e_j = exp(z_j − m).
+fn prefix(lid: u32, row: Row, c: vec2<u32>, kc: vec2<u32>) -> vec2<f32> {
     var acc = vec2<f32>(0.0);
     for (var i = lid; i < p.vocab; i += WG) {
-        let z = logits[base + i] * scale;
-        let k = key_of(z);
-        if (at_or_before(k, i, ck, ci) && at_or_before(k, i, kk, ki)) {
-            acc += vec2<f32>(1.0, exp(z - m));
+        let z = logits[row.base + i] * row.scale;
+        let e = exp(z - row.m);
+        let k = order_key(row.mode, z, e);
+        if (at_or_before(k, i, c.x, c.y) && at_or_before(k, i, kc.x, kc.y)) {
+            acc += vec2<f32>(1.0, e);
         }
     }
     red[lid] = acc;
@@ -86,46 +116,38 @@ fn pred(kind: u32, st: vec2<f32>, thr: f32) -> bool {
     return st.y > thr;
 }
 
-// The shortest prefix (as its last element's cut) satisfying pred, within kept cut (kk, ki).
+// The cut (last element) of the shortest prefix satisfying pred, within the kept cut kc.
 // If even the whole kept set fails (rounding), the kept cut itself is returned.
-fn shortest(lid: u32, base: u32, scale: f32, m: f32, kind: u32, thr: f32, kk: u32, ki: u32) -> vec2<u32> {
-    let all = prefix(lid, base, scale, m, 0u, 0xffffffffu, kk, ki);
-    let ok = pred(kind, all, thr);
-    // Largest key level zc whose "all keys >= zc" prefix satisfies pred.
+fn shortest(lid: u32, row: Row, kind: u32, thr: f32, kc: vec2<u32>) -> vec2<u32> {
+    let ok = pred(kind, prefix(lid, row, vec2<u32>(0u, ALL), kc), thr);
+    // Largest key level zc whose "all keys >= zc" prefix satisfies pred (all keys are 0 in
+    // token order, where this search is skipped).
     var zc = 0u;
-    for (var b = 0u; b < 32u; b++) {
-        let cand = zc | (1u << (31u - b));
-        let st = prefix(lid, base, scale, m, cand, 0xffffffffu, kk, ki);
-        if (pred(kind, st, thr)) {
-            zc = cand;
+    if (row.mode != BY_INDEX) {
+        for (var b = 0u; b < 32u; b++) {
+            let cand = zc | (1u << (31u - b));
+            if (pred(kind, prefix(lid, row, vec2<u32>(cand, ALL), kc), thr)) {
+                zc = cand;
+            }
         }
     }
-    // Among ties at zc: the largest i with "ties of index < i" failing pred; the cut is
-    // then the element of index i.
+    // Among keys equal to zc: the largest i such that those of index < i still fail pred;
+    // element i is then the one whose inclusion satisfies it.
     var ic = 0u;
     for (var b = 0u; b < IDX_BITS; b++) {
         let cand = ic | (1u << (IDX_BITS - 1u - b));
         var fails = false;
         if (cand <= p.vocab) {
-            let st = prefix(lid, base, scale, m, zc, cand - 1u, kk, ki);
-            fails = !pred(kind, st, thr);
+            fails = !pred(kind, prefix(lid, row, vec2<u32>(zc, cand - 1u), kc), thr);
         }
         if (fails) {
             ic = cand;
         }
     }
     if (!ok) {
-        return vec2<u32>(kk, ki);
+        return kc;
     }
     return vec2<u32>(zc, ic);
-}
-
-// Shorter of two prefixes given by their cuts.
-fn shorter(a: vec2<u32>, b: vec2<u32>) -> vec2<u32> {
-    if (at_or_before(a.x, a.y, b.x, b.y)) {
-        return a;
-    }
-    return b;
 }
 
 @compute @workgroup_size(256)
@@ -134,30 +156,31 @@ fn sample(
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
 ) {
-    let row = wid.x + wid.y * nwg.x;
-    if (row >= p.rows) {
+    let r = wid.x + wid.y * nwg.x;
+    if (r >= p.rows) {
         return;
     }
-    let base = row * p.vocab;
-    let rp = rowp[row];
+    if (lid == 0u) {
+        rp_s = rowp[r];
+    }
+    // Broadcast so that branching on the row's settings stays uniform for the compiler.
+    let rp = workgroupUniformLoad(&rp_s);
     let greedy = rp.x == 0.0;
-    var scale = rp.x;
-    if (greedy) {
-        scale = 1.0;
-    }
-    var top_k = bitcast<u32>(rp.y);
-    if (greedy) {
-        top_k = 1u;
-    }
-    if (top_k == 0u || top_k > p.vocab) {
-        top_k = p.vocab;
-    }
+    let top_k = bitcast<u32>(rp.y);
     let top_p = rp.z;
-    let u = rp.w;
+    // top_k >= vocab keeps every token but still samples in probability order, as the CPU.
+    let truncate = top_k > 0u || top_p < 1.0;
+    var row = Row(r * p.vocab, rp.x, 0.0, BY_INDEX);
+    if (greedy) {
+        row.scale = 1.0;
+        row.mode = BY_LOGIT;
+    } else if (truncate) {
+        row.mode = BY_PROB;
+    }
 
     var mx = NEG;
     for (var i = lid; i < p.vocab; i += WG) {
-        mx = max(mx, logits[base + i] * scale);
+        mx = max(mx, logits[row.base + i] * row.scale);
     }
     red[lid] = vec2<f32>(mx, 0.0);
     workgroupBarrier();
@@ -167,28 +190,50 @@ fn sample(
         }
         workgroupBarrier();
     }
-    let m = red[0].x;
+    row.m = red[0].x;
     workgroupBarrier();
 
-    let everything = vec2<u32>(0u, 0xffffffffu);
-    let total = prefix(lid, base, scale, m, everything.x, everything.y, everything.x, everything.y);
-    var kept = everything;
-    if (top_k < p.vocab) {
-        kept = shortest(lid, base, scale, m, 0u, f32(top_k), everything.x, everything.y);
+    let everything = vec2<u32>(0u, ALL);
+    let total = prefix(lid, row, everything, everything).y;
+    var tok = ALL;
+    if (greedy) {
+        tok = shortest(lid, row, 0u, 1.0, everything).y;
+    } else {
+        var kept = everything;
+        if (top_k > 0u && top_k < p.vocab) {
+            kept = shortest(lid, row, 0u, f32(top_k), everything);
+        }
+        if (top_p < 1.0) {
+            let mass_k = prefix(lid, row, kept, kept).y;
+            kept = shortest(lid, row, 1u, top_p * mass_k, kept);
+        }
+        let kept_mass = prefix(lid, row, kept, kept).y;
+        tok = shortest(lid, row, 2u, rp.w * kept_mass, kept).y;
     }
-    if (!greedy && top_p < 1.0) {
-        let cut_p = shortest(lid, base, scale, m, 1u, top_p * total.y, everything.x, everything.y);
-        kept = shorter(kept, cut_p);
-    }
-    var tok = kept.y;
-    if (!greedy) {
-        let kept_mass = prefix(lid, base, scale, m, kept.x, kept.y, kept.x, kept.y).y;
-        let cut = shortest(lid, base, scale, m, 2u, u * kept_mass, kept.x, kept.y);
-        tok = cut.y;
+    // If rounding left the target above the whole mass, the CPU takes the last token with
+    // non-zero weight; found by a max-reduction over indices (run always: uniform control).
+    {
+        var last = 0.0;
+        for (var i = lid; i < p.vocab; i += WG) {
+            if (exp(logits[row.base + i] * row.scale - row.m) > 0.0) {
+                last = max(last, f32(i));
+            }
+        }
+        red[lid] = vec2<f32>(last, 0.0);
+        workgroupBarrier();
+        for (var s = WG / 2u; s > 0u; s >>= 1u) {
+            if (lid < s) {
+                red[lid] = max(red[lid], red[lid + s]);
+            }
+            workgroupBarrier();
+        }
+        if (tok >= p.vocab) {
+            tok = u32(red[0].x);
+        }
     }
     if (lid == 0u) {
         let t = min(tok, p.vocab - 1u);
-        tokens[row] = t;
-        logp[row] = logits[base + t] * scale - m - log(total.y);
+        tokens[r] = t;
+        logp[r] = logits[row.base + t] * row.scale - row.m - log(total);
     }
 }
