@@ -1,1 +1,2 @@
+//! Placeholder until the benchmark lands (milestone 2).
 fn main() {}

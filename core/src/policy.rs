@@ -1,0 +1,334 @@
+//! Admission as a pure function of a read-only view of the scheduler.
+//!
+//! The state machine asks a policy "which pending request takes the free slot?" and then applies
+//! the answer itself; a policy cannot change state. New policies (variance-guided, length-aware)
+//! implement [`Admit`] outside the crate and are used through `Scheduler::poll_admit_with`.
+
+use crate::Scheduler;
+use crate::state::{Counters, GroupState, RequestState};
+use crate::storage::NIL;
+use crate::types::{AdmissionPolicy, DispatchPolicy, GroupId, Plan, RequestRef};
+
+/// A read-only view of the scheduler for admission policies.
+///
+/// ```
+/// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+/// let mut storage = SchedulerStorage::<4, 16>::new();
+/// let mut s = storage.scheduler();
+/// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+/// s.on_prompts_drawn(Tick(0), 2).unwrap();
+/// let view = s.view();
+/// assert_eq!(view.pending_requests(), 4);
+/// assert_eq!(view.queue_front().map(|r| (r.group.0, r.sample)), Some((0, 0)));
+/// ```
+#[derive(Clone, Copy)]
+pub struct View<'s, 'a> {
+    pub(crate) s: &'s Scheduler<'a>,
+}
+
+impl<'s, 'a> View<'s, 'a> {
+    /// The running step's plan (`None` before the first step).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{SchedulerStorage};
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// let s = storage.scheduler();
+    /// assert!(s.view().plan().is_none());
+    /// ```
+    pub fn plan(&self) -> Option<&'s Plan> {
+        self.s.plan()
+    }
+
+    /// The step's counters.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// let s = storage.scheduler();
+    /// assert_eq!(s.view().counters().drawn, 0);
+    /// ```
+    pub fn counters(&self) -> &'s Counters {
+        &self.s.counters
+    }
+
+    /// Requests waiting for a slot.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert_eq!(storage.scheduler().view().pending_requests(), 0);
+    /// ```
+    pub fn pending_requests(&self) -> u32 {
+        self.s.queue.len
+    }
+
+    /// The head of the FIFO waiting queue (submission order; retries at the back).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert!(storage.scheduler().view().queue_front().is_none());
+    /// ```
+    pub fn queue_front(&self) -> Option<RequestRef> {
+        let h = self.s.queue.head;
+        if h == NIL {
+            return None;
+        }
+        let r = &self.s.reqs[h as usize];
+        Some(RequestRef {
+            group: GroupId(r.group),
+            sample: r.sample,
+        })
+    }
+
+    /// The waiting queue from head to tail.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// assert_eq!(s.view().queue().count(), 2);
+    /// ```
+    pub fn queue(&self) -> Queue<'s, 'a> {
+        Queue {
+            s: self.s,
+            at: self.s.queue.head,
+        }
+    }
+
+    /// Incomplete groups (queued, generating, materializing) in draw order.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 2).unwrap();
+    /// let v: Vec<GroupId> = s.view().incomplete().collect();
+    /// assert_eq!(v, [GroupId(0), GroupId(1)]);
+    /// ```
+    pub fn incomplete(&self) -> Incomplete<'s, 'a> {
+        Incomplete {
+            s: self.s,
+            at: self.s.incomplete.head,
+        }
+    }
+
+    /// How many groups the frontier holds for a given width and expected filter rate: the groups
+    /// still needed for the trainer's next micro-batch (under `Sync`, for the whole batch),
+    /// divided by the keep rate and rounded up, plus `width`. Zero once the batch is final.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<16, 64>::new();
+    /// let mut s = storage.scheduler();
+    /// let mut plan = Plan::new(8, 2);
+    /// plan.micro_batch = 4;
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), plan).unwrap();
+    /// assert_eq!(s.view().frontier_len_for(0, 0), 4);
+    /// assert_eq!(s.view().frontier_len_for(1, 500_000), 9);
+    /// ```
+    pub fn frontier_len_for(&self, width: u32, expected_filter_ppm: u32) -> u32 {
+        let Some(plan) = self.s.plan() else { return 0 };
+        if self.s.is_final {
+            return 0;
+        }
+        let filled = self.s.counters.batch_filled();
+        let remaining = plan.batch_groups.saturating_sub(filled);
+        if remaining == 0 {
+            return 0;
+        }
+        let need = match plan.dispatch {
+            DispatchPolicy::Pipelined => {
+                (plan.micro_batch - filled % plan.micro_batch).min(remaining)
+            }
+            DispatchPolicy::Sync => remaining,
+        } as u64;
+        let keep = 1_000_000u64
+            .saturating_sub(expected_filter_ppm as u64)
+            .max(1);
+        let widened = (need * 1_000_000).div_ceil(keep);
+        u32::try_from(widened)
+            .unwrap_or(u32::MAX)
+            .saturating_add(width)
+    }
+
+    /// The frontier size under the plan's own admission policy (width 0, no widening for `Fifo`).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+    /// assert_eq!(s.view().frontier_len(), 1);
+    /// ```
+    pub fn frontier_len(&self) -> u32 {
+        match self.s.plan().map(|p| p.admission) {
+            Some(AdmissionPolicy::Frontier {
+                width,
+                expected_filter_ppm,
+                ..
+            }) => self.frontier_len_for(width, expected_filter_ppm),
+            _ => self.frontier_len_for(0, 0),
+        }
+    }
+
+    /// The frontier groups under the plan's policy, in draw order.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 2).unwrap();
+    /// assert_eq!(s.view().frontier().collect::<Vec<_>>(), [GroupId(0)]);
+    /// ```
+    pub fn frontier(&self) -> core::iter::Take<Incomplete<'s, 'a>> {
+        self.incomplete().take(self.frontier_len() as usize)
+    }
+
+    /// A drawn group's state.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, GroupState, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// assert_eq!(s.view().group_state(GroupId(0)), Some(GroupState::Queued));
+    /// assert_eq!(s.view().group_state(GroupId(1)), None);
+    /// ```
+    pub fn group_state(&self, g: GroupId) -> Option<GroupState> {
+        self.s.slot(g).map(|x| x.state)
+    }
+
+    /// A group's requests waiting for a slot (0 for unknown groups).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// assert_eq!(s.view().pending_in(GroupId(0)), 2);
+    /// ```
+    pub fn pending_in(&self, g: GroupId) -> u16 {
+        self.s.slot(g).map_or(0, |x| x.pending)
+    }
+
+    /// The group's pending request with the lowest sample index. O(G) worst case, O(1)
+    /// amortized: the scan starts at a lower bound the scheduler keeps.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// assert_eq!(s.view().lowest_pending(GroupId(0)).map(|r| r.sample), Some(0));
+    /// ```
+    pub fn lowest_pending(&self, g: GroupId) -> Option<RequestRef> {
+        let slot = self.s.slot(g)?;
+        if slot.pending == 0 {
+            return None;
+        }
+        let base = slot.first as usize;
+        (slot.low..slot.target)
+            .find(|&k| self.s.reqs[base + k as usize].state == RequestState::Pending)
+            .map(|sample| RequestRef { group: g, sample })
+    }
+}
+
+/// Iterator over incomplete groups in draw order (see [`View::incomplete`]).
+///
+/// ```
+/// # use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+/// let mut storage = SchedulerStorage::<4, 8>::new();
+/// let mut s = storage.scheduler();
+/// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+/// assert_eq!(s.view().incomplete().count(), 0);
+/// ```
+#[derive(Clone)]
+pub struct Incomplete<'s, 'a> {
+    s: &'s Scheduler<'a>,
+    at: u32,
+}
+
+impl Iterator for Incomplete<'_, '_> {
+    type Item = GroupId;
+    fn next(&mut self) -> Option<GroupId> {
+        if self.at == NIL {
+            return None;
+        }
+        let g = self.at;
+        self.at = self.s.groups[g as usize].link.next;
+        Some(GroupId(g))
+    }
+}
+
+/// Iterator over the waiting queue (see [`View::queue`]).
+///
+/// ```
+/// # use rolloutpipe_core::SchedulerStorage;
+/// let mut storage = SchedulerStorage::<1, 1>::new();
+/// assert_eq!(storage.scheduler().view().queue().count(), 0);
+/// ```
+#[derive(Clone)]
+pub struct Queue<'s, 'a> {
+    s: &'s Scheduler<'a>,
+    at: u32,
+}
+
+impl Iterator for Queue<'_, '_> {
+    type Item = RequestRef;
+    fn next(&mut self) -> Option<RequestRef> {
+        if self.at == NIL {
+            return None;
+        }
+        let r = &self.s.reqs[self.at as usize];
+        self.at = r.link.next;
+        Some(RequestRef {
+            group: GroupId(r.group),
+            sample: r.sample,
+        })
+    }
+}
+
+/// An admission policy: a pure choice of the next pending request, given a view.
+///
+/// ```
+/// use rolloutpipe_core::{Admit, RequestRef, View};
+/// /// Admits the newest request first (a toy LIFO policy).
+/// struct Lifo;
+/// impl Admit for Lifo {
+///     fn choose(&self, view: &View<'_, '_>) -> Option<RequestRef> {
+///         view.queue().last()
+///     }
+/// }
+/// ```
+pub trait Admit {
+    /// The request that should take the next free slot, or `None` to leave it free.
+    fn choose(&self, view: &View<'_, '_>) -> Option<RequestRef>;
+}
+
+impl Admit for AdmissionPolicy {
+    fn choose(&self, view: &View<'_, '_>) -> Option<RequestRef> {
+        match *self {
+            AdmissionPolicy::Fifo { .. } => view.queue_front(),
+            AdmissionPolicy::Frontier {
+                width,
+                expected_filter_ppm,
+                ..
+            } => {
+                let n = view.frontier_len_for(width, expected_filter_ppm) as usize;
+                view.incomplete()
+                    .take(n)
+                    .find(|&g| view.pending_in(g) > 0)
+                    .and_then(|g| view.lowest_pending(g))
+                    .or_else(|| view.queue_front())
+            }
+        }
+    }
+}

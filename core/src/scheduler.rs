@@ -1,0 +1,1760 @@
+//! The state machine: events in (`on_*`), decisions out (`poll_*`). All group state changes go
+//! through [`Scheduler::set_state`]; all request-slot bookkeeping through a handful of private
+//! helpers next to it.
+
+use crate::error::{AdmitError, BeginError, DrawError, ExtendError, RequestError, TrainError};
+use crate::policy::{Admit, View};
+use crate::state::{Counters, FilterReason, GroupState, RequestState, StepPhase, StepSummary};
+use crate::storage::{GroupSlot, Link, List, NIL, RequestSlot};
+use crate::types::{
+    DispatchPolicy, GroupId, Plan, PlanError, PolicyVersion, RequestId, RequestRef, StepId,
+    SubmitOrder, Tick,
+};
+
+/// Reward spread below which a complete group is filtered: population std ≤ 1e-6, compared as
+/// variance ≤ 1e-12 because `core` has no `sqrt`.
+const ZERO_VARIANCE: f64 = 1e-12;
+
+/// A decision to start a request in a free slot.
+///
+/// ```
+/// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+/// let mut storage = SchedulerStorage::<2, 4>::new();
+/// let mut s = storage.scheduler();
+/// s.begin_step(Tick(0), StepId(0), PolicyVersion(7), Plan::new(1, 2)).unwrap();
+/// s.on_prompts_drawn(Tick(0), 1).unwrap();
+/// let a = s.poll_admit(Tick(0)).unwrap();
+/// assert_eq!((a.request.sample, a.version), (0, PolicyVersion(7)));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Admission {
+    /// The request to start (its id must come back with its completion).
+    pub request: RequestId,
+    /// The policy version to generate with.
+    pub version: PolicyVersion,
+}
+
+/// A complete trainable group for the trainer FIFO.
+///
+/// ```
+/// use rolloutpipe_core::{Dispatch, GroupId};
+/// let d = Dispatch { group: GroupId(3), seq: 0 };
+/// assert_eq!(d.seq, 0);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Dispatch {
+    /// The group.
+    pub group: GroupId,
+    /// Its position in the step's dispatch order (0, 1, …); micro-batch `i` is seqs
+    /// `i·m .. i·m + len`.
+    pub seq: u32,
+}
+
+/// A micro-batch the trainer may run: dispatched groups `first_seq .. first_seq + len`.
+///
+/// ```
+/// use rolloutpipe_core::MicroBatch;
+/// let mb = MicroBatch { index: 0, first_seq: 0, len: 4, ends_optimizer_step: true };
+/// assert_eq!(mb.first_seq + mb.len, 4);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct MicroBatch {
+    /// Index within the step.
+    pub index: u32,
+    /// Dispatch seq of its first group.
+    pub first_seq: u32,
+    /// Groups in it (m, except a short batch's last micro-batch).
+    pub len: u32,
+    /// Whether an optimizer step follows it, as far as known now. A batch that turns out short
+    /// later can make an already released micro-batch the last one; the value returned by
+    /// `on_micro_batch_consumed` (and `optimizer_step_due`) is authoritative.
+    pub ends_optimizer_step: bool,
+}
+
+/// What a completion did.
+///
+/// ```
+/// use rolloutpipe_core::{Completion, GroupState};
+/// let c = Completion::Accepted { group_state: GroupState::Materializing };
+/// assert_ne!(c, Completion::Discarded);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum Completion {
+    /// Recorded; the group is now in this state.
+    Accepted {
+        /// The group's state after the event.
+        group_state: GroupState,
+    },
+    /// The request's group had ended (its abort was pending); the result is dropped, the slot
+    /// freed and `requests_discarded` counts it.
+    Discarded,
+}
+
+/// What a failure report did.
+///
+/// ```
+/// use rolloutpipe_core::Failure;
+/// assert_eq!(Failure::Retried { attempt: 1 }, Failure::Retried { attempt: 1 });
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum Failure {
+    /// Re-queued with this attempt number.
+    Retried {
+        /// The new attempt.
+        attempt: u8,
+    },
+    /// The last attempt failed; the group is `Filtered(AttemptsExhausted)`.
+    GroupFiltered,
+    /// The request was being aborted: counted as acknowledged.
+    AbortAcked,
+}
+
+/// A read-only snapshot of one group.
+///
+/// ```
+/// use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+/// let mut storage = SchedulerStorage::<2, 4>::new();
+/// let mut s = storage.scheduler();
+/// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+/// s.on_prompts_drawn(Tick(5), 1).unwrap();
+/// let g = s.group(GroupId(0)).unwrap();
+/// assert_eq!((g.target, g.pending, g.drawn_at), (2, 2, Tick(5)));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct GroupInfo {
+    /// State.
+    pub state: GroupState,
+    /// Samples wanted.
+    pub target: u16,
+    /// Requests waiting for a slot.
+    pub pending: u16,
+    /// Requests running (not counting ones being aborted).
+    pub in_flight: u16,
+    /// Responses generated.
+    pub generated: u16,
+    /// Rewards recorded.
+    pub rewarded: u16,
+    /// Tokens generated by the recorded responses.
+    pub tokens: u64,
+    /// Mean of the recorded (finite) rewards.
+    pub reward_mean: f64,
+    /// Population variance of the recorded (finite) rewards.
+    pub reward_var: f64,
+    /// When drawn.
+    pub drawn_at: Tick,
+    /// When it left the incomplete states (materialized, filtered or aborted).
+    pub ended_at: Option<Tick>,
+    /// Position in the dispatch order, once dispatched.
+    pub dispatch_seq: Option<u32>,
+}
+
+/// A broken internal invariant, found by [`Scheduler::audit`].
+///
+/// ```
+/// use rolloutpipe_core::AuditError;
+/// let e = AuditError { what: "queue length", index: 0 };
+/// assert_eq!(e.what, "queue length");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AuditError {
+    /// Which invariant.
+    pub what: &'static str,
+    /// The group, request slot or count where it broke.
+    pub index: u64,
+}
+
+impl core::fmt::Display for AuditError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "invariant broken: {} (at {})", self.what, self.index)
+    }
+}
+
+impl core::error::Error for AuditError {}
+
+/// Tiny seeded PRNG (SplitMix64) for the shuffled submission order; the core must not depend on
+/// a RNG crate or the platform.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` by multiply-shift (bias < n / 2^64, irrelevant for queue orders).
+    fn below(&mut self, n: u32) -> u32 {
+        ((self.next() as u128 * n as u128) >> 64) as u32
+    }
+}
+
+/// The scheduling core over caller-provided storage. See the crate docs for the protocol.
+///
+/// ```
+/// use rolloutpipe_core::{GroupSlot, RequestSlot, Scheduler, StepPhase};
+/// let mut groups = vec![GroupSlot::EMPTY; 65_536];
+/// let mut requests = vec![RequestSlot::EMPTY; 65_536 * 16];
+/// let s = Scheduler::new(&mut groups, &mut requests);
+/// assert_eq!(s.capacity(), (65_536, 1 << 20));
+/// assert_eq!(s.phase(), StepPhase::Idle);
+/// ```
+pub struct Scheduler<'a> {
+    pub(crate) groups: &'a mut [GroupSlot],
+    pub(crate) reqs: &'a mut [RequestSlot],
+    group_cap: u32,
+    req_cap: u32,
+    phase: StepPhase,
+    step: StepId,
+    version: PolicyVersion,
+    plan: Plan,
+    began_at: Tick,
+    final_at: Option<Tick>,
+    done_at: Option<Tick>,
+    req_used: u32,
+    pub(crate) counters: Counters,
+    /// Incomplete groups in draw order.
+    pub(crate) incomplete: List,
+    /// Pending requests in submission order.
+    pub(crate) queue: List,
+    /// Requests whose abort has not been polled yet.
+    aborts: List,
+    /// Trainer FIFO of trainable, undispatched groups (materialization order).
+    ready_head: u32,
+    ready_tail: u32,
+    dispatched: u32,
+    released_groups: u32,
+    mb_released: u32,
+    mb_consumed: u32,
+    trained_since_opt: u32,
+    opt_done: u32,
+    draw_outstanding: u32,
+    exhausted: bool,
+    pub(crate) is_final: bool,
+    short: bool,
+}
+
+impl<'a> Scheduler<'a> {
+    /// A scheduler over caller storage: one group slot per prompt a step may draw, one request
+    /// slot per sample (extensions included). Slices longer than `u32::MAX - 1` are used only up
+    /// to that length.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{GroupSlot, RequestSlot, Scheduler};
+    /// let mut g = [GroupSlot::EMPTY; 8];
+    /// let mut r = [RequestSlot::EMPTY; 32];
+    /// let s = Scheduler::new(&mut g, &mut r);
+    /// assert_eq!(s.capacity(), (8, 32));
+    /// ```
+    pub const fn new(groups: &'a mut [GroupSlot], requests: &'a mut [RequestSlot]) -> Self {
+        let max = (NIL - 1) as usize;
+        let group_cap = if groups.len() > max {
+            max as u32
+        } else {
+            groups.len() as u32
+        };
+        let req_cap = if requests.len() > max {
+            max as u32
+        } else {
+            requests.len() as u32
+        };
+        Scheduler {
+            groups,
+            reqs: requests,
+            group_cap,
+            req_cap,
+            phase: StepPhase::Idle,
+            step: StepId(0),
+            version: PolicyVersion(0),
+            plan: Plan::new(1, 1),
+            began_at: Tick(0),
+            final_at: None,
+            done_at: None,
+            req_used: 0,
+            counters: Counters {
+                drawn: 0,
+                queued: 0,
+                generating: 0,
+                materializing: 0,
+                trainable: 0,
+                dispatched: 0,
+                trained: 0,
+                filtered_zero_variance: 0,
+                filtered_non_finite: 0,
+                filtered_attempts: 0,
+                aborted: 0,
+                requests_admitted: 0,
+                requests_generated: 0,
+                requests_rewarded: 0,
+                requests_failed: 0,
+                requests_aborted: 0,
+                requests_discarded: 0,
+                requests_dropped: 0,
+                in_flight: 0,
+            },
+            incomplete: List::EMPTY,
+            queue: List::EMPTY,
+            aborts: List::EMPTY,
+            ready_head: NIL,
+            ready_tail: NIL,
+            dispatched: 0,
+            released_groups: 0,
+            mb_released: 0,
+            mb_consumed: 0,
+            trained_since_opt: 0,
+            opt_done: 0,
+            draw_outstanding: 0,
+            exhausted: false,
+            is_final: false,
+            short: false,
+        }
+    }
+
+    // ----- events -------------------------------------------------------------------------
+
+    /// Starts step `step` with policy version `version`. Allowed before the first step and once
+    /// the previous step is `Done`; step ids must increase.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{BeginError, Plan, PlanError, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 16>::new();
+    /// let mut s = storage.scheduler();
+    /// assert_eq!(s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(5, 1)),
+    ///     Err(BeginError::Plan(PlanError::GroupCapacity { needed: 10, capacity: 4 })));
+    /// assert!(s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 4)).is_ok());
+    /// ```
+    pub fn begin_step(
+        &mut self,
+        now: Tick,
+        step: StepId,
+        version: PolicyVersion,
+        plan: Plan,
+    ) -> Result<(), BeginError> {
+        match self.phase {
+            StepPhase::Active => return Err(BeginError::StepInProgress { step: self.step }),
+            StepPhase::Done if step <= self.step => {
+                return Err(BeginError::StaleStep {
+                    last: self.step,
+                    given: step,
+                });
+            }
+            _ => {}
+        }
+        plan.validate().map_err(BeginError::Plan)?;
+        if plan.max_groups > self.group_cap {
+            return Err(BeginError::Plan(PlanError::GroupCapacity {
+                needed: plan.max_groups,
+                capacity: self.group_cap,
+            }));
+        }
+        let needed = plan.batch_groups as u64 * plan.group_size as u64;
+        if needed > self.req_cap as u64 {
+            return Err(BeginError::Plan(PlanError::RequestCapacity {
+                needed,
+                capacity: self.req_cap,
+            }));
+        }
+        // Slots of earlier steps are never read again: validity is `group < drawn` and
+        // `request < req_used`, so a new step costs O(1) whatever the storage size.
+        *self = Scheduler {
+            phase: StepPhase::Active,
+            step,
+            version,
+            plan,
+            began_at: now,
+            ..Scheduler::new(
+                core::mem::take(&mut self.groups),
+                core::mem::take(&mut self.reqs),
+            )
+        };
+        Ok(())
+    }
+
+    /// `n` prompts were drawn from the data source, in order; returns the first one's id (the
+    /// others follow consecutively). Their requests enter the waiting queue in the policy's
+    /// submission order.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{DrawError, GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 16>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 4)).unwrap();
+    /// assert_eq!(s.on_prompts_drawn(Tick(0), 3), Ok(GroupId(0)));
+    /// assert_eq!(s.on_prompts_drawn(Tick(0), 2), Err(DrawError::MaxGroups { drawn: 3, requested: 2, max_groups: 4 }));
+    /// ```
+    pub fn on_prompts_drawn(&mut self, now: Tick, n: u32) -> Result<GroupId, DrawError> {
+        if self.phase != StepPhase::Active {
+            return Err(DrawError::NoActiveStep);
+        }
+        if self.is_final || self.exhausted {
+            return Err(DrawError::DrawsClosed);
+        }
+        if n == 0 {
+            return Err(DrawError::ZeroCount);
+        }
+        let drawn = self.counters.drawn;
+        if drawn as u64 + n as u64 > self.plan.max_groups as u64 {
+            return Err(DrawError::MaxGroups {
+                drawn,
+                requested: n,
+                max_groups: self.plan.max_groups,
+            });
+        }
+        if drawn as u64 + n as u64 > self.group_cap as u64 {
+            return Err(DrawError::GroupsFull { requested: n });
+        }
+        let g_size = self.plan.group_size as u32;
+        let total = n as u64 * g_size as u64;
+        if self.req_used as u64 + total > self.req_cap as u64 {
+            return Err(DrawError::RequestsFull { requested: n });
+        }
+        let base = self.req_used;
+        for i in 0..n {
+            let g = drawn + i;
+            let first = base + i * g_size;
+            self.groups[g as usize] = GroupSlot {
+                state: GroupState::Queued,
+                target: self.plan.group_size,
+                pending: self.plan.group_size,
+                first,
+                drawn_at: now,
+                ..GroupSlot::EMPTY
+            };
+            for s in 0..self.plan.group_size {
+                self.reqs[(first + s as u32) as usize] = RequestSlot {
+                    state: RequestState::Pending,
+                    sample: s,
+                    group: g,
+                    ..RequestSlot::EMPTY
+                };
+            }
+            self.incomplete.push_back(self.groups, g);
+            self.counters.drawn += 1;
+            self.counters.queued += 1;
+        }
+        self.req_used = base + n * g_size;
+        let total = n * g_size;
+        match self.plan.admission.submit_order() {
+            SubmitOrder::GroupMajor => {
+                for k in 0..total {
+                    self.queue.push_back(self.reqs, base + k);
+                }
+            }
+            SubmitOrder::Interleaved => {
+                for s in 0..g_size {
+                    for i in 0..n {
+                        self.queue.push_back(self.reqs, base + i * g_size + s);
+                    }
+                }
+            }
+            SubmitOrder::Shuffled { seed } => {
+                let mut rng = SplitMix64(
+                    seed ^ self.step.0.wrapping_mul(0xA076_1D64_78BD_642F) ^ ((drawn as u64) << 32),
+                );
+                for k in 0..total {
+                    self.reqs[(base + k) as usize].aux = k;
+                }
+                for k in (1..total).rev() {
+                    let j = rng.below(k + 1);
+                    let a = self.reqs[(base + k) as usize].aux;
+                    self.reqs[(base + k) as usize].aux = self.reqs[(base + j) as usize].aux;
+                    self.reqs[(base + j) as usize].aux = a;
+                }
+                for k in 0..total {
+                    let idx = base + self.reqs[(base + k) as usize].aux;
+                    self.queue.push_back(self.reqs, idx);
+                }
+            }
+        }
+        self.draw_outstanding = self.draw_outstanding.saturating_sub(n);
+        Ok(GroupId(drawn))
+    }
+
+    /// One prompt was drawn (`on_prompts_drawn(now, 1)`).
+    ///
+    /// ```
+    /// use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 16>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 4)).unwrap();
+    /// assert_eq!(s.on_prompt_drawn(Tick(0)), Ok(GroupId(0)));
+    /// assert_eq!(s.on_prompt_drawn(Tick(0)), Ok(GroupId(1)));
+    /// ```
+    pub fn on_prompt_drawn(&mut self, now: Tick) -> Result<GroupId, DrawError> {
+        self.on_prompts_drawn(now, 1)
+    }
+
+    /// The data source has no more prompts: no more draws this step. If nothing is left in
+    /// progress the batch becomes final, short.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, StepPhase, Tick};
+    /// let mut storage = SchedulerStorage::<4, 16>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 4)).unwrap();
+    /// s.on_data_exhausted(Tick(1)).unwrap();
+    /// assert_eq!(s.phase(), StepPhase::Done);
+    /// assert!(s.summary().unwrap().short);
+    /// ```
+    pub fn on_data_exhausted(&mut self, now: Tick) -> Result<(), DrawError> {
+        if self.phase != StepPhase::Active {
+            return Err(DrawError::NoActiveStep);
+        }
+        self.exhausted = true;
+        self.draw_outstanding = 0;
+        self.after_event(now);
+        Ok(())
+    }
+
+    /// Gives group `group` `extra` more samples (variance-guided allocation). Allowed while the
+    /// group is incomplete; a materializing group goes back to generating.
+    ///
+    /// The group's requests stay contiguous in storage: if other groups were drawn after it,
+    /// its records move to the end of the used storage (O(target)), so storage is consumed
+    /// by `target + extra`.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{ExtendError, GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 2).unwrap();
+    /// s.extend_group(Tick(0), GroupId(0), 2).unwrap();
+    /// assert_eq!(s.group(GroupId(0)).unwrap().target, 4);
+    /// assert_eq!(s.extend_group(Tick(0), GroupId(1), 3), Err(ExtendError::RequestsFull { extra: 3 }));
+    /// ```
+    pub fn extend_group(
+        &mut self,
+        now: Tick,
+        group: GroupId,
+        extra: u16,
+    ) -> Result<(), ExtendError> {
+        let _ = now;
+        if self.phase != StepPhase::Active {
+            return Err(ExtendError::NoActiveStep);
+        }
+        let Some(slot) = self.slot(group).copied() else {
+            return Err(ExtendError::UnknownGroup { group });
+        };
+        if !slot.state.is_incomplete() {
+            return Err(ExtendError::NotExtendable { state: slot.state });
+        }
+        if extra == 0 {
+            return Err(ExtendError::ZeroExtra);
+        }
+        let Some(new_target) = slot.target.checked_add(extra) else {
+            return Err(ExtendError::SampleLimit {
+                target: slot.target,
+                extra,
+            });
+        };
+        let at_tail = slot.first + slot.target as u32 == self.req_used;
+        let needed = if at_tail {
+            extra as u64
+        } else {
+            new_target as u64
+        };
+        if self.req_used as u64 + needed > self.req_cap as u64 {
+            return Err(ExtendError::RequestsFull { extra });
+        }
+        let g = group.0;
+        if !at_tail {
+            self.relocate(g);
+        }
+        let first = self.groups[g as usize].first;
+        for s in slot.target..new_target {
+            let idx = first + s as u32;
+            self.reqs[idx as usize] = RequestSlot {
+                state: RequestState::Pending,
+                sample: s,
+                group: g,
+                ..RequestSlot::EMPTY
+            };
+            self.queue.push_back(self.reqs, idx);
+        }
+        self.req_used = first + new_target as u32;
+        let gs = &mut self.groups[g as usize];
+        gs.target = new_target;
+        gs.pending += extra;
+        if gs.state == GroupState::Materializing {
+            self.set_state(g, GroupState::Generating);
+        }
+        Ok(())
+    }
+
+    /// Request `id` generated `tokens` tokens and its reward is known: `on_request_generated`
+    /// and `on_reward` in one event. Checked in full before anything changes.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Completion, GroupState, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(1), Plan::new(1, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// let a = s.poll_admit(Tick(0)).unwrap();
+    /// assert_eq!(s.on_request_finished(Tick(3), a.request, PolicyVersion(1), 10, 1.0),
+    ///     Ok(Completion::Accepted { group_state: GroupState::Generating }));
+    /// ```
+    pub fn on_request_finished(
+        &mut self,
+        now: Tick,
+        id: RequestId,
+        version: PolicyVersion,
+        tokens: u32,
+        reward: f32,
+    ) -> Result<Completion, RequestError> {
+        let idx = self.lookup(id)?;
+        self.check_version(version)?;
+        match self.reqs[idx as usize].state {
+            RequestState::InFlight => {
+                self.apply_generated(idx, tokens, now);
+                let state = self.apply_reward(idx, reward, now);
+                self.after_event(now);
+                Ok(Completion::Accepted { group_state: state })
+            }
+            RequestState::AbortPending | RequestState::AbortSent => {
+                self.end_aborting(idx, false, now);
+                Ok(Completion::Discarded)
+            }
+            state => Err(RequestError::BadRequestState { state }),
+        }
+    }
+
+    /// Request `id` finished generating (`tokens` tokens); its slot is free, its reward will
+    /// follow through `on_reward` (the verifier runs outside the engine).
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Completion, GroupState, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(1), Plan::new(1, 1)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// let a = s.poll_admit(Tick(0)).unwrap();
+    /// assert_eq!(s.on_request_generated(Tick(3), a.request, PolicyVersion(1), 10),
+    ///     Ok(Completion::Accepted { group_state: GroupState::Materializing }));
+    /// assert_eq!(s.slots_in_use(), 0);
+    /// ```
+    pub fn on_request_generated(
+        &mut self,
+        now: Tick,
+        id: RequestId,
+        version: PolicyVersion,
+        tokens: u32,
+    ) -> Result<Completion, RequestError> {
+        let idx = self.lookup(id)?;
+        self.check_version(version)?;
+        match self.reqs[idx as usize].state {
+            RequestState::InFlight => {
+                self.apply_generated(idx, tokens, now);
+                let g = self.reqs[idx as usize].group;
+                self.after_event(now);
+                Ok(Completion::Accepted {
+                    group_state: self.groups[g as usize].state,
+                })
+            }
+            RequestState::AbortPending | RequestState::AbortSent => {
+                self.end_aborting(idx, false, now);
+                Ok(Completion::Discarded)
+            }
+            state => Err(RequestError::BadRequestState { state }),
+        }
+    }
+
+    /// The verifier's reward for a generated request. A non-finite reward filters the group at
+    /// once; the group's last reward completes it (trainable, or filtered for zero variance).
+    ///
+    /// ```
+    /// use rolloutpipe_core::{FilterReason, GroupState, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 1)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// let a = s.poll_admit(Tick(0)).unwrap();
+    /// s.on_request_generated(Tick(1), a.request, PolicyVersion(0), 5).unwrap();
+    /// assert_eq!(s.on_reward(Tick(2), a.request, 1.0), Ok(GroupState::Filtered(FilterReason::ZeroVariance)));
+    /// ```
+    pub fn on_reward(
+        &mut self,
+        now: Tick,
+        id: RequestId,
+        reward: f32,
+    ) -> Result<GroupState, RequestError> {
+        let idx = self.lookup(id)?;
+        match self.reqs[idx as usize].state {
+            RequestState::Generated => {
+                let state = self.apply_reward(idx, reward, now);
+                self.after_event(now);
+                Ok(state)
+            }
+            state => Err(RequestError::BadRequestState { state }),
+        }
+    }
+
+    /// Request `id` failed (engine error, lost connection). It is re-queued at the back with
+    /// `attempt + 1`, or, at `max_attempts`, its group is filtered. A failure of a request being
+    /// aborted counts as the abort's acknowledgement.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Failure, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// let a = s.poll_admit(Tick(0)).unwrap();
+    /// assert_eq!(s.on_request_failed(Tick(1), a.request, PolicyVersion(0)), Ok(Failure::Retried { attempt: 1 }));
+    /// ```
+    pub fn on_request_failed(
+        &mut self,
+        now: Tick,
+        id: RequestId,
+        version: PolicyVersion,
+    ) -> Result<Failure, RequestError> {
+        let idx = self.lookup(id)?;
+        self.check_version(version)?;
+        match self.reqs[idx as usize].state {
+            RequestState::InFlight => {
+                let r = self.reqs[idx as usize];
+                let g = r.group;
+                self.counters.requests_failed += 1;
+                self.counters.in_flight -= 1;
+                self.groups[g as usize].in_flight -= 1;
+                let out = if r.attempt as u32 + 1 >= self.plan.max_attempts as u32 {
+                    self.reqs[idx as usize].state = RequestState::Cancelled;
+                    self.end_group(
+                        g,
+                        GroupState::Filtered(FilterReason::AttemptsExhausted),
+                        now,
+                    );
+                    Failure::GroupFiltered
+                } else {
+                    let attempt = r.attempt + 1;
+                    let rs = &mut self.reqs[idx as usize];
+                    rs.attempt = attempt;
+                    rs.state = RequestState::Pending;
+                    self.queue.push_back(self.reqs, idx);
+                    let gs = &mut self.groups[g as usize];
+                    gs.pending += 1;
+                    gs.low = gs.low.min(r.sample);
+                    Failure::Retried { attempt }
+                };
+                self.after_event(now);
+                Ok(out)
+            }
+            RequestState::AbortPending | RequestState::AbortSent => {
+                self.end_aborting(idx, true, now);
+                Ok(Failure::AbortAcked)
+            }
+            state => Err(RequestError::BadRequestState { state }),
+        }
+    }
+
+    /// The engine confirmed that an aborted request stopped; its slot is free.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick, RequestError, RequestState};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// let a = s.poll_admit(Tick(0)).unwrap();
+    /// assert_eq!(s.on_abort_acked(Tick(1), a.request), Err(RequestError::BadRequestState { state: RequestState::InFlight }));
+    /// ```
+    pub fn on_abort_acked(&mut self, now: Tick, id: RequestId) -> Result<(), RequestError> {
+        let idx = self.lookup(id)?;
+        match self.reqs[idx as usize].state {
+            RequestState::AbortPending | RequestState::AbortSent => {
+                self.end_aborting(idx, true, now);
+                Ok(())
+            }
+            state => Err(RequestError::BadRequestState { state }),
+        }
+    }
+
+    /// The trainer finished forward/backward on the oldest released micro-batch; its groups are
+    /// trained. Returns it, with `ends_optimizer_step` authoritative. Refused while an optimizer
+    /// step is due.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick, TrainError};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// assert_eq!(s.on_micro_batch_consumed(Tick(0)), Err(TrainError::NoMicroBatchReleased));
+    /// ```
+    pub fn on_micro_batch_consumed(&mut self, now: Tick) -> Result<MicroBatch, TrainError> {
+        if self.phase != StepPhase::Active {
+            return Err(TrainError::NoActiveStep);
+        }
+        if self.optimizer_step_due() {
+            return Err(TrainError::OptimizerStepPending);
+        }
+        if self.mb_consumed == self.mb_released {
+            return Err(TrainError::NoMicroBatchReleased);
+        }
+        let m = self.plan.micro_batch;
+        let index = self.mb_consumed;
+        let first_seq = index * m;
+        let len = m.min(self.released_groups - first_seq);
+        for seq in first_seq..first_seq + len {
+            let g = self.groups[seq as usize].by_seq;
+            self.set_state(g, GroupState::Trained);
+        }
+        self.mb_consumed += 1;
+        self.trained_since_opt += len;
+        let ends_optimizer_step = self.optimizer_step_due();
+        self.after_event(now);
+        Ok(MicroBatch {
+            index,
+            first_seq,
+            len,
+            ends_optimizer_step,
+        })
+    }
+
+    /// The trainer applied an optimizer step (after the micro-batch that ended it).
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick, TrainError};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// assert_eq!(s.on_optimizer_step_done(Tick(0)), Err(TrainError::NoOptimizerStepDue));
+    /// ```
+    pub fn on_optimizer_step_done(&mut self, now: Tick) -> Result<(), TrainError> {
+        if self.phase != StepPhase::Active {
+            return Err(TrainError::NoActiveStep);
+        }
+        if !self.optimizer_step_due() {
+            return Err(TrainError::NoOptimizerStepDue);
+        }
+        self.trained_since_opt = 0;
+        self.opt_done += 1;
+        self.after_event(now);
+        Ok(())
+    }
+
+    // ----- decisions ----------------------------------------------------------------------
+
+    /// The next request to start, if a slot is free and the plan's admission policy picks one.
+    /// Marks it in flight.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// let mut plan = Plan::new(1, 2);
+    /// plan.slots = 1;
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), plan).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// assert!(s.poll_admit(Tick(0)).is_some());
+    /// assert!(s.poll_admit(Tick(0)).is_none()); // the one slot is taken
+    /// ```
+    pub fn poll_admit(&mut self, now: Tick) -> Option<Admission> {
+        let policy = self.plan.admission;
+        // The built-in policies only ever name pending requests.
+        self.poll_admit_with(now, &policy).ok().flatten()
+    }
+
+    /// [`poll_admit`](Self::poll_admit) with a caller-supplied policy; a choice that is not a
+    /// pending request is refused and changes nothing.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Admit, Plan, PolicyVersion, RequestRef, SchedulerStorage, StepId, Tick, View};
+    /// struct Newest;
+    /// impl Admit for Newest {
+    ///     fn choose(&self, v: &View<'_, '_>) -> Option<RequestRef> { v.queue().last() }
+    /// }
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// assert_eq!(s.poll_admit_with(Tick(0), &Newest).unwrap().unwrap().request.sample, 1);
+    /// ```
+    pub fn poll_admit_with<P: Admit + ?Sized>(
+        &mut self,
+        now: Tick,
+        policy: &P,
+    ) -> Result<Option<Admission>, AdmitError> {
+        let _ = now;
+        if self.phase != StepPhase::Active
+            || self.counters.in_flight >= self.plan.slots
+            || self.queue.len == 0
+        {
+            return Ok(None);
+        }
+        let Some(choice) = policy.choose(&self.view()) else {
+            return Ok(None);
+        };
+        let idx = self
+            .pending_index(choice)
+            .ok_or(AdmitError::NotPending { request: choice })?;
+        self.queue.remove(self.reqs, idx);
+        let r = &mut self.reqs[idx as usize];
+        r.state = RequestState::InFlight;
+        let (g, sample, attempt) = (r.group, r.sample, r.attempt);
+        let gs = &mut self.groups[g as usize];
+        gs.pending -= 1;
+        gs.in_flight += 1;
+        if gs.low == sample {
+            gs.low = sample + 1;
+        }
+        if gs.state == GroupState::Queued {
+            self.set_state(g, GroupState::Generating);
+        }
+        self.counters.in_flight += 1;
+        self.counters.requests_admitted += 1;
+        Ok(Some(Admission {
+            request: RequestId {
+                step: self.step,
+                group: GroupId(g),
+                sample,
+                attempt,
+            },
+            version: self.version,
+        }))
+    }
+
+    /// How many prompts to draw now (over-sampling): while the batch is not final and fewer than
+    /// `B + draw_ahead` groups are trainable or in progress (counting draws already asked for),
+    /// up to `draw_batch` at a time and never past `max_groups`. Report the draw with
+    /// `on_prompts_drawn`.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<8, 32>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(4, 2)).unwrap();
+    /// assert_eq!(s.poll_draw(Tick(0)), Some(4));
+    /// assert_eq!(s.poll_draw(Tick(0)), None); // 4 already asked for
+    /// ```
+    pub fn poll_draw(&mut self, now: Tick) -> Option<u32> {
+        let _ = now;
+        if self.phase != StepPhase::Active || self.is_final || self.exhausted {
+            return None;
+        }
+        let c = &self.counters;
+        let outstanding =
+            c.batch_filled() as u64 + c.incomplete() as u64 + self.draw_outstanding as u64;
+        let target = self.plan.batch_groups as u64 + self.plan.draw_ahead as u64;
+        if outstanding >= target {
+            return None;
+        }
+        let room = self
+            .plan
+            .max_groups
+            .saturating_sub(c.drawn)
+            .saturating_sub(self.draw_outstanding);
+        let n = self.plan.draw_batch.min(room);
+        if n == 0 {
+            return None;
+        }
+        self.draw_outstanding += n;
+        Some(n)
+    }
+
+    /// The next group for the trainer FIFO, in materialization order, each once. Under `Sync`,
+    /// nothing until the batch is final.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// assert!(s.poll_dispatch(Tick(0)).is_none());
+    /// ```
+    pub fn poll_dispatch(&mut self, now: Tick) -> Option<Dispatch> {
+        let _ = now;
+        if self.phase != StepPhase::Active || self.ready_head == NIL {
+            return None;
+        }
+        if self.plan.dispatch == DispatchPolicy::Sync && !self.is_final {
+            return None;
+        }
+        let g = self.ready_head;
+        self.ready_head = self.groups[g as usize].next_ready;
+        if self.ready_head == NIL {
+            self.ready_tail = NIL;
+        }
+        let seq = self.dispatched;
+        self.dispatched += 1;
+        self.groups[g as usize].next_ready = NIL;
+        self.groups[g as usize].dispatch_seq = seq;
+        self.groups[seq as usize].by_seq = g;
+        self.set_state(g, GroupState::Dispatched);
+        Some(Dispatch {
+            group: GroupId(g),
+            seq,
+        })
+    }
+
+    /// The next micro-batch the trainer may start: `m` dispatched groups, or, once the batch is
+    /// final, the remaining ones.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// assert!(s.poll_micro_batch(Tick(0)).is_none());
+    /// ```
+    pub fn poll_micro_batch(&mut self, now: Tick) -> Option<MicroBatch> {
+        let _ = now;
+        if self.phase != StepPhase::Active {
+            return None;
+        }
+        let m = self.plan.micro_batch;
+        let first_seq = self.released_groups;
+        let avail = self.dispatched - first_seq;
+        let len = if avail >= m {
+            m
+        } else if self.is_final && avail > 0 && self.counters.trainable == 0 {
+            avail
+        } else {
+            return None;
+        };
+        let end = first_seq + len;
+        let ends_optimizer_step = end % self.plan.groups_per_opt_step() == 0
+            || (self.is_final && end == self.counters.batch_filled());
+        let mb = MicroBatch {
+            index: self.mb_released,
+            first_seq,
+            len,
+            ends_optimizer_step,
+        };
+        self.mb_released += 1;
+        self.released_groups = end;
+        Some(mb)
+    }
+
+    /// The next in-flight request to abort (its group ended: surplus once the batch filled, or
+    /// filtered early). Report the engine's confirmation with `on_abort_acked`; a finish or
+    /// failure that crosses the abort also frees the slot.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// assert!(s.poll_abort(Tick(0)).is_none());
+    /// ```
+    pub fn poll_abort(&mut self, now: Tick) -> Option<RequestId> {
+        let _ = now;
+        let idx = self.aborts.pop_front(self.reqs)?;
+        let r = &mut self.reqs[idx as usize];
+        r.state = RequestState::AbortSent;
+        Some(RequestId {
+            step: self.step,
+            group: GroupId(r.group),
+            sample: r.sample,
+            attempt: r.attempt,
+        })
+    }
+
+    /// The step's summary once it is done (batch trained, optimizer steps applied, no slot
+    /// held), else `None`.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// assert!(s.poll_step_done().is_none());
+    /// ```
+    pub fn poll_step_done(&self) -> Option<StepSummary> {
+        if self.phase == StepPhase::Done {
+            self.summary()
+        } else {
+            None
+        }
+    }
+
+    // ----- read-only accessors --------------------------------------------------------------
+
+    /// A read-only view for admission policies.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert_eq!(storage.scheduler().view().pending_requests(), 0);
+    /// ```
+    pub fn view(&self) -> View<'_, 'a> {
+        View { s: self }
+    }
+
+    /// `(group slots, request slots)` usable.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<3, 5>::new();
+    /// assert_eq!(storage.scheduler().capacity(), (3, 5));
+    /// ```
+    pub fn capacity(&self) -> (u32, u32) {
+        (self.group_cap, self.req_cap)
+    }
+
+    /// Where the step protocol is.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{SchedulerStorage, StepPhase};
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert_eq!(storage.scheduler().phase(), StepPhase::Idle);
+    /// ```
+    pub fn phase(&self) -> StepPhase {
+        self.phase
+    }
+
+    /// The current (or last) step and its version, once a step has begun.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(4), PolicyVersion(9), Plan::new(1, 2)).unwrap();
+    /// assert_eq!(s.step(), Some((StepId(4), PolicyVersion(9))));
+    /// ```
+    pub fn step(&self) -> Option<(StepId, PolicyVersion)> {
+        (self.phase != StepPhase::Idle).then_some((self.step, self.version))
+    }
+
+    /// The current (or last) step's plan.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// assert_eq!(s.plan().unwrap().group_size, 2);
+    /// ```
+    pub fn plan(&self) -> Option<&Plan> {
+        (self.phase != StepPhase::Idle).then_some(&self.plan)
+    }
+
+    /// The step's counters.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert!(storage.scheduler().counters().is_conserved());
+    /// ```
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Requests holding a slot (in flight or being aborted).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert_eq!(storage.scheduler().slots_in_use(), 0);
+    /// ```
+    pub fn slots_in_use(&self) -> u32 {
+        self.counters.in_flight
+    }
+
+    /// Whether the batch is final: B trainable groups, or short with nothing left to draw.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert!(!storage.scheduler().is_batch_final());
+    /// ```
+    pub fn is_batch_final(&self) -> bool {
+        self.is_final
+    }
+
+    /// Whether the trainer must apply an optimizer step before the next micro-batch.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert!(!storage.scheduler().optimizer_step_due());
+    /// ```
+    pub fn optimizer_step_due(&self) -> bool {
+        self.trained_since_opt > 0
+            && (self.trained_since_opt >= self.plan.groups_per_opt_step()
+                || (self.is_final && self.counters.trained == self.counters.batch_filled()))
+    }
+
+    /// Optimizer steps applied in this step.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert_eq!(storage.scheduler().optimizer_steps_done(), 0);
+    /// ```
+    pub fn optimizer_steps_done(&self) -> u32 {
+        self.opt_done
+    }
+
+    /// The step's summary so far (`None` before the first step).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(3), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// assert_eq!(s.summary().unwrap().began_at, Tick(3));
+    /// ```
+    pub fn summary(&self) -> Option<StepSummary> {
+        (self.phase != StepPhase::Idle).then(|| StepSummary {
+            step: self.step,
+            version: self.version,
+            began_at: self.began_at,
+            batch_final_at: self.final_at,
+            done_at: self.done_at,
+            batch_groups: if self.is_final {
+                self.counters.batch_filled()
+            } else {
+                self.plan.batch_groups
+            },
+            short: self.short,
+            counters: self.counters,
+        })
+    }
+
+    /// A snapshot of group `g` of the current step.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, SchedulerStorage};
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert!(storage.scheduler().group(GroupId(0)).is_none());
+    /// ```
+    pub fn group(&self, g: GroupId) -> Option<GroupInfo> {
+        let s = self.slot(g)?;
+        Some(GroupInfo {
+            state: s.state,
+            target: s.target,
+            pending: s.pending,
+            in_flight: s.in_flight,
+            generated: s.generated,
+            rewarded: s.rewarded,
+            tokens: s.tokens,
+            reward_mean: s.mean,
+            reward_var: if s.rewarded == 0 {
+                0.0
+            } else {
+                s.m2 / s.rewarded as f64
+            },
+            drawn_at: s.drawn_at,
+            ended_at: s.ended_at,
+            dispatch_seq: (s.dispatch_seq != NIL).then_some(s.dispatch_seq),
+        })
+    }
+
+    /// Group `g`'s rewards by sample index (`None` where not recorded). The core keeps them so
+    /// the trainer can compute advantages when the group is dispatched.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// let a = s.poll_admit(Tick(0)).unwrap();
+    /// s.on_request_finished(Tick(1), a.request, PolicyVersion(0), 3, 0.5).unwrap();
+    /// let r: Vec<Option<f32>> = s.group_rewards(GroupId(0)).unwrap().collect();
+    /// assert_eq!(r, [Some(0.5), None]);
+    /// ```
+    pub fn group_rewards(&self, g: GroupId) -> Option<impl Iterator<Item = Option<f32>> + '_> {
+        let s = self.slot(g)?;
+        let reqs = &self.reqs[s.first as usize..(s.first + s.target as u32) as usize];
+        Some(
+            reqs.iter()
+                .map(|r| (r.state == RequestState::Rewarded).then_some(r.reward)),
+        )
+    }
+
+    /// Group `g`'s generated token counts by sample index (`None` where not generated).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 1)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// let a = s.poll_admit(Tick(0)).unwrap();
+    /// s.on_request_generated(Tick(1), a.request, PolicyVersion(0), 7).unwrap();
+    /// assert_eq!(s.group_tokens(GroupId(0)).unwrap().collect::<Vec<_>>(), [Some(7)]);
+    /// ```
+    pub fn group_tokens(&self, g: GroupId) -> Option<impl Iterator<Item = Option<u32>> + '_> {
+        let s = self.slot(g)?;
+        let reqs = &self.reqs[s.first as usize..(s.first + s.target as u32) as usize];
+        Some(reqs.iter().map(|r| {
+            matches!(r.state, RequestState::Generated | RequestState::Rewarded).then_some(r.tokens)
+        }))
+    }
+
+    /// The current state and attempt of a request slot (any attempt number accepted).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, RequestState, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 1)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// assert_eq!(s.request_state(GroupId(0), 0), Some((RequestState::Pending, 0)));
+    /// ```
+    pub fn request_state(&self, g: GroupId, sample: u16) -> Option<(RequestState, u8)> {
+        let s = self.slot(g)?;
+        if sample >= s.target {
+            return None;
+        }
+        let r = &self.reqs[(s.first + sample as u32) as usize];
+        Some((r.state, r.attempt))
+    }
+
+    /// The group dispatched with sequence number `seq`.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert!(storage.scheduler().dispatched_group(0).is_none());
+    /// ```
+    pub fn dispatched_group(&self, seq: u32) -> Option<GroupId> {
+        (self.phase != StepPhase::Idle && seq < self.dispatched)
+            .then(|| GroupId(self.groups[seq as usize].by_seq))
+    }
+
+    /// Re-derives every count and list from storage and checks the invariants: per-state
+    /// counts, per-group request tallies, queue and abort-list contents, incomplete list in draw
+    /// order, slot cap, dispatch order = materialization order of the dispatched groups, and
+    /// conservation. O(groups + requests): for tests and fuzzing, not the hot path.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::SchedulerStorage;
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert_eq!(storage.scheduler().audit(), Ok(()));
+    /// ```
+    pub fn audit(&self) -> Result<(), AuditError> {
+        let bad = |what: &'static str, index: u64| Err(AuditError { what, index });
+        if !self.counters.is_conserved() {
+            return bad("conservation", self.counters.drawn as u64);
+        }
+        if self.phase == StepPhase::Idle {
+            return Ok(());
+        }
+        if self.counters.in_flight > self.plan.slots {
+            return bad(
+                "slots in use exceed capacity",
+                self.counters.in_flight as u64,
+            );
+        }
+        let mut c = Counters {
+            drawn: self.counters.drawn,
+            ..Counters::default()
+        };
+        let mut slots = 0u32;
+        let mut pending_total = 0u32;
+        let mut abort_pending = 0u32;
+        for g in 0..self.counters.drawn {
+            let s = &self.groups[g as usize];
+            match s.state {
+                GroupState::Queued => c.queued += 1,
+                GroupState::Generating => c.generating += 1,
+                GroupState::Materializing => c.materializing += 1,
+                GroupState::Trainable => c.trainable += 1,
+                GroupState::Dispatched => c.dispatched += 1,
+                GroupState::Trained => c.trained += 1,
+                GroupState::Filtered(FilterReason::ZeroVariance) => c.filtered_zero_variance += 1,
+                GroupState::Filtered(FilterReason::NonFiniteReward) => c.filtered_non_finite += 1,
+                GroupState::Filtered(FilterReason::AttemptsExhausted) => c.filtered_attempts += 1,
+                GroupState::Aborted => c.aborted += 1,
+            }
+            let (mut p, mut f, mut gen_, mut rew) = (0u16, 0u16, 0u16, 0u16);
+            for k in 0..s.target {
+                let r = &self.reqs[(s.first + k as u32) as usize];
+                if r.group != g || r.sample != k {
+                    return bad("request slot names another group", g as u64);
+                }
+                match r.state {
+                    RequestState::Pending => p += 1,
+                    RequestState::InFlight => f += 1,
+                    RequestState::Generated => gen_ += 1,
+                    RequestState::Rewarded => {
+                        gen_ += 1;
+                        rew += 1
+                    }
+                    RequestState::AbortPending => abort_pending += 1,
+                    RequestState::Unused => {
+                        return bad("unused request in a drawn group", g as u64);
+                    }
+                    _ => {}
+                }
+                if r.state.holds_slot() {
+                    slots += 1;
+                }
+                if r.state == RequestState::Pending && k < s.low {
+                    return bad("pending sample below the low-water mark", g as u64);
+                }
+            }
+            pending_total += p as u32;
+            if s.state.is_incomplete() {
+                if (p, f, gen_, rew) != (s.pending, s.in_flight, s.generated, s.rewarded) {
+                    return bad("group request tallies", g as u64);
+                }
+                let expect =
+                    if s.in_flight == 0 && s.generated == 0 && s.rewarded == 0 && p == s.target {
+                        // Never admitted, or every admitted attempt failed and was re-queued.
+                        s.state == GroupState::Queued || s.state == GroupState::Generating
+                    } else if gen_ == s.target {
+                        s.state == GroupState::Materializing
+                    } else {
+                        s.state == GroupState::Generating
+                    };
+                if !expect {
+                    return bad("group state does not match its requests", g as u64);
+                }
+            } else if p != 0 || f != 0 {
+                return bad(
+                    "ended group still has pending or running requests",
+                    g as u64,
+                );
+            }
+            if s.state.is_trainable() && rew != s.target {
+                return bad("trainable group without all rewards", g as u64);
+            }
+            if matches!(s.state, GroupState::Dispatched | GroupState::Trained) {
+                if s.dispatch_seq >= self.dispatched
+                    || self.groups[s.dispatch_seq as usize].by_seq != g
+                {
+                    return bad("dispatch order map", g as u64);
+                }
+            } else if s.dispatch_seq != NIL {
+                return bad("undispatched group has a seq", g as u64);
+            }
+        }
+        c.in_flight = slots;
+        let mut mine = self.counters;
+        mine.requests_admitted = 0;
+        mine.requests_generated = 0;
+        mine.requests_rewarded = 0;
+        mine.requests_failed = 0;
+        mine.requests_aborted = 0;
+        mine.requests_discarded = 0;
+        mine.requests_dropped = 0;
+        if mine != c {
+            return bad("per-state counts", 0);
+        }
+        if self.queue.len != pending_total || self.aborts.len != abort_pending {
+            return bad("queue or abort list length", self.queue.len as u64);
+        }
+        let mut n = 0u32;
+        let mut i = self.queue.head;
+        while i != NIL {
+            if self.reqs[i as usize].state != RequestState::Pending || n > self.queue.len {
+                return bad("queue holds a non-pending request", i as u64);
+            }
+            n += 1;
+            i = self.reqs[i as usize].link.next;
+        }
+        let mut last = None;
+        let mut n = 0u32;
+        let mut i = self.incomplete.head;
+        while i != NIL {
+            if !self.groups[i as usize].state.is_incomplete() || last.is_some_and(|l| l >= i) {
+                return bad("incomplete list", i as u64);
+            }
+            last = Some(i);
+            n += 1;
+            i = self.groups[i as usize].link.next;
+        }
+        if n != self.counters.incomplete() || self.incomplete.len != n {
+            return bad("incomplete list length", n as u64);
+        }
+        if self.is_final && self.counters.incomplete() != 0 {
+            return bad("incomplete groups after the batch is final", 0);
+        }
+        if self.counters.batch_filled() > self.plan.batch_groups {
+            return bad(
+                "more trainable groups than the batch",
+                self.counters.batch_filled() as u64,
+            );
+        }
+        // Dispatch order is materialization order: seqs were handed out in ready-FIFO order, so
+        // dispatched groups' completion ticks must be non-decreasing along the seqs, and every
+        // still-undispatched trainable group materialized no earlier than the last dispatched.
+        let mut prev = Tick(0);
+        for seq in 0..self.dispatched {
+            let g = self.groups[seq as usize].by_seq;
+            let t = self.groups[g as usize].ended_at.unwrap_or(Tick(u64::MAX));
+            if t < prev {
+                return bad(
+                    "dispatch order differs from materialization order",
+                    seq as u64,
+                );
+            }
+            prev = t;
+        }
+        Ok(())
+    }
+
+    // ----- the one place group states change ----------------------------------------------
+
+    /// Moves group `g` to `new`, keeping the per-state counters in step (and logging `A=>B`
+    /// with the `log` or `defmt` feature). Callers guarantee the transition is legal.
+    fn set_state(&mut self, g: u32, new: GroupState) {
+        let old = self.groups[g as usize].state;
+        #[cfg(feature = "log")]
+        log::trace!("{} g{}: {} => {}", self.step, g, old, new);
+        #[cfg(feature = "defmt")]
+        defmt::trace!("{} g{}: {} => {}", self.step.0, g, old, new);
+        *self.count_mut(old) -= 1;
+        *self.count_mut(new) += 1;
+        self.groups[g as usize].state = new;
+    }
+
+    fn count_mut(&mut self, s: GroupState) -> &mut u32 {
+        let c = &mut self.counters;
+        match s {
+            GroupState::Queued => &mut c.queued,
+            GroupState::Generating => &mut c.generating,
+            GroupState::Materializing => &mut c.materializing,
+            GroupState::Trainable => &mut c.trainable,
+            GroupState::Dispatched => &mut c.dispatched,
+            GroupState::Trained => &mut c.trained,
+            GroupState::Filtered(FilterReason::ZeroVariance) => &mut c.filtered_zero_variance,
+            GroupState::Filtered(FilterReason::NonFiniteReward) => &mut c.filtered_non_finite,
+            GroupState::Filtered(FilterReason::AttemptsExhausted) => &mut c.filtered_attempts,
+            GroupState::Aborted => &mut c.aborted,
+        }
+    }
+
+    // ----- helpers --------------------------------------------------------------------------
+
+    pub(crate) fn slot(&self, g: GroupId) -> Option<&GroupSlot> {
+        (self.phase != StepPhase::Idle && g.0 < self.counters.drawn)
+            .then(|| &self.groups[g.0 as usize])
+    }
+
+    fn pending_index(&self, r: RequestRef) -> Option<u32> {
+        let s = self.slot(r.group)?;
+        if r.sample >= s.target {
+            return None;
+        }
+        let idx = s.first + r.sample as u32;
+        (self.reqs[idx as usize].state == RequestState::Pending).then_some(idx)
+    }
+
+    fn lookup(&self, id: RequestId) -> Result<u32, RequestError> {
+        if self.phase == StepPhase::Idle {
+            return Err(RequestError::NoActiveStep);
+        }
+        if id.step != self.step {
+            return Err(RequestError::OtherStep {
+                current: self.step,
+                given: id.step,
+            });
+        }
+        let Some(s) = self.slot(id.group) else {
+            return Err(RequestError::UnknownGroup { group: id.group });
+        };
+        if id.sample >= s.target {
+            return Err(RequestError::UnknownSample {
+                group: id.group,
+                sample: id.sample,
+                target: s.target,
+            });
+        }
+        let idx = s.first + id.sample as u32;
+        let current = self.reqs[idx as usize].attempt;
+        if id.attempt != current {
+            return Err(RequestError::StaleAttempt {
+                current,
+                given: id.attempt,
+            });
+        }
+        Ok(idx)
+    }
+
+    fn check_version(&self, given: PolicyVersion) -> Result<(), RequestError> {
+        if given == self.version {
+            Ok(())
+        } else {
+            Err(RequestError::WrongVersion {
+                expected: self.version,
+                given,
+            })
+        }
+    }
+
+    fn apply_generated(&mut self, idx: u32, tokens: u32, now: Tick) {
+        let _ = now;
+        let r = &mut self.reqs[idx as usize];
+        r.state = RequestState::Generated;
+        r.tokens = tokens;
+        let g = r.group;
+        self.counters.in_flight -= 1;
+        self.counters.requests_generated += 1;
+        let gs = &mut self.groups[g as usize];
+        gs.in_flight -= 1;
+        gs.generated += 1;
+        gs.tokens += tokens as u64;
+        if gs.generated == gs.target {
+            self.set_state(g, GroupState::Materializing);
+        }
+    }
+
+    /// Records a reward of a `Generated` request; returns the group's new state.
+    fn apply_reward(&mut self, idx: u32, reward: f32, now: Tick) -> GroupState {
+        let r = &mut self.reqs[idx as usize];
+        r.state = RequestState::Rewarded;
+        r.reward = reward;
+        let g = r.group;
+        self.counters.requests_rewarded += 1;
+        let gs = &mut self.groups[g as usize];
+        gs.rewarded += 1;
+        if !reward.is_finite() {
+            self.end_group(g, GroupState::Filtered(FilterReason::NonFiniteReward), now);
+            return self.groups[g as usize].state;
+        }
+        // Welford: stable for long groups, and every earlier reward was finite (a non-finite one
+        // would have ended the group).
+        let x = reward as f64;
+        let n = gs.rewarded as f64;
+        let d = x - gs.mean;
+        gs.mean += d / n;
+        gs.m2 += d * (x - gs.mean);
+        if gs.rewarded == gs.target {
+            if gs.m2 / n <= ZERO_VARIANCE {
+                self.end_group(g, GroupState::Filtered(FilterReason::ZeroVariance), now);
+            } else {
+                self.end_group(g, GroupState::Trainable, now);
+            }
+        }
+        self.groups[g as usize].state
+    }
+
+    /// Takes an incomplete group out of the rollout: drops its pending and reward-pending
+    /// requests, marks running ones for abort, and moves it to `end` (Trainable, Filtered or
+    /// Aborted). A trainable group joins the trainer FIFO; the B-th one makes the batch final.
+    fn end_group(&mut self, g: u32, end: GroupState, now: Tick) {
+        let s = self.groups[g as usize];
+        for idx in s.first..s.first + s.target as u32 {
+            match self.reqs[idx as usize].state {
+                RequestState::Pending => {
+                    self.queue.remove(self.reqs, idx);
+                    self.reqs[idx as usize].state = RequestState::Cancelled;
+                    self.counters.requests_dropped += 1;
+                }
+                RequestState::InFlight => {
+                    self.reqs[idx as usize].state = RequestState::AbortPending;
+                    self.aborts.push_back(self.reqs, idx);
+                }
+                RequestState::Generated => {
+                    self.reqs[idx as usize].state = RequestState::Cancelled;
+                    self.counters.requests_dropped += 1;
+                }
+                _ => {}
+            }
+        }
+        let gs = &mut self.groups[g as usize];
+        gs.pending = 0;
+        gs.in_flight = 0;
+        gs.ended_at = Some(now);
+        self.incomplete.remove(self.groups, g);
+        self.set_state(g, end);
+        if end == GroupState::Trainable {
+            if self.ready_tail == NIL {
+                self.ready_head = g;
+            } else {
+                self.groups[self.ready_tail as usize].next_ready = g;
+            }
+            self.ready_tail = g;
+            if self.counters.batch_filled() >= self.plan.batch_groups {
+                self.make_final(now, false);
+            }
+        }
+    }
+
+    fn make_final(&mut self, now: Tick, short: bool) {
+        self.is_final = true;
+        self.short = short;
+        self.final_at = Some(now);
+        self.draw_outstanding = 0;
+        while self.incomplete.head != NIL {
+            let g = self.incomplete.head;
+            self.end_group(g, GroupState::Aborted, now);
+        }
+    }
+
+    /// A request being aborted stopped: acked (or failed) when `acked`, else it finished and its
+    /// result is discarded.
+    fn end_aborting(&mut self, idx: u32, acked: bool, now: Tick) {
+        if self.reqs[idx as usize].state == RequestState::AbortPending {
+            self.aborts.remove(self.reqs, idx);
+        }
+        self.reqs[idx as usize].state = RequestState::Cancelled;
+        self.counters.in_flight -= 1;
+        if acked {
+            self.counters.requests_aborted += 1;
+        } else {
+            self.counters.requests_discarded += 1;
+        }
+        self.after_event(now);
+    }
+
+    /// Moves group `g`'s request records to the end of the used storage, fixing the queue and
+    /// abort-list links of the moved records.
+    fn relocate(&mut self, g: u32) {
+        let s = self.groups[g as usize];
+        let (old, new, n) = (s.first, self.req_used, s.target as u32);
+        let moved = |i: u32| {
+            if i != NIL && i >= old && i < old + n {
+                new + (i - old)
+            } else {
+                i
+            }
+        };
+        for k in 0..n {
+            let mut r = self.reqs[(old + k) as usize];
+            r.link = Link {
+                prev: moved(r.link.prev),
+                next: moved(r.link.next),
+            };
+            self.reqs[(new + k) as usize] = r;
+            self.reqs[(old + k) as usize] = RequestSlot::EMPTY;
+        }
+        for k in 0..n {
+            match self.reqs[(new + k) as usize].state {
+                RequestState::Pending => self.queue.relink(self.reqs, new + k),
+                RequestState::AbortPending => self.aborts.relink(self.reqs, new + k),
+                _ => {}
+            }
+        }
+        self.groups[g as usize].first = new;
+        self.req_used = new + n;
+    }
+
+    /// Settles what an event may have made true: a short final batch, the end of the step.
+    fn after_event(&mut self, now: Tick) {
+        if self.phase != StepPhase::Active {
+            return;
+        }
+        if !self.is_final
+            && self.counters.incomplete() == 0
+            && (self.exhausted || self.counters.drawn >= self.plan.max_groups)
+        {
+            self.make_final(now, true);
+        }
+        if self.is_final
+            && self.counters.trained == self.counters.batch_filled()
+            && !self.optimizer_step_due()
+            && self.counters.in_flight == 0
+        {
+            self.phase = StepPhase::Done;
+            self.done_at = Some(now);
+        }
+    }
+}
