@@ -1,2 +1,44 @@
-//! Policy backends of RolloutPipe (placeholder until the CPU reference lands).
+//! Policy backends of RolloutPipe: a Qwen3 model that generates rollouts and trains with GRPO.
+//!
+//! - [`api`]: the [`PolicyBackend`] trait every backend implements, and its request/batch types;
+//! - [`config`], [`weights`]: Hugging Face `config.json` + `model.safetensors` model directories;
+//! - [`grpo`], [`optim`]: advantages, aggregation and normaliser, AdamW with global-norm clipping
+//!   (SPEC §6), shared by all backends;
+//! - [`cpu`]: the f32 reference backend, plain forward/backward ops that the GPU backends are
+//!   checked against.
+//!
+//! ```
+//! use rolloutpipe_backends::{CpuBackend, GenRequest, ModelConfig, PolicyBackend, RequestKey,
+//!     SamplingParams, Weights};
+//! let cfg = ModelConfig::tiny();
+//! let mut be = CpuBackend::new(&cfg, &Weights::random(&cfg, 0).unwrap(), 1).unwrap();
+//! let params = SamplingParams { max_new_tokens: 3, seed: 7, ..Default::default() };
+//! be.add_request(GenRequest { id: RequestKey(1), prompt: vec![1, 2], params }).unwrap();
+//! let mut done = Vec::new();
+//! while be.active_requests() > 0 {
+//!     done.extend(be.decode_step().unwrap());
+//! }
+//! assert_eq!(done[0].tokens.len(), 3);
+//! ```
 #![deny(missing_docs)]
+
+pub mod api;
+pub mod config;
+pub mod cpu;
+pub mod error;
+pub mod grpo;
+pub mod optim;
+pub mod weights;
+
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
+// The CUDA backend is not written yet; enable with its module.
+// #[cfg(feature = "cuda")]
+// pub mod cuda;
+
+pub use api::*;
+pub use config::ModelConfig;
+pub use cpu::CpuBackend;
+pub use error::{BackendError, Result};
+pub use grpo::{Aggregation, StdMode, advantages, normalizer};
+pub use weights::{Tensor, Weights, load_model_dir, save_model_dir};

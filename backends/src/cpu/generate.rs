@@ -1,0 +1,316 @@
+//! Generation with continuous batching: a KV cache per request, prefill and decode in one step.
+//!
+//! Each `decode_step` packs, for every active request, the tokens it has not yet cached (its whole
+//! prompt when it just joined, else its last sampled token) into one batch, so the projections of
+//! all requests are single GEMMs while attention runs per request against its own cache. A
+//! request samples from its own ChaCha stream (seeded by its `seed`, one draw per token), and
+//! every per-row computation is independent of the other rows, so its tokens depend only on its
+//! seed and the weights, never on which requests share the step. Buffers are grow-only and KV
+//! caches are recycled, so steady-state decoding does not allocate per token.
+
+use rand_chacha::ChaCha8Rng;
+use rand_chacha::rand_core::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+use super::model::{Model, check_tokens, fit};
+use super::ops::*;
+use crate::api::{FinishReason, GenOutput, GenRequest, RequestKey};
+use crate::config::ModelConfig;
+use crate::error::{BackendError, Result};
+
+/// One active request and its KV cache.
+#[derive(Debug)]
+struct Active {
+    id: RequestKey,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    /// `[layers, cap, kv_dim]` keys and values.
+    k: Vec<f32>,
+    v: Vec<f32>,
+    cap: usize,
+    /// Positions already in the cache.
+    cached: usize,
+    /// Attention probabilities scratch, `[heads, chunk, cached + chunk]`.
+    att: Vec<f32>,
+}
+
+/// Grow-only buffers of a decode step.
+#[derive(Debug, Default)]
+struct Scratch {
+    ids: Vec<u32>,
+    pos: Vec<u32>,
+    chunk: Vec<(usize, usize)>,
+    x: Vec<f32>,
+    ln: Vec<f32>,
+    rstd: Vec<f32>,
+    q_pre: Vec<f32>,
+    q: Vec<f32>,
+    k_pre: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att_out: Vec<f32>,
+    tmp: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    h: Vec<f32>,
+    hsel: Vec<f32>,
+    logits: Vec<f32>,
+    sample: Vec<(f32, u32)>,
+}
+
+/// The continuous-batching engine state of a backend.
+#[derive(Debug, Default)]
+pub struct Generator {
+    active: Vec<Active>,
+    free: Vec<(Vec<f32>, Vec<f32>)>,
+    s: Scratch,
+}
+
+/// 53-bit uniform in [0, 1).
+fn uniform(rng: &mut ChaCha8Rng) -> f64 {
+    (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+fn validate_request(cfg: &ModelConfig, req: &GenRequest) -> Result<()> {
+    let p = &req.params;
+    let what = format!("request {}", req.id);
+    if req.prompt.is_empty() {
+        return Err(BackendError::EmptyBatch(format!("{what}: empty prompt")));
+    }
+    check_tokens(cfg, &req.prompt, &format!("{what} prompt"))?;
+    check_tokens(cfg, &p.stop_tokens, &format!("{what} stop_tokens"))?;
+    if !(p.temperature.is_finite() && p.temperature >= 0.0) {
+        return Err(BackendError::invalid(
+            "temperature",
+            format!("{} is not finite and ≥ 0", p.temperature),
+        ));
+    }
+    if !(p.top_p.is_finite() && p.top_p > 0.0 && p.top_p <= 1.0) {
+        return Err(BackendError::invalid(
+            "top_p",
+            format!("{} is not in (0, 1]", p.top_p),
+        ));
+    }
+    if p.max_new_tokens == 0 {
+        return Err(BackendError::invalid(
+            "max_new_tokens",
+            "must be at least 1",
+        ));
+    }
+    let total = req.prompt.len() + p.max_new_tokens;
+    if total > cfg.max_position_embeddings {
+        return Err(BackendError::shape(
+            format!("{what} prompt + max_new_tokens"),
+            format!(
+                "at most max_position_embeddings = {}",
+                cfg.max_position_embeddings
+            ),
+            total,
+        ));
+    }
+    Ok(())
+}
+
+impl Generator {
+    /// Requests added and not finished or cancelled.
+    pub fn active(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Queues a request (prefilled at the next step).
+    pub fn add(&mut self, cfg: &ModelConfig, req: GenRequest) -> Result<()> {
+        validate_request(cfg, &req)?;
+        if self.active.iter().any(|a| a.id == req.id) {
+            return Err(BackendError::DuplicateRequest(req.id));
+        }
+        // The cache never holds the last sampled token (generation stops right after it).
+        let cap = req.prompt.len() + req.params.max_new_tokens;
+        let size = cfg.num_hidden_layers * cap * cfg.kv_dim();
+        let (mut k, mut v) = self.free.pop().unwrap_or_default();
+        fit(&mut k, size);
+        fit(&mut v, size);
+        self.active.push(Active {
+            id: req.id,
+            rng: ChaCha8Rng::seed_from_u64(req.params.seed),
+            tokens: Vec::with_capacity(req.params.max_new_tokens),
+            logprobs: Vec::with_capacity(req.params.max_new_tokens),
+            prompt: req.prompt,
+            params: req.params,
+            k,
+            v,
+            cap,
+            cached: 0,
+            att: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Aborts a request, recycling its cache.
+    pub fn cancel(&mut self, id: RequestKey) -> Result<()> {
+        let i = self
+            .active
+            .iter()
+            .position(|a| a.id == id)
+            .ok_or(BackendError::UnknownRequest(id))?;
+        let a = self.active.remove(i);
+        self.free.push((a.k, a.v));
+        Ok(())
+    }
+
+    /// Drops every request (weights changed or the engine is reset).
+    pub fn clear(&mut self) {
+        for a in self.active.drain(..) {
+            self.free.push((a.k, a.v));
+        }
+    }
+
+    /// One engine step (see the module docs); returns the requests that finished.
+    pub fn step(&mut self, m: &Model<f32>) -> Result<Vec<GenOutput>> {
+        if self.active.is_empty() {
+            return Ok(Vec::new());
+        }
+        let c = &m.cfg;
+        let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+        let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (qd, kd) = (c.q_dim(), c.kv_dim());
+        let eps = c.rms_norm_eps;
+        let s = &mut self.s;
+        s.ids.clear();
+        s.pos.clear();
+        s.chunk.clear();
+        for a in &self.active {
+            let start = s.ids.len();
+            if a.cached == 0 {
+                s.ids.extend_from_slice(&a.prompt);
+            } else {
+                s.ids
+                    .push(*a.tokens.last().unwrap_or(&a.prompt[a.prompt.len() - 1]));
+            }
+            let len = s.ids.len() - start;
+            s.pos.extend(a.cached as u32..(a.cached + len) as u32);
+            s.chunk.push((start, len));
+        }
+        let n = s.ids.len();
+        fit(&mut s.x, n * d);
+        embedding_fwd(&mut s.x, &s.ids, m.embed(), d);
+        for l in 0..c.num_hidden_layers {
+            let w = m.layer(l);
+            fit(&mut s.ln, n * d);
+            fit(&mut s.rstd, n * h);
+            rmsnorm_fwd(&mut s.ln, &mut s.rstd, &s.x, w.input_norm, d, eps);
+            fit(&mut s.q_pre, n * qd);
+            fit(&mut s.k_pre, n * kd);
+            fit(&mut s.v, n * kd);
+            matmul_fwd(&mut s.q_pre, &s.ln, w.q, n, d, qd);
+            matmul_fwd(&mut s.k_pre, &s.ln, w.k, n, d, kd);
+            matmul_fwd(&mut s.v, &s.ln, w.v, n, d, kd);
+            fit(&mut s.q, n * qd);
+            fit(&mut s.k, n * kd);
+            rmsnorm_fwd(&mut s.q, &mut s.rstd, &s.q_pre, w.q_norm, hd, eps);
+            rmsnorm_fwd(&mut s.k, &mut s.rstd, &s.k_pre, w.k_norm, hd, eps);
+            rope_fwd(&mut s.q, &s.pos, h, &m.rope);
+            rope_fwd(&mut s.k, &s.pos, kvh, &m.rope);
+            fit(&mut s.att_out, n * qd);
+            {
+                let (q, k, vv) = (&s.q[..], &s.k[..], &s.v[..]);
+                let mut tasks = Vec::with_capacity(self.active.len());
+                let mut rest = &mut s.att_out[..];
+                for (a, &(start, len)) in self.active.iter_mut().zip(&s.chunk) {
+                    let (o, r) = std::mem::take(&mut rest).split_at_mut(len * qd);
+                    rest = r;
+                    tasks.push((a, o, start, len));
+                }
+                tasks.into_par_iter().for_each(|(a, o, start, len)| {
+                    let base = l * a.cap * kd;
+                    let at = base + a.cached * kd;
+                    a.k[at..at + len * kd].copy_from_slice(&k[start * kd..(start + len) * kd]);
+                    a.v[at..at + len * kd].copy_from_slice(&vv[start * kd..(start + len) * kd]);
+                    let nk = a.cached + len;
+                    fit(&mut a.att, h * len * nk);
+                    attention_fwd(
+                        o,
+                        &mut a.att,
+                        &q[start * qd..(start + len) * qd],
+                        &a.k[base..base + nk * kd],
+                        &a.v[base..base + nk * kd],
+                        len,
+                        nk,
+                        h,
+                        kvh,
+                        hd,
+                    );
+                });
+            }
+            fit(&mut s.tmp, n * d);
+            matmul_fwd(&mut s.tmp, &s.att_out, w.o, n, qd, d);
+            for (x, t) in s.x.iter_mut().zip(&s.tmp) {
+                *x += *t;
+            }
+            rmsnorm_fwd(&mut s.ln, &mut s.rstd, &s.x, w.post_norm, d, eps);
+            fit(&mut s.gate, n * f);
+            fit(&mut s.up, n * f);
+            fit(&mut s.h, n * f);
+            matmul_fwd(&mut s.gate, &s.ln, w.gate, n, d, f);
+            matmul_fwd(&mut s.up, &s.ln, w.up, n, d, f);
+            swiglu_fwd(&mut s.h, &s.gate, &s.up);
+            matmul_fwd(&mut s.tmp, &s.h, w.down, n, f, d);
+            for (x, t) in s.x.iter_mut().zip(&s.tmp) {
+                *x += *t;
+            }
+        }
+        // Only each chunk's last row predicts the next token.
+        let r = self.active.len();
+        fit(&mut s.tmp, r * d);
+        for (i, &(start, len)) in s.chunk.iter().enumerate() {
+            let row = start + len - 1;
+            s.tmp[i * d..(i + 1) * d].copy_from_slice(&s.x[row * d..(row + 1) * d]);
+        }
+        fit(&mut s.hsel, r * d);
+        fit(&mut s.rstd, r);
+        rmsnorm_fwd(&mut s.hsel, &mut s.rstd, &s.tmp, m.final_norm(), d, eps);
+        fit(&mut s.logits, r * v);
+        matmul_fwd(&mut s.logits, &s.hsel, m.lm_head(), r, d, v);
+        let mut finished = Vec::new();
+        let mut i = 0;
+        let mut row = 0;
+        while i < self.active.len() {
+            let a = &mut self.active[i];
+            let len = s.chunk[row].1;
+            let u = uniform(&mut a.rng);
+            let (tok, lp) = sample(
+                &s.logits[row * v..(row + 1) * v],
+                &a.params,
+                u,
+                &mut s.sample,
+            );
+            row += 1;
+            a.cached += len;
+            a.tokens.push(tok);
+            a.logprobs.push(lp);
+            let finish = if a.params.stop_tokens.contains(&tok) {
+                Some(FinishReason::Stop)
+            } else if a.tokens.len() >= a.params.max_new_tokens {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            match finish {
+                Some(finish) => {
+                    let a = self.active.remove(i);
+                    self.free.push((a.k, a.v));
+                    finished.push(GenOutput {
+                        id: a.id,
+                        tokens: a.tokens,
+                        logprobs: a.logprobs,
+                        finish,
+                    });
+                }
+                None => i += 1,
+            }
+        }
+        Ok(finished)
+    }
+}

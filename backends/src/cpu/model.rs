@@ -1,0 +1,1007 @@
+//! Qwen3 forward and backward over a packed batch of sequences, parameters in one flat buffer.
+//!
+//! Sequences of a micro-batch are concatenated into `N` token rows so every projection is one
+//! GEMM over all tokens (llm.c's `B×T`, without padding); attention runs per sequence, in
+//! parallel across sequences. Logits are computed only at the rows that predict a scored token,
+//! so prompts cost no `lm_head` work. The model is generic over [`Float`] so the f64 instance
+//! checks the f32 one's gradients by finite differences on the very same code.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use super::ops::*;
+use crate::api::{AccumStats, Objective, TrainBatch};
+use crate::config::ModelConfig;
+use crate::error::{BackendError, Result};
+use crate::optim::ParamGroup;
+use crate::weights::{Tensor, Weights, is_norm_weight, param_specs};
+
+/// One parameter tensor in the flat buffer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamEntry {
+    /// Hugging Face name.
+    pub name: String,
+    /// Shape (`[out, in]` for matrices).
+    pub shape: Vec<usize>,
+    /// Start in the flat buffer.
+    pub offset: usize,
+    /// Number of values.
+    pub len: usize,
+}
+
+/// Offsets of one decoder layer's parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct LayerOffsets {
+    pub input_norm: usize,
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub o: usize,
+    pub q_norm: usize,
+    pub k_norm: usize,
+    pub post_norm: usize,
+    pub gate: usize,
+    pub up: usize,
+    pub down: usize,
+}
+
+/// Where every parameter lives in the flat buffer (the order of [`param_specs`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    /// All tensors in buffer order.
+    pub entries: Vec<ParamEntry>,
+    /// `model.embed_tokens.weight`.
+    pub embed: usize,
+    /// `lm_head.weight`, or the embedding's offset when tied (both uses then add their
+    /// gradients into one tensor, as SPEC §6 requires).
+    pub lm_head: usize,
+    /// `model.norm.weight`.
+    pub final_norm: usize,
+    /// Per layer.
+    pub layers: Vec<LayerOffsets>,
+    /// Total number of values.
+    pub total: usize,
+}
+
+impl Layout {
+    /// The layout of `cfg`.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let mut entries = Vec::new();
+        let mut off = 0;
+        for (name, shape) in param_specs(cfg) {
+            let len = shape.iter().product();
+            entries.push(ParamEntry {
+                name,
+                shape,
+                offset: off,
+                len,
+            });
+            off += len;
+        }
+        let by: HashMap<&str, usize> = entries
+            .iter()
+            .map(|e| (e.name.as_str(), e.offset))
+            .collect();
+        let at = |n: &str| by[n];
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}.");
+                LayerOffsets {
+                    input_norm: at(&format!("{p}input_layernorm.weight")),
+                    q: at(&format!("{p}self_attn.q_proj.weight")),
+                    k: at(&format!("{p}self_attn.k_proj.weight")),
+                    v: at(&format!("{p}self_attn.v_proj.weight")),
+                    o: at(&format!("{p}self_attn.o_proj.weight")),
+                    q_norm: at(&format!("{p}self_attn.q_norm.weight")),
+                    k_norm: at(&format!("{p}self_attn.k_norm.weight")),
+                    post_norm: at(&format!("{p}post_attention_layernorm.weight")),
+                    gate: at(&format!("{p}mlp.gate_proj.weight")),
+                    up: at(&format!("{p}mlp.up_proj.weight")),
+                    down: at(&format!("{p}mlp.down_proj.weight")),
+                }
+            })
+            .collect();
+        let embed = at("model.embed_tokens.weight");
+        Self {
+            lm_head: if cfg.tie_word_embeddings {
+                embed
+            } else {
+                at("lm_head.weight")
+            },
+            embed,
+            final_norm: at("model.norm.weight"),
+            layers,
+            total: off,
+            entries,
+        }
+    }
+
+    /// Copies a validated [`Weights`] into a flat buffer.
+    pub fn flatten<T: Float>(&self, w: &Weights) -> Result<Vec<T>> {
+        let mut buf = vec![T::ZERO; self.total];
+        for e in &self.entries {
+            let t = w.get(&e.name)?;
+            if t.data.len() != e.len {
+                return Err(BackendError::shape(e.name.clone(), e.len, t.data.len()));
+            }
+            for (d, s) in buf[e.offset..e.offset + e.len].iter_mut().zip(&t.data) {
+                *d = T::from_f64(*s as f64);
+            }
+        }
+        Ok(buf)
+    }
+
+    /// A flat buffer (parameters or gradients) as named f32 tensors.
+    pub fn to_weights<T: Float>(&self, buf: &[T]) -> Weights {
+        let tensors = self
+            .entries
+            .iter()
+            .map(|e| {
+                let data = buf[e.offset..e.offset + e.len]
+                    .iter()
+                    .map(|x| x.to_f64() as f32)
+                    .collect();
+                (
+                    e.name.clone(),
+                    Tensor {
+                        shape: e.shape.clone(),
+                        data,
+                    },
+                )
+            })
+            .collect();
+        Weights { tensors }
+    }
+
+    /// Optimizer groups: one per tensor, norm weights optionally without decay.
+    pub fn param_groups(&self, exclude_norms_from_decay: bool) -> Vec<ParamGroup> {
+        self.entries
+            .iter()
+            .map(|e| ParamGroup {
+                offset: e.offset,
+                len: e.len,
+                decay: !(exclude_norms_from_decay && is_norm_weight(&e.name)),
+            })
+            .collect()
+    }
+}
+
+/// Sequences packed into token rows, with the rows whose logits are needed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PackedBatch {
+    /// Token ids of all sequences, concatenated.
+    pub ids: Vec<u32>,
+    /// Position of each token within its sequence.
+    pub pos: Vec<u32>,
+    /// Row range of each sequence.
+    pub seqs: Vec<Range<usize>>,
+    /// Rows whose logits are computed (the position before each scored token).
+    pub rows: Vec<usize>,
+    /// The token each selected row predicts.
+    pub targets: Vec<u32>,
+}
+
+impl PackedBatch {
+    /// Packs `(prompt, response)` pairs; the selected rows predict every response token.
+    pub fn scored(seqs: &[(&[u32], &[u32])]) -> Self {
+        let mut b = Self::default();
+        for (prompt, response) in seqs {
+            let start = b.ids.len();
+            b.ids.extend_from_slice(prompt);
+            b.ids.extend_from_slice(response);
+            let n = prompt.len() + response.len();
+            b.pos.extend(0..n as u32);
+            for (t, tok) in response.iter().enumerate() {
+                b.rows.push(start + prompt.len() + t - 1);
+                b.targets.push(*tok);
+            }
+            b.seqs.push(start..start + n);
+        }
+        b
+    }
+
+    /// One sequence whose logits are wanted at every position (targets are unused zeros).
+    // One sequence is exactly a one-element list of row ranges here.
+    #[allow(clippy::single_range_in_vec_init)]
+    pub fn all_positions(ids: &[u32]) -> Self {
+        Self {
+            ids: ids.to_vec(),
+            pos: (0..ids.len() as u32).collect(),
+            seqs: vec![0..ids.len()],
+            rows: (0..ids.len()).collect(),
+            targets: vec![0; ids.len()],
+        }
+    }
+}
+
+/// Saved activations of one layer.
+#[derive(Debug, Clone, Default)]
+#[allow(missing_docs)]
+pub struct LayerActs<T> {
+    pub ln1: Vec<T>,
+    pub ln1_rstd: Vec<T>,
+    pub q_pre: Vec<T>,
+    pub q_rstd: Vec<T>,
+    pub q: Vec<T>,
+    pub k_pre: Vec<T>,
+    pub k_rstd: Vec<T>,
+    pub k: Vec<T>,
+    pub v: Vec<T>,
+    pub att: Vec<T>,
+    pub att_out: Vec<T>,
+    pub x_mid: Vec<T>,
+    pub ln2: Vec<T>,
+    pub ln2_rstd: Vec<T>,
+    pub gate: Vec<T>,
+    pub up: Vec<T>,
+    pub h: Vec<T>,
+}
+
+/// Activations of a forward pass plus backward scratch, reused across calls (grow-only).
+#[derive(Debug, Clone, Default)]
+pub struct Activations<T> {
+    /// Residual stream: `resid[0]` embeddings, `resid[l + 1]` output of layer `l`.
+    pub resid: Vec<Vec<T>>,
+    /// Per layer.
+    pub layers: Vec<LayerActs<T>>,
+    /// Offsets of each sequence's attention probabilities within a layer's `att`.
+    pub att_off: Vec<usize>,
+    /// Final norm output, `[N, D]`.
+    pub lnf: Vec<T>,
+    /// Final norm rstd.
+    pub lnf_rstd: Vec<T>,
+    /// Final norm rows at the selected positions, `[M, D]`.
+    pub hsel: Vec<T>,
+    /// Logits at the selected rows, `[M, V]`.
+    pub logits: Vec<T>,
+    tmp: Vec<T>,
+    dres: Vec<T>,
+    dbig: Vec<T>,
+    dgate: Vec<T>,
+    dup: Vec<T>,
+    dln: Vec<T>,
+    datt: Vec<T>,
+    dq: Vec<T>,
+    dk: Vec<T>,
+    dv: Vec<T>,
+    dqk_pre: Vec<T>,
+    dhsel: Vec<T>,
+}
+
+/// Resizes to `n` zeros without giving back capacity.
+pub(crate) fn fit<T: Float>(v: &mut Vec<T>, n: usize) {
+    v.clear();
+    v.resize(n, T::ZERO);
+}
+
+/// Borrowed weights of one layer.
+#[allow(missing_docs)]
+pub struct LayerW<'a, T> {
+    pub input_norm: &'a [T],
+    pub q: &'a [T],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub o: &'a [T],
+    pub q_norm: &'a [T],
+    pub k_norm: &'a [T],
+    pub post_norm: &'a [T],
+    pub gate: &'a [T],
+    pub up: &'a [T],
+    pub down: &'a [T],
+}
+
+/// A Qwen3 model: config, layout, flat parameters and RoPE tables.
+#[derive(Debug, Clone)]
+pub struct Model<T> {
+    /// Configuration.
+    pub cfg: ModelConfig,
+    /// Parameter layout.
+    pub layout: Layout,
+    /// Flat parameters.
+    pub params: Vec<T>,
+    /// RoPE tables for every position up to `max_position_embeddings`.
+    pub rope: RopeTable<T>,
+}
+
+impl<T: Float> Model<T> {
+    /// A model from validated weights.
+    pub fn new(cfg: &ModelConfig, w: &Weights) -> Result<Self> {
+        cfg.validate()?;
+        w.validate(cfg)?;
+        let layout = Layout::new(cfg);
+        let params = layout.flatten(w)?;
+        Ok(Self {
+            rope: RopeTable::new(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings),
+            cfg: cfg.clone(),
+            layout,
+            params,
+        })
+    }
+
+    /// The weights of layer `l`.
+    pub fn layer(&self, l: usize) -> LayerW<'_, T> {
+        let c = &self.cfg;
+        let o = &self.layout.layers[l];
+        let (d, f, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
+        let p = |off: usize, len: usize| &self.params[off..off + len];
+        LayerW {
+            input_norm: p(o.input_norm, d),
+            q: p(o.q, c.q_dim() * d),
+            k: p(o.k, c.kv_dim() * d),
+            v: p(o.v, c.kv_dim() * d),
+            o: p(o.o, d * c.q_dim()),
+            q_norm: p(o.q_norm, hd),
+            k_norm: p(o.k_norm, hd),
+            post_norm: p(o.post_norm, d),
+            gate: p(o.gate, f * d),
+            up: p(o.up, f * d),
+            down: p(o.down, d * f),
+        }
+    }
+
+    /// `[vocab, hidden]` embedding.
+    pub fn embed(&self) -> &[T] {
+        let n = self.cfg.vocab_size * self.cfg.hidden_size;
+        &self.params[self.layout.embed..self.layout.embed + n]
+    }
+
+    /// `[vocab, hidden]` output projection (the embedding when tied).
+    pub fn lm_head(&self) -> &[T] {
+        let n = self.cfg.vocab_size * self.cfg.hidden_size;
+        &self.params[self.layout.lm_head..self.layout.lm_head + n]
+    }
+
+    /// `[hidden]` final norm weight.
+    pub fn final_norm(&self) -> &[T] {
+        &self.params[self.layout.final_norm..self.layout.final_norm + self.cfg.hidden_size]
+    }
+
+    /// Forward pass over a packed batch; leaves the logits of `b.rows` in `a.logits` and keeps
+    /// every activation the backward needs.
+    pub fn forward(&self, b: &PackedBatch, a: &mut Activations<T>) {
+        let c = &self.cfg;
+        let (n, d, f, v) = (
+            b.ids.len(),
+            c.hidden_size,
+            c.intermediate_size,
+            c.vocab_size,
+        );
+        let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (qd, kd) = (c.q_dim(), c.kv_dim());
+        let nl = c.num_hidden_layers;
+        a.resid.resize_with(nl + 1, Vec::new);
+        a.layers.resize_with(nl, LayerActs::default);
+        a.att_off.clear();
+        let mut att_total = 0;
+        for s in &b.seqs {
+            a.att_off.push(att_total);
+            att_total += h * s.len() * s.len();
+        }
+        fit(&mut a.resid[0], n * d);
+        embedding_fwd(&mut a.resid[0], &b.ids, self.embed(), d);
+        fit(&mut a.tmp, n * d);
+        for l in 0..nl {
+            let w = self.layer(l);
+            let (lo, hi) = a.resid.split_at_mut(l + 1);
+            let (x_in, x_out) = (&lo[l], &mut hi[0]);
+            let la = &mut a.layers[l];
+            fit(&mut la.ln1, n * d);
+            fit(&mut la.ln1_rstd, n);
+            rmsnorm_fwd(
+                &mut la.ln1,
+                &mut la.ln1_rstd,
+                x_in,
+                w.input_norm,
+                d,
+                c.rms_norm_eps,
+            );
+            fit(&mut la.q_pre, n * qd);
+            fit(&mut la.k_pre, n * kd);
+            fit(&mut la.v, n * kd);
+            matmul_fwd(&mut la.q_pre, &la.ln1, w.q, n, d, qd);
+            matmul_fwd(&mut la.k_pre, &la.ln1, w.k, n, d, kd);
+            matmul_fwd(&mut la.v, &la.ln1, w.v, n, d, kd);
+            fit(&mut la.q, n * qd);
+            fit(&mut la.q_rstd, n * h);
+            fit(&mut la.k, n * kd);
+            fit(&mut la.k_rstd, n * kvh);
+            rmsnorm_fwd(
+                &mut la.q,
+                &mut la.q_rstd,
+                &la.q_pre,
+                w.q_norm,
+                hd,
+                c.rms_norm_eps,
+            );
+            rmsnorm_fwd(
+                &mut la.k,
+                &mut la.k_rstd,
+                &la.k_pre,
+                w.k_norm,
+                hd,
+                c.rms_norm_eps,
+            );
+            rope_fwd(&mut la.q, &b.pos, h, &self.rope);
+            rope_fwd(&mut la.k, &b.pos, kvh, &self.rope);
+            fit(&mut la.att, att_total);
+            fit(&mut la.att_out, n * qd);
+            {
+                let LayerActs {
+                    q,
+                    k,
+                    v: vv,
+                    att,
+                    att_out,
+                    ..
+                } = la;
+                let mut tasks = Vec::with_capacity(b.seqs.len());
+                let (mut out_rest, mut att_rest) = (&mut att_out[..], &mut att[..]);
+                for s in &b.seqs {
+                    let m = s.len();
+                    let (o, r) = std::mem::take(&mut out_rest).split_at_mut(m * qd);
+                    out_rest = r;
+                    let (p, r) = std::mem::take(&mut att_rest).split_at_mut(h * m * m);
+                    att_rest = r;
+                    tasks.push((s.clone(), o, p));
+                }
+                let (q, k, vv) = (&q[..], &k[..], &vv[..]);
+                tasks.into_par_iter().for_each(|(s, o, p)| {
+                    let m = s.len();
+                    attention_fwd(
+                        o,
+                        p,
+                        &q[s.start * qd..s.end * qd],
+                        &k[s.start * kd..s.end * kd],
+                        &vv[s.start * kd..s.end * kd],
+                        m,
+                        m,
+                        h,
+                        kvh,
+                        hd,
+                    );
+                });
+            }
+            matmul_fwd(&mut a.tmp, &la.att_out, w.o, n, qd, d);
+            fit(&mut la.x_mid, n * d);
+            residual_fwd(&mut la.x_mid, x_in, &a.tmp);
+            fit(&mut la.ln2, n * d);
+            fit(&mut la.ln2_rstd, n);
+            rmsnorm_fwd(
+                &mut la.ln2,
+                &mut la.ln2_rstd,
+                &la.x_mid,
+                w.post_norm,
+                d,
+                c.rms_norm_eps,
+            );
+            fit(&mut la.gate, n * f);
+            fit(&mut la.up, n * f);
+            fit(&mut la.h, n * f);
+            matmul_fwd(&mut la.gate, &la.ln2, w.gate, n, d, f);
+            matmul_fwd(&mut la.up, &la.ln2, w.up, n, d, f);
+            swiglu_fwd(&mut la.h, &la.gate, &la.up);
+            matmul_fwd(&mut a.tmp, &la.h, w.down, n, f, d);
+            fit(x_out, n * d);
+            residual_fwd(x_out, &la.x_mid, &a.tmp);
+        }
+        fit(&mut a.lnf, n * d);
+        fit(&mut a.lnf_rstd, n);
+        rmsnorm_fwd(
+            &mut a.lnf,
+            &mut a.lnf_rstd,
+            &a.resid[nl],
+            self.final_norm(),
+            d,
+            c.rms_norm_eps,
+        );
+        let m = b.rows.len();
+        fit(&mut a.hsel, m * d);
+        for (i, &r) in b.rows.iter().enumerate() {
+            a.hsel[i * d..(i + 1) * d].copy_from_slice(&a.lnf[r * d..(r + 1) * d]);
+        }
+        fit(&mut a.logits, m * v);
+        matmul_fwd(&mut a.logits, &a.hsel, self.lm_head(), m, d, v);
+    }
+
+    /// Backward pass after [`Model::forward`] on the same batch: adds the gradient of the loss
+    /// whose derivative with respect to `a.logits` is `dlogits` into `grads` (flat, same layout).
+    pub fn backward(
+        &self,
+        b: &PackedBatch,
+        a: &mut Activations<T>,
+        dlogits: &[T],
+        grads: &mut [T],
+    ) {
+        let c = &self.cfg;
+        let (n, d, f, v) = (
+            b.ids.len(),
+            c.hidden_size,
+            c.intermediate_size,
+            c.vocab_size,
+        );
+        let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (qd, kd) = (c.q_dim(), c.kv_dim());
+        let nl = c.num_hidden_layers;
+        let lay = &self.layout;
+        let m = b.rows.len();
+        // lm_head and the row gather
+        fit(&mut a.dhsel, m * d);
+        matmul_bwd(
+            Some(&mut a.dhsel),
+            &mut grads[lay.lm_head..lay.lm_head + v * d],
+            dlogits,
+            &a.hsel,
+            self.lm_head(),
+            m,
+            d,
+            v,
+        );
+        fit(&mut a.dbig, n * d);
+        for (i, &r) in b.rows.iter().enumerate() {
+            for (x, y) in a.dbig[r * d..(r + 1) * d]
+                .iter_mut()
+                .zip(&a.dhsel[i * d..(i + 1) * d])
+            {
+                *x += *y;
+            }
+        }
+        fit(&mut a.dres, n * d);
+        rmsnorm_bwd(
+            &mut a.dres,
+            &mut grads[lay.final_norm..lay.final_norm + d],
+            &a.dbig,
+            &a.resid[nl],
+            self.final_norm(),
+            &a.lnf_rstd,
+            d,
+        );
+        for l in (0..nl).rev() {
+            let w = self.layer(l);
+            let o = lay.layers[l];
+            let la = &a.layers[l];
+            // MLP: resid[l+1] = x_mid + down(swiglu(gate(ln2), up(ln2)))
+            fit(&mut a.dbig, n * f);
+            matmul_bwd(
+                Some(&mut a.dbig),
+                &mut grads[o.down..o.down + d * f],
+                &a.dres,
+                &la.h,
+                w.down,
+                n,
+                f,
+                d,
+            );
+            fit(&mut a.dgate, n * f);
+            fit(&mut a.dup, n * f);
+            swiglu_bwd(&mut a.dgate, &mut a.dup, &a.dbig, &la.gate, &la.up);
+            fit(&mut a.dln, n * d);
+            matmul_bwd(
+                Some(&mut a.dln),
+                &mut grads[o.gate..o.gate + f * d],
+                &a.dgate,
+                &la.ln2,
+                w.gate,
+                n,
+                d,
+                f,
+            );
+            matmul_bwd(
+                Some(&mut a.dln),
+                &mut grads[o.up..o.up + f * d],
+                &a.dup,
+                &la.ln2,
+                w.up,
+                n,
+                d,
+                f,
+            );
+            rmsnorm_bwd(
+                &mut a.dres,
+                &mut grads[o.post_norm..o.post_norm + d],
+                &a.dln,
+                &la.x_mid,
+                w.post_norm,
+                &la.ln2_rstd,
+                d,
+            );
+            // attention: x_mid = resid[l] + o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v))
+            fit(&mut a.datt, n * qd);
+            matmul_bwd(
+                Some(&mut a.datt),
+                &mut grads[o.o..o.o + d * qd],
+                &a.dres,
+                &la.att_out,
+                w.o,
+                n,
+                qd,
+                d,
+            );
+            fit(&mut a.dq, n * qd);
+            fit(&mut a.dk, n * kd);
+            fit(&mut a.dv, n * kd);
+            {
+                let mut tasks = Vec::with_capacity(b.seqs.len());
+                let (mut dq_r, mut dk_r, mut dv_r) = (&mut a.dq[..], &mut a.dk[..], &mut a.dv[..]);
+                for (si, s) in b.seqs.iter().enumerate() {
+                    let ml = s.len();
+                    let (x, r) = std::mem::take(&mut dq_r).split_at_mut(ml * qd);
+                    dq_r = r;
+                    let (y, r) = std::mem::take(&mut dk_r).split_at_mut(ml * kd);
+                    dk_r = r;
+                    let (z, r) = std::mem::take(&mut dv_r).split_at_mut(ml * kd);
+                    dv_r = r;
+                    tasks.push((si, s.clone(), x, y, z));
+                }
+                let (datt, att_off) = (&a.datt[..], &a.att_off[..]);
+                tasks.into_par_iter().for_each(|(si, s, dq, dk, dv)| {
+                    let ml = s.len();
+                    let mut scratch = vec![T::ZERO; ml];
+                    attention_bwd(
+                        dq,
+                        dk,
+                        dv,
+                        &mut scratch,
+                        &datt[s.start * qd..s.end * qd],
+                        &la.att[att_off[si]..att_off[si] + h * ml * ml],
+                        &la.q[s.start * qd..s.end * qd],
+                        &la.k[s.start * kd..s.end * kd],
+                        &la.v[s.start * kd..s.end * kd],
+                        ml,
+                        ml,
+                        h,
+                        kvh,
+                        hd,
+                    );
+                });
+            }
+            rope_bwd(&mut a.dq, &b.pos, h, &self.rope);
+            rope_bwd(&mut a.dk, &b.pos, kvh, &self.rope);
+            fit(&mut a.dln, n * d);
+            fit(&mut a.dqk_pre, n * qd);
+            rmsnorm_bwd(
+                &mut a.dqk_pre,
+                &mut grads[o.q_norm..o.q_norm + hd],
+                &a.dq,
+                &la.q_pre,
+                w.q_norm,
+                &la.q_rstd,
+                hd,
+            );
+            matmul_bwd(
+                Some(&mut a.dln),
+                &mut grads[o.q..o.q + qd * d],
+                &a.dqk_pre,
+                &la.ln1,
+                w.q,
+                n,
+                d,
+                qd,
+            );
+            fit(&mut a.dqk_pre, n * kd);
+            rmsnorm_bwd(
+                &mut a.dqk_pre,
+                &mut grads[o.k_norm..o.k_norm + hd],
+                &a.dk,
+                &la.k_pre,
+                w.k_norm,
+                &la.k_rstd,
+                hd,
+            );
+            matmul_bwd(
+                Some(&mut a.dln),
+                &mut grads[o.k..o.k + kd * d],
+                &a.dqk_pre,
+                &la.ln1,
+                w.k,
+                n,
+                d,
+                kd,
+            );
+            matmul_bwd(
+                Some(&mut a.dln),
+                &mut grads[o.v..o.v + kd * d],
+                &a.dv,
+                &la.ln1,
+                w.v,
+                n,
+                d,
+                kd,
+            );
+            rmsnorm_bwd(
+                &mut a.dres,
+                &mut grads[o.input_norm..o.input_norm + d],
+                &a.dln,
+                &a.resid[l],
+                w.input_norm,
+                &la.ln1_rstd,
+                d,
+            );
+        }
+        embedding_bwd(&mut grads[lay.embed..lay.embed + v * d], &a.dres, &b.ids, d);
+    }
+
+    /// Forward and backward of `obj` on a validated micro-batch (see [`validate_train_batch`]),
+    /// adding the gradient of Σ weight·loss to `grads` (skipped when `None`). A non-finite loss
+    /// is an error and skips the backward.
+    pub fn accumulate(
+        &self,
+        batch: &TrainBatch,
+        obj: &Objective,
+        a: &mut Activations<T>,
+        grads: Option<&mut [T]>,
+    ) -> Result<AccumStats> {
+        let pairs: Vec<(&[u32], &[u32])> = batch
+            .sequences
+            .iter()
+            .map(|s| (&s.prompt[..], &s.response[..]))
+            .collect();
+        let b = PackedBatch::scored(&pairs);
+        self.forward(&b, a);
+        let m = b.rows.len();
+        let v = self.cfg.vocab_size;
+        let temperature = match obj {
+            Objective::Grpo { temperature, .. } => *temperature,
+            Objective::Sft => 1.0,
+        };
+        let (mut logp, mut ent, mut lse) = (vec![T::ZERO; m], vec![T::ZERO; m], vec![T::ZERO; m]);
+        logprob_fwd(
+            &mut logp,
+            &mut ent,
+            &mut lse,
+            &a.logits,
+            &b.targets,
+            v,
+            temperature,
+        );
+        let mut stats = AccumStats {
+            tokens: m,
+            sequences: batch.sequences.len(),
+            entropy_sum: ent.iter().map(|x| x.to_f64()).sum(),
+            ..Default::default()
+        };
+        let mut dlogp = vec![T::ZERO; m];
+        match *obj {
+            Objective::Sft => {
+                let mut t = 0;
+                for s in &batch.sequences {
+                    let w = T::from_f64(s.weight);
+                    for _ in 0..s.response.len() {
+                        stats.loss_sum -= (w * logp[t]).to_f64();
+                        dlogp[t] = -w;
+                        t += 1;
+                    }
+                }
+            }
+            Objective::Grpo {
+                eps_low,
+                eps_high,
+                beta,
+                ..
+            } => {
+                let (mut old, mut refp, mut adv, mut w) = (
+                    Vec::with_capacity(m),
+                    Vec::with_capacity(m),
+                    Vec::with_capacity(m),
+                    Vec::with_capacity(m),
+                );
+                let mut t = 0;
+                for s in &batch.sequences {
+                    let n = s.response.len();
+                    // None: the current weights' log-probs, detached (constants of the backward).
+                    match &s.old_logprobs {
+                        Some(o) => old.extend(o.iter().map(|x| T::from_f64(*x as f64))),
+                        None => old.extend_from_slice(&logp[t..t + n]),
+                    }
+                    match &s.ref_logprobs {
+                        Some(r) => refp.extend(r.iter().map(|x| T::from_f64(*x as f64))),
+                        None => refp.extend_from_slice(&logp[t..t + n]),
+                    }
+                    adv.extend(std::iter::repeat_n(T::from_f64(s.advantage), n));
+                    w.extend(std::iter::repeat_n(T::from_f64(s.weight), n));
+                    t += n;
+                }
+                let coefs = GrpoCoefs {
+                    eps_low,
+                    eps_high,
+                    beta,
+                };
+                let (mut loss, mut kl, mut clipped) =
+                    (vec![T::ZERO; m], vec![T::ZERO; m], vec![false; m]);
+                grpo_loss_fwd(
+                    &mut loss,
+                    &mut kl,
+                    &mut clipped,
+                    &logp,
+                    &old,
+                    &refp,
+                    &adv,
+                    &w,
+                    coefs,
+                );
+                grpo_loss_bwd(&mut dlogp, &logp, &old, &refp, &adv, &w, coefs);
+                stats.loss_sum = loss.iter().map(|x| x.to_f64()).sum();
+                stats.kl_sum = kl.iter().map(|x| x.to_f64()).sum();
+                stats.clipped = clipped.iter().filter(|c| **c).count();
+            }
+        }
+        if !stats.loss_sum.is_finite() {
+            return Err(BackendError::non_finite("loss of the micro-batch"));
+        }
+        if let Some(grads) = grads {
+            let mut dlogits = vec![T::ZERO; m * v];
+            logprob_bwd(
+                &mut dlogits,
+                &dlogp,
+                &a.logits,
+                &b.targets,
+                &lse,
+                v,
+                temperature,
+            );
+            self.backward(&b, a, &dlogits, grads);
+        }
+        Ok(stats)
+    }
+
+    /// Per response token log-probs at `temperature` of validated sequences.
+    pub fn logprobs(
+        &self,
+        seqs: &[(&[u32], &[u32])],
+        temperature: f64,
+        a: &mut Activations<T>,
+    ) -> Vec<Vec<f32>> {
+        let b = PackedBatch::scored(seqs);
+        self.forward(&b, a);
+        let m = b.rows.len();
+        let (mut logp, mut ent, mut lse) = (vec![T::ZERO; m], vec![T::ZERO; m], vec![T::ZERO; m]);
+        logprob_fwd(
+            &mut logp,
+            &mut ent,
+            &mut lse,
+            &a.logits,
+            &b.targets,
+            self.cfg.vocab_size,
+            temperature,
+        );
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut t = 0;
+        for (_, r) in seqs {
+            out.push(
+                logp[t..t + r.len()]
+                    .iter()
+                    .map(|x| x.to_f64() as f32)
+                    .collect(),
+            );
+            t += r.len();
+        }
+        out
+    }
+}
+
+/// Checks token ids against the vocabulary.
+pub fn check_tokens(cfg: &ModelConfig, ids: &[u32], what: &str) -> Result<()> {
+    match ids.iter().find(|&&id| id as usize >= cfg.vocab_size) {
+        Some(&id) => Err(BackendError::UnknownToken {
+            id,
+            vocab: cfg.vocab_size,
+            what: what.to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Checks a scored `(prompt, response)` pair: both non-empty, known tokens, within the
+/// position limit.
+pub fn check_sequence(
+    cfg: &ModelConfig,
+    prompt: &[u32],
+    response: &[u32],
+    what: &str,
+) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(BackendError::EmptyBatch(format!("{what}: empty prompt")));
+    }
+    if response.is_empty() {
+        return Err(BackendError::EmptyBatch(format!("{what}: empty response")));
+    }
+    check_tokens(cfg, prompt, &format!("{what} prompt"))?;
+    check_tokens(cfg, response, &format!("{what} response"))?;
+    let n = prompt.len() + response.len();
+    if n > cfg.max_position_embeddings {
+        return Err(BackendError::shape(
+            format!("{what} length"),
+            format!(
+                "at most max_position_embeddings = {}",
+                cfg.max_position_embeddings
+            ),
+            n,
+        ));
+    }
+    Ok(())
+}
+
+fn finite_or(x: f64, what: impl FnOnce() -> String) -> Result<()> {
+    if x.is_finite() {
+        Ok(())
+    } else {
+        Err(BackendError::non_finite(what()))
+    }
+}
+
+/// Checks a training micro-batch and objective before any computation.
+pub fn validate_train_batch(cfg: &ModelConfig, batch: &TrainBatch, obj: &Objective) -> Result<()> {
+    if batch.sequences.is_empty() {
+        return Err(BackendError::EmptyBatch(
+            "training batch has no sequences".into(),
+        ));
+    }
+    if let Objective::Grpo {
+        eps_low,
+        eps_high,
+        beta,
+        temperature,
+    } = *obj
+    {
+        for (what, x) in [("eps_low", eps_low), ("eps_high", eps_high), ("beta", beta)] {
+            if !(x.is_finite() && x >= 0.0) {
+                return Err(BackendError::invalid(
+                    what,
+                    format!("{x} is not a finite number ≥ 0"),
+                ));
+            }
+        }
+        if eps_low >= 1.0 {
+            return Err(BackendError::invalid(
+                "eps_low",
+                format!("{eps_low} must be below 1"),
+            ));
+        }
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(BackendError::invalid(
+                "temperature",
+                format!("{temperature} must be positive"),
+            ));
+        }
+    }
+    for (i, s) in batch.sequences.iter().enumerate() {
+        let what = format!("sequence {i}");
+        check_sequence(cfg, &s.prompt, &s.response, &what)?;
+        finite_or(s.advantage, || format!("{what} advantage"))?;
+        finite_or(s.weight, || format!("{what} loss weight"))?;
+        if s.weight < 0.0 {
+            return Err(BackendError::invalid(
+                format!("{what} loss weight"),
+                "negative",
+            ));
+        }
+        for (name, lp) in [
+            ("old_logprobs", &s.old_logprobs),
+            ("ref_logprobs", &s.ref_logprobs),
+        ] {
+            if let Some(lp) = lp {
+                if lp.len() != s.response.len() {
+                    return Err(BackendError::shape(
+                        format!("{what} {name}"),
+                        s.response.len(),
+                        lp.len(),
+                    ));
+                }
+                if let Some(j) = lp.iter().position(|x| !x.is_finite() || *x > 1e-3) {
+                    return Err(if lp[j].is_finite() {
+                        // a log-prob above 0 (beyond rounding) means the caller passed something else
+                        BackendError::invalid(
+                            format!("{what} {name}[{j}]"),
+                            format!("{} is a positive log-prob", lp[j]),
+                        )
+                    } else {
+                        BackendError::non_finite(format!("{what} {name}[{j}]"))
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,1269 @@
+//! The plain reference ops: one `*_fwd` / `*_bwd` pair per operation, llm.c style.
+//!
+//! Slices in, slices out, row-major, no allocation, no threads (the model parallelises across
+//! sequences; matrix products go through `matrixmultiply`, which threads itself). Every op is
+//! generic over [`Float`] so that the very code the backend runs in f32 is checked against finite
+//! differences in f64. Backward ops **accumulate** (`+=`) into their gradient outputs, so that
+//! residual branches and tied weights add up without extra buffers; callers zero them.
+//!
+//! The names are the workspace's op names (WGSL entry points and `Kernel::` variants use the
+//! same ones). Shapes use `n` rows (tokens), `d`/`din`/`dout` widths, `h` query heads, `kvh`
+//! key/value heads, `hd` head width, `v` vocabulary.
+
+use std::fmt::Debug;
+use std::ops::{Add, AddAssign, Div, DivAssign, Mul, MulAssign, Neg, Sub, SubAssign};
+
+/// The float types the reference runs in: f32 (the backend) and f64 (gradient checks).
+pub trait Float:
+    Copy
+    + Send
+    + Sync
+    + Debug
+    + Default
+    + PartialOrd
+    + 'static
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+    + AddAssign
+    + SubAssign
+    + MulAssign
+    + DivAssign
+{
+    /// 0.
+    const ZERO: Self;
+    /// 1.
+    const ONE: Self;
+    /// Conversion from f64 (rounding for f32).
+    fn from_f64(x: f64) -> Self;
+    /// Conversion to f64 (exact).
+    fn to_f64(self) -> f64;
+    /// e^x.
+    fn exp(self) -> Self;
+    /// Natural logarithm.
+    fn ln(self) -> Self;
+    /// Square root.
+    fn sqrt(self) -> Self;
+    /// x^y.
+    fn powf(self, y: Self) -> Self;
+    /// Cosine.
+    fn cos(self) -> Self;
+    /// Sine.
+    fn sin(self) -> Self;
+    /// Larger of two (NaN-ignoring like `f32::max`).
+    fn max(self, o: Self) -> Self;
+    /// Neither NaN nor infinite.
+    fn is_finite(self) -> bool;
+    /// `C ← α·A·B + β·C` with element strides, as `matrixmultiply::{s,d}gemm`.
+    ///
+    /// # Safety
+    /// Every index `i·rs + j·cs` for `i < rows`, `j < cols` of each operand must be in bounds of
+    /// its allocation, and `c` must not alias `a` or `b`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm_raw(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: Self,
+        a: *const Self,
+        rsa: isize,
+        csa: isize,
+        b: *const Self,
+        rsb: isize,
+        csb: isize,
+        beta: Self,
+        c: *mut Self,
+        rsc: isize,
+        csc: isize,
+    );
+}
+
+macro_rules! impl_float {
+    ($t:ty, $gemm:path) => {
+        impl Float for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            #[inline]
+            fn from_f64(x: f64) -> Self {
+                x as $t
+            }
+            #[inline]
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            #[inline]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            #[inline]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline]
+            fn powf(self, y: Self) -> Self {
+                <$t>::powf(self, y)
+            }
+            #[inline]
+            fn cos(self) -> Self {
+                <$t>::cos(self)
+            }
+            #[inline]
+            fn sin(self) -> Self {
+                <$t>::sin(self)
+            }
+            #[inline]
+            fn max(self, o: Self) -> Self {
+                <$t>::max(self, o)
+            }
+            #[inline]
+            fn is_finite(self) -> bool {
+                <$t>::is_finite(self)
+            }
+            unsafe fn gemm_raw(
+                m: usize,
+                k: usize,
+                n: usize,
+                alpha: Self,
+                a: *const Self,
+                rsa: isize,
+                csa: isize,
+                b: *const Self,
+                rsb: isize,
+                csb: isize,
+                beta: Self,
+                c: *mut Self,
+                rsc: isize,
+                csc: isize,
+            ) {
+                // SAFETY: the caller upholds the bounds and aliasing contract of this method,
+                // which is exactly matrixmultiply's.
+                unsafe { $gemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc) }
+            }
+        }
+    };
+}
+impl_float!(f32, matrixmultiply::sgemm);
+impl_float!(f64, matrixmultiply::dgemm);
+
+/// Highest element index + 1 that a `rows × cols` operand with these strides touches.
+fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * rs + (cols - 1) * cs + 1
+    }
+}
+
+/// Safe GEMM: `C[m×n] ← A[m×k]·B[k×n] + β·C` with (row, column) strides per operand.
+#[allow(clippy::too_many_arguments)]
+fn gemm<T: Float>(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[T],
+    (rsa, csa): (usize, usize),
+    b: &[T],
+    (rsb, csb): (usize, usize),
+    beta: T,
+    c: &mut [T],
+    (rsc, csc): (usize, usize),
+) {
+    // Internal invariant: the model sizes its buffers from the validated config, so a failure
+    // here is a bug in this crate, never a consequence of user input.
+    assert!(
+        extent(m, k, rsa, csa) <= a.len()
+            && extent(k, n, rsb, csb) <= b.len()
+            && extent(m, n, rsc, csc) <= c.len(),
+        "gemm operand out of bounds (m={m}, k={k}, n={n})"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the assert above keeps every accessed index inside each slice; `c` is a unique
+    // borrow, so it cannot alias the shared borrows `a` and `b`. Strides are below isize::MAX
+    // because they index into existing allocations.
+    unsafe {
+        T::gemm_raw(
+            m,
+            k,
+            n,
+            T::ONE,
+            a.as_ptr(),
+            rsa as isize,
+            csa as isize,
+            b.as_ptr(),
+            rsb as isize,
+            csb as isize,
+            beta,
+            c.as_mut_ptr(),
+            rsc as isize,
+            csc as isize,
+        )
+    }
+}
+
+#[inline]
+fn dot<T: Float>(a: &[T], b: &[T]) -> T {
+    let mut s = T::ZERO;
+    for (x, y) in a.iter().zip(b) {
+        s += *x * *y;
+    }
+    s
+}
+
+/// `out[n, d] = table[ids[t], :]`. `table` is `[vocab, d]`; ids must be below vocab.
+pub fn embedding_fwd<T: Float>(out: &mut [T], ids: &[u32], table: &[T], d: usize) {
+    for (row, &id) in out.chunks_exact_mut(d).zip(ids) {
+        let id = id as usize;
+        row.copy_from_slice(&table[id * d..(id + 1) * d]);
+    }
+}
+
+/// `dtable[ids[t], :] += dout[t, :]`. `dout` is `[n, d]`, `dtable` `[vocab, d]`.
+pub fn embedding_bwd<T: Float>(dtable: &mut [T], dout: &[T], ids: &[u32], d: usize) {
+    for (row, &id) in dout.chunks_exact(d).zip(ids) {
+        let id = id as usize;
+        for (g, x) in dtable[id * d..(id + 1) * d].iter_mut().zip(row) {
+            *g += *x;
+        }
+    }
+}
+
+/// RMSNorm over rows of width `d`: `out = w · x / sqrt(mean(x²) + eps)`; `x`, `out` are
+/// `[rows, d]`, `w` is `[d]`, `rstd[rows]` keeps `1/sqrt(mean(x²)+eps)` for the backward.
+/// Also used per head for `q_norm`/`k_norm` with `rows = tokens × heads`, `d = head_dim`.
+pub fn rmsnorm_fwd<T: Float>(out: &mut [T], rstd: &mut [T], x: &[T], w: &[T], d: usize, eps: f64) {
+    let inv_d = T::from_f64(1.0 / d as f64);
+    let eps = T::from_f64(eps);
+    for ((o, r), xr) in out
+        .chunks_exact_mut(d)
+        .zip(rstd.iter_mut())
+        .zip(x.chunks_exact(d))
+    {
+        let ms = dot(xr, xr) * inv_d;
+        let s = T::ONE / (ms + eps).sqrt();
+        *r = s;
+        for ((oi, xi), wi) in o.iter_mut().zip(xr).zip(w) {
+            *oi = *wi * (*xi * s);
+        }
+    }
+}
+
+/// Backward of [`rmsnorm_fwd`]: `dx += r·(g − x·r²·mean(g·x))` with `g = dout·w`, and
+/// `dw += Σ_rows dout·x·r`. Shapes as the forward.
+pub fn rmsnorm_bwd<T: Float>(
+    dx: &mut [T],
+    dw: &mut [T],
+    dout: &[T],
+    x: &[T],
+    w: &[T],
+    rstd: &[T],
+    d: usize,
+) {
+    let inv_d = T::from_f64(1.0 / d as f64);
+    for (((dxr, dor), xr), &r) in dx
+        .chunks_exact_mut(d)
+        .zip(dout.chunks_exact(d))
+        .zip(x.chunks_exact(d))
+        .zip(rstd)
+    {
+        let mut gx = T::ZERO;
+        for i in 0..d {
+            gx += dor[i] * w[i] * xr[i];
+        }
+        let c = r * r * r * gx * inv_d;
+        for i in 0..d {
+            dxr[i] += r * dor[i] * w[i] - c * xr[i];
+            dw[i] += dor[i] * xr[i] * r;
+        }
+    }
+}
+
+/// `out[n, dout] = x[n, din] · wᵀ` with `w` stored `[dout, din]` (torch's Linear, no bias).
+pub fn matmul_fwd<T: Float>(out: &mut [T], x: &[T], w: &[T], n: usize, din: usize, dout: usize) {
+    gemm(
+        n,
+        din,
+        dout,
+        x,
+        (din, 1),
+        w,
+        (1, din),
+        T::ZERO,
+        out,
+        (dout, 1),
+    );
+}
+
+/// Backward of [`matmul_fwd`]: `dx[n, din] += dy·w` (skipped when `None`, e.g. below the
+/// embedding) and `dw[dout, din] += dyᵀ·x`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_bwd<T: Float>(
+    dx: Option<&mut [T]>,
+    dw: &mut [T],
+    dy: &[T],
+    x: &[T],
+    w: &[T],
+    n: usize,
+    din: usize,
+    dout: usize,
+) {
+    if let Some(dx) = dx {
+        gemm(
+            n,
+            dout,
+            din,
+            dy,
+            (dout, 1),
+            w,
+            (din, 1),
+            T::ONE,
+            dx,
+            (din, 1),
+        );
+    }
+    gemm(
+        dout,
+        n,
+        din,
+        dy,
+        (1, dout),
+        x,
+        (din, 1),
+        T::ONE,
+        dw,
+        (din, 1),
+    );
+}
+
+/// Precomputed RoPE rotation tables `cos, sin : [max_pos, head_dim/2]`, computed in `T` the way
+/// transformers does in float32 (`inv_freq = 1/θ^(2i/hd)`, angle `pos·inv_freq`).
+#[derive(Debug, Clone)]
+pub struct RopeTable<T> {
+    /// cos of the angle, `[max_pos, half]`.
+    pub cos: Vec<T>,
+    /// sin of the angle, `[max_pos, half]`.
+    pub sin: Vec<T>,
+    /// `head_dim / 2`.
+    pub half: usize,
+}
+
+impl<T: Float> RopeTable<T> {
+    /// Tables for positions `0..max_pos`.
+    pub fn new(head_dim: usize, theta: f64, max_pos: usize) -> Self {
+        let half = head_dim / 2;
+        let inv: Vec<T> = (0..half)
+            .map(|i| {
+                T::ONE
+                    / T::from_f64(theta)
+                        .powf(T::from_f64((2 * i) as f64) / T::from_f64(head_dim as f64))
+            })
+            .collect();
+        let mut cos = Vec::with_capacity(max_pos * half);
+        let mut sin = Vec::with_capacity(max_pos * half);
+        for p in 0..max_pos {
+            for f in &inv {
+                let a = T::from_f64(p as f64) * *f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Self { cos, sin, half }
+    }
+}
+
+/// Rotate-half RoPE in place: for each row `t` at position `pos[t]` and each of the `heads` heads
+/// of width `hd = 2·half`, pair `i` with `i + half`:
+/// `(x₁, x₂) ← (x₁·c − x₂·s, x₂·c + x₁·s)`. `x` is `[n, heads·hd]`.
+pub fn rope_fwd<T: Float>(x: &mut [T], pos: &[u32], heads: usize, table: &RopeTable<T>) {
+    rope_apply(x, pos, heads, table, false);
+}
+
+/// Backward of [`rope_fwd`], in place on the gradient: the transposed rotation
+/// `(g₁, g₂) ← (g₁·c + g₂·s, g₂·c − g₁·s)`.
+pub fn rope_bwd<T: Float>(dx: &mut [T], pos: &[u32], heads: usize, table: &RopeTable<T>) {
+    rope_apply(dx, pos, heads, table, true);
+}
+
+fn rope_apply<T: Float>(
+    x: &mut [T],
+    pos: &[u32],
+    heads: usize,
+    table: &RopeTable<T>,
+    inverse: bool,
+) {
+    let half = table.half;
+    let hd = 2 * half;
+    for (row, &p) in x.chunks_exact_mut(heads * hd).zip(pos) {
+        let c = &table.cos[p as usize * half..(p as usize + 1) * half];
+        let s = &table.sin[p as usize * half..(p as usize + 1) * half];
+        for head in row.chunks_exact_mut(hd) {
+            let (x1, x2) = head.split_at_mut(half);
+            for i in 0..half {
+                let (a, b) = (x1[i], x2[i]);
+                let si = if inverse { -s[i] } else { s[i] };
+                x1[i] = a * c[i] - b * si;
+                x2[i] = b * c[i] + a * si;
+            }
+        }
+    }
+}
+
+/// Causal grouped-query attention of one sequence (or one request's chunk against its KV cache).
+///
+/// `q` is `[nq, h·hd]`, `k`, `v` are `[nk, kvh·hd]`, `out` is `[nq, h·hd]`, `att` (saved softmax
+/// probabilities) is `[h, nq, nk]`. Query row `i` sits at position `nk − nq + i` and attends to
+/// keys `0..=nk − nq + i`; query head `hh` reads kv head `hh / (h / kvh)`; scores are scaled by
+/// `hd^-½`. `nq ≤ nk`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd<T: Float>(
+    out: &mut [T],
+    att: &mut [T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    nq: usize,
+    nk: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+) {
+    let scale = T::from_f64(1.0 / (hd as f64).sqrt());
+    let grp = h / kvh;
+    let (qd, kd) = (h * hd, kvh * hd);
+    let off = nk - nq;
+    out[..nq * qd].fill(T::ZERO);
+    for hh in 0..h {
+        let kh = hh / grp;
+        for i in 0..nq {
+            let qi = &q[i * qd + hh * hd..i * qd + (hh + 1) * hd];
+            let row = &mut att[(hh * nq + i) * nk..(hh * nq + i + 1) * nk];
+            let last = off + i;
+            let mut mx = T::from_f64(f64::NEG_INFINITY);
+            for j in 0..=last {
+                let s = dot(qi, &k[j * kd + kh * hd..j * kd + (kh + 1) * hd]) * scale;
+                row[j] = s;
+                mx = mx.max(s);
+            }
+            let mut sum = T::ZERO;
+            for r in row[..=last].iter_mut() {
+                *r = (*r - mx).exp();
+                sum += *r;
+            }
+            let inv = T::ONE / sum;
+            for r in row[..=last].iter_mut() {
+                *r *= inv;
+            }
+            row[last + 1..].fill(T::ZERO);
+            let o = &mut out[i * qd + hh * hd..i * qd + (hh + 1) * hd];
+            for j in 0..=last {
+                let p = row[j];
+                let vj = &v[j * kd + kh * hd..j * kd + (kh + 1) * hd];
+                for (oi, vi) in o.iter_mut().zip(vj) {
+                    *oi += p * *vi;
+                }
+            }
+        }
+    }
+}
+
+/// Backward of [`attention_fwd`]: accumulates `dq`, `dk`, `dv` (shapes of `q`, `k`, `v`) from
+/// `dout`, using the saved `att`. `scratch` holds at least `nk` values.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd<T: Float>(
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+    scratch: &mut [T],
+    dout: &[T],
+    att: &[T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    nq: usize,
+    nk: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+) {
+    let scale = T::from_f64(1.0 / (hd as f64).sqrt());
+    let grp = h / kvh;
+    let (qd, kd) = (h * hd, kvh * hd);
+    let off = nk - nq;
+    for hh in 0..h {
+        let kh = hh / grp;
+        for i in 0..nq {
+            let row = &att[(hh * nq + i) * nk..(hh * nq + i + 1) * nk];
+            let last = off + i;
+            let go = &dout[i * qd + hh * hd..i * qd + (hh + 1) * hd];
+            // dP_j = dout·v_j; dv_j += P_j·dout
+            let mut pdp = T::ZERO;
+            for j in 0..=last {
+                let r = j * kd + kh * hd..j * kd + (kh + 1) * hd;
+                let dp = dot(go, &v[r.clone()]);
+                scratch[j] = dp;
+                pdp += row[j] * dp;
+                for (g, o) in dv[r].iter_mut().zip(go) {
+                    *g += row[j] * *o;
+                }
+            }
+            // softmax backward: dS_j = P_j (dP_j − Σ P·dP), then through the scaled dot product
+            let qr = i * qd + hh * hd..i * qd + (hh + 1) * hd;
+            for j in 0..=last {
+                let ds = row[j] * (scratch[j] - pdp) * scale;
+                let kr = j * kd + kh * hd..j * kd + (kh + 1) * hd;
+                for t in 0..hd {
+                    dq[qr.start + t] += ds * k[kr.start + t];
+                    dk[kr.start + t] += ds * q[qr.start + t];
+                }
+            }
+        }
+    }
+}
+
+#[inline]
+fn sigmoid<T: Float>(x: T) -> T {
+    T::ONE / (T::ONE + (-x).exp())
+}
+
+/// SwiGLU: `out = silu(gate) · up`, all `[n, f]` (flattened).
+pub fn swiglu_fwd<T: Float>(out: &mut [T], gate: &[T], up: &[T]) {
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        *o = *g * sigmoid(*g) * *u;
+    }
+}
+
+/// Backward of [`swiglu_fwd`]: `dup += dout·silu(g)`,
+/// `dgate += dout·up·σ(g)(1 + g(1 − σ(g)))`.
+pub fn swiglu_bwd<T: Float>(dgate: &mut [T], dup: &mut [T], dout: &[T], gate: &[T], up: &[T]) {
+    for i in 0..dout.len() {
+        let g = gate[i];
+        let s = sigmoid(g);
+        dup[i] += dout[i] * g * s;
+        dgate[i] += dout[i] * up[i] * s * (T::ONE + g * (T::ONE - s));
+    }
+}
+
+/// Residual add `out = a + b` (its backward is the identity on both inputs).
+pub fn residual_fwd<T: Float>(out: &mut [T], a: &[T], b: &[T]) {
+    for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
+        *o = *x + *y;
+    }
+}
+
+/// Log-probs of the sampling distribution: for each row `r` of `logits[rows, v]`,
+/// `logp[r] = log_softmax(logits[r]/temperature)[targets[r]]`, `entropy[r]` of that
+/// distribution, and `lse[r] = logsumexp(logits[r]/temperature)` kept for the backward.
+/// `temperature > 0`.
+pub fn logprob_fwd<T: Float>(
+    logp: &mut [T],
+    entropy: &mut [T],
+    lse: &mut [T],
+    logits: &[T],
+    targets: &[u32],
+    v: usize,
+    temperature: f64,
+) {
+    let it = T::from_f64(1.0 / temperature);
+    for (r, z) in logits.chunks_exact(v).enumerate() {
+        let mut mx = z[0] * it;
+        for x in z {
+            mx = mx.max(*x * it);
+        }
+        let mut s = T::ZERO;
+        let mut sz = T::ZERO;
+        for x in z {
+            let e = (*x * it - mx).exp();
+            s += e;
+            sz += e * *x * it;
+        }
+        let l = mx + s.ln();
+        lse[r] = l;
+        logp[r] = z[targets[r] as usize] * it - l;
+        entropy[r] = l - sz / s;
+    }
+}
+
+/// Backward of [`logprob_fwd`]: `dlogits[r, j] += dlogp[r]/T · (1[j = target] − p_j)`.
+pub fn logprob_bwd<T: Float>(
+    dlogits: &mut [T],
+    dlogp: &[T],
+    logits: &[T],
+    targets: &[u32],
+    lse: &[T],
+    v: usize,
+    temperature: f64,
+) {
+    let it = T::from_f64(1.0 / temperature);
+    for (r, (dz, z)) in dlogits
+        .chunks_exact_mut(v)
+        .zip(logits.chunks_exact(v))
+        .enumerate()
+    {
+        let g = dlogp[r] * it;
+        for (d, x) in dz.iter_mut().zip(z) {
+            *d -= g * (*x * it - lse[r]).exp();
+        }
+        dz[targets[r] as usize] += g;
+    }
+}
+
+/// Hyper-parameters of the per-token GRPO loss (SPEC §6).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GrpoCoefs {
+    /// Lower clip range: ρ is clipped at `1 − eps_low`.
+    pub eps_low: f64,
+    /// Upper clip range: ρ is clipped at `1 + eps_high`.
+    pub eps_high: f64,
+    /// Weight of the k3 KL term.
+    pub beta: f64,
+}
+
+/// Per-token GRPO loss: with `ρ = exp(logp − old)`,
+/// `loss[t] = w[t]·(−min(ρA, clip(ρ, 1−ε_low, 1+ε_high)·A) + β·KL)`,
+/// `KL = exp(ref − logp) − (ref − logp) − 1` (k3; `kl[t]` receives it unweighted), and
+/// `clipped[t]` tells whether the clipped branch is the minimum (its gradient is then zero).
+/// All slices are per response token; `adv[t]` is the token's sequence advantage.
+#[allow(clippy::too_many_arguments)]
+pub fn grpo_loss_fwd<T: Float>(
+    loss: &mut [T],
+    kl: &mut [T],
+    clipped: &mut [bool],
+    logp: &[T],
+    old: &[T],
+    refp: &[T],
+    adv: &[T],
+    w: &[T],
+    c: GrpoCoefs,
+) {
+    let (lo, hi, beta) = (
+        T::from_f64(1.0 - c.eps_low),
+        T::from_f64(1.0 + c.eps_high),
+        T::from_f64(c.beta),
+    );
+    for t in 0..logp.len() {
+        let rho = (logp[t] - old[t]).exp();
+        let rc = if rho < lo {
+            lo
+        } else if rho > hi {
+            hi
+        } else {
+            rho
+        };
+        let (un, cl) = (rho * adv[t], rc * adv[t]);
+        let surr = if un <= cl { un } else { cl };
+        clipped[t] = cl < un;
+        let dr = refp[t] - logp[t];
+        let k = dr.exp() - dr - T::ONE;
+        kl[t] = k;
+        loss[t] = w[t] * (-surr + beta * k);
+    }
+}
+
+/// Backward of [`grpo_loss_fwd`] with respect to `logp`, accumulated into `dlogp`:
+/// `w·(−ρA·1[unclipped branch is the min] + β·(1 − exp(ref − logp)))`. At a tie (ρ inside the
+/// clip range) both branches carry the same gradient, as torch's `min` splits it.
+#[allow(clippy::too_many_arguments)]
+pub fn grpo_loss_bwd<T: Float>(
+    dlogp: &mut [T],
+    logp: &[T],
+    old: &[T],
+    refp: &[T],
+    adv: &[T],
+    w: &[T],
+    c: GrpoCoefs,
+) {
+    let (lo, hi, beta) = (
+        T::from_f64(1.0 - c.eps_low),
+        T::from_f64(1.0 + c.eps_high),
+        T::from_f64(c.beta),
+    );
+    for t in 0..logp.len() {
+        let rho = (logp[t] - old[t]).exp();
+        let rc = if rho < lo {
+            lo
+        } else if rho > hi {
+            hi
+        } else {
+            rho
+        };
+        let (un, cl) = (rho * adv[t], rc * adv[t]);
+        let dsurr = if un <= cl { un } else { T::ZERO };
+        let dkl = T::ONE - (refp[t] - logp[t]).exp();
+        dlogp[t] += w[t] * (-dsurr + beta * dkl);
+    }
+}
+
+/// Sum of squares of `g`, accumulated in f64 (the global norm is its square root over all
+/// tensors).
+pub fn grad_norm(g: &[f32]) -> f64 {
+    g.iter().map(|x| (*x as f64) * (*x as f64)).sum()
+}
+
+/// One AdamW step with `torch.optim.AdamW` semantics (single-tensor path), in place.
+///
+/// With `g = grad·grad_scale` (the normaliser and the clip factor folded into one scale):
+/// `p ← p·(1 − lr·wd)`, `m ← m + (1−β₁)(g − m)` (torch's `lerp`), `v ← β₂v + (1−β₂)g²`,
+/// `p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + eps)`. `step` is the 1-based step count `t`.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_step(
+    p: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    grad_scale: f32,
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    step: u64,
+) {
+    // torch computes the scalars in Python floats (f64) and applies them to f32 tensors.
+    let decay = (1.0 - lr * weight_decay) as f32;
+    let bc1 = 1.0 - beta1.powi(step as i32);
+    let bc2_sqrt = (1.0 - beta2.powi(step as i32)).sqrt();
+    let step_size = (lr / bc1) as f32;
+    let (w1, b2, w2) = ((1.0 - beta1) as f32, beta2 as f32, (1.0 - beta2) as f32);
+    let (bc2_sqrt, eps) = (bc2_sqrt as f32, eps as f32);
+    for i in 0..p.len() {
+        let g = grad[i] * grad_scale;
+        p[i] *= decay;
+        m[i] += w1 * (g - m[i]);
+        v[i] = v[i] * b2 + w2 * g * g;
+        let denom = v[i].sqrt() / bc2_sqrt + eps;
+        p[i] -= step_size * (m[i] / denom);
+    }
+}
+
+/// Per-request sampling settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy argmax (its log-probs are then of the temperature-1
+    /// distribution).
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens (0 = off).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p` (1 = off).
+    pub top_p: f32,
+    /// Generation stops after this many new tokens (finish reason `Length`).
+    pub max_new_tokens: usize,
+    /// Generation stops after emitting any of these (finish reason `Stop`; the token is kept).
+    pub stop_tokens: Vec<u32>,
+    /// Seed of the request's own random stream.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            max_new_tokens: 64,
+            stop_tokens: Vec::new(),
+            seed: 0,
+        }
+    }
+}
+
+/// Draws one token from `logits[v]` with the uniform draw `u ∈ [0, 1)` and returns it with its
+/// log-prob under the sampling distribution `log_softmax(logits / T)` (before top-k/top-p
+/// truncation, as SPEC §6 defines the rollout's log-probs).
+///
+/// Top-k then top-p restrict and renormalise the candidates (transformers' warper order); ties
+/// are broken by the lower token id, so the draw is a pure function of `(logits, params, u)`.
+/// `scratch` is reused between calls to avoid allocation.
+pub fn sample(
+    logits: &[f32],
+    params: &SamplingParams,
+    u: f64,
+    scratch: &mut Vec<(f32, u32)>,
+) -> (u32, f32) {
+    let t = if params.temperature > 0.0 {
+        params.temperature as f64
+    } else {
+        1.0
+    };
+    let it = 1.0 / t;
+    let mut mx = f64::NEG_INFINITY;
+    let mut arg = 0usize;
+    for (j, z) in logits.iter().enumerate() {
+        let s = *z as f64 * it;
+        if s > mx {
+            mx = s;
+            arg = j;
+        }
+    }
+    let total: f64 = logits.iter().map(|z| (*z as f64 * it - mx).exp()).sum();
+    let lse = mx + total.ln();
+    let logp = |j: usize| (logits[j] as f64 * it - lse) as f32;
+    if params.temperature <= 0.0 {
+        return (arg as u32, logp(arg));
+    }
+    let truncate = params.top_k > 0 || params.top_p < 1.0;
+    if !truncate {
+        // Inverse CDF in token order over unnormalised weights.
+        let target = u * total;
+        let mut acc = 0.0;
+        let mut last_nonzero = arg;
+        for (j, z) in logits.iter().enumerate() {
+            let e = (*z as f64 * it - mx).exp();
+            if e > 0.0 {
+                last_nonzero = j;
+            }
+            acc += e;
+            if acc > target {
+                return (j as u32, logp(j));
+            }
+        }
+        // Rounding left the target above the running sum: take the last possible token.
+        return (last_nonzero as u32, logp(last_nonzero));
+    }
+    scratch.clear();
+    scratch.extend(
+        logits
+            .iter()
+            .enumerate()
+            .map(|(j, z)| (((*z as f64 * it - mx).exp()) as f32, j as u32)),
+    );
+    scratch.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let mut keep = scratch.len();
+    if params.top_k > 0 {
+        keep = keep.min(params.top_k);
+    }
+    if params.top_p < 1.0 {
+        let sum: f64 = scratch[..keep].iter().map(|x| x.0 as f64).sum();
+        let mut acc = 0.0;
+        for (i, (p, _)) in scratch[..keep].iter().enumerate() {
+            acc += *p as f64 / sum;
+            if acc >= params.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    let kept = &scratch[..keep.max(1)];
+    let sum: f64 = kept.iter().map(|x| x.0 as f64).sum();
+    let target = u * sum;
+    let mut acc = 0.0;
+    for (p, j) in kept {
+        acc += *p as f64;
+        if acc > target {
+            return (*j, logp(*j as usize));
+        }
+    }
+    let j = kept[kept.len() - 1].1;
+    (j, logp(j as usize))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand_chacha::ChaCha8Rng;
+    use rand_chacha::rand_core::{Rng, SeedableRng};
+
+    fn rand_vec(rng: &mut ChaCha8Rng, n: usize, scale: f64) -> Vec<f64> {
+        (0..n)
+            .map(|_| ((rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale)
+            .collect()
+    }
+
+    /// Central-difference check of `∂(Σ dout·f(x))/∂x` against the analytic gradient, in f64.
+    /// The tolerance (1e-6 relative to the largest gradient, plus 1e-8) leaves room for the
+    /// O(h²) = 1e-10 truncation error and rounding of a few hundred f64 operations.
+    fn check(name: &str, x: &[f64], analytic: &[f64], f: impl Fn(&[f64]) -> f64) {
+        let h = 1e-5;
+        let scale = analytic
+            .iter()
+            .fold(0.0f64, |m, g| m.max(g.abs()))
+            .max(1e-3);
+        let mut xp = x.to_vec();
+        for i in 0..x.len() {
+            xp[i] = x[i] + h;
+            let fp = f(&xp);
+            xp[i] = x[i] - h;
+            let fm = f(&xp);
+            xp[i] = x[i];
+            let num = (fp - fm) / (2.0 * h);
+            let err = (num - analytic[i]).abs();
+            assert!(
+                err <= 1e-6 * scale + 1e-8,
+                "{name}[{i}]: numeric {num} analytic {} (err {err})",
+                analytic[i]
+            );
+        }
+    }
+
+    #[test]
+    fn embedding_grad() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let (v, d) = (5, 3);
+        let table = rand_vec(&mut rng, v * d, 1.0);
+        let ids = [2u32, 0, 2, 4];
+        let dout = rand_vec(&mut rng, ids.len() * d, 1.0);
+        let mut g = vec![0.0; v * d];
+        embedding_bwd(&mut g, &dout, &ids, d);
+        check("embedding", &table, &g, |t| {
+            let mut o = vec![0.0; ids.len() * d];
+            embedding_fwd(&mut o, &ids, t, d);
+            dot(&o, &dout)
+        });
+    }
+
+    #[test]
+    fn rmsnorm_grads() {
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        let (rows, d) = (3, 6);
+        let x = rand_vec(&mut rng, rows * d, 2.0);
+        let w = rand_vec(&mut rng, d, 1.5);
+        let dout = rand_vec(&mut rng, rows * d, 1.0);
+        let f = |x: &[f64], w: &[f64]| {
+            let mut o = vec![0.0; rows * d];
+            let mut r = vec![0.0; rows];
+            rmsnorm_fwd(&mut o, &mut r, x, w, d, 1e-5);
+            dot(&o, &dout)
+        };
+        let mut o = vec![0.0; rows * d];
+        let mut r = vec![0.0; rows];
+        rmsnorm_fwd(&mut o, &mut r, &x, &w, d, 1e-5);
+        let (mut dx, mut dw) = (vec![0.0; rows * d], vec![0.0; d]);
+        rmsnorm_bwd(&mut dx, &mut dw, &dout, &x, &w, &r, d);
+        check("rmsnorm dx", &x, &dx, |x| f(x, &w));
+        check("rmsnorm dw", &w, &dw, |w| f(&x, w));
+    }
+
+    #[test]
+    fn matmul_grads_and_values() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let (n, din, dout) = (4, 5, 3);
+        let x = rand_vec(&mut rng, n * din, 1.0);
+        let w = rand_vec(&mut rng, dout * din, 1.0);
+        let dy = rand_vec(&mut rng, n * dout, 1.0);
+        let mut y = vec![0.0; n * dout];
+        matmul_fwd(&mut y, &x, &w, n, din, dout);
+        // y[1,2] by hand
+        let y12: f64 = (0..din).map(|k| x[din + k] * w[2 * din + k]).sum();
+        assert!((y[dout + 2] - y12).abs() < 1e-12);
+        let (mut dx, mut dw) = (vec![0.0; n * din], vec![0.0; dout * din]);
+        matmul_bwd(Some(&mut dx), &mut dw, &dy, &x, &w, n, din, dout);
+        let f = |x: &[f64], w: &[f64]| {
+            let mut y = vec![0.0; n * dout];
+            matmul_fwd(&mut y, x, w, n, din, dout);
+            dot(&y, &dy)
+        };
+        check("matmul dx", &x, &dx, |x| f(x, &w));
+        check("matmul dw", &w, &dw, |w| f(&x, w));
+    }
+
+    #[test]
+    fn rope_grad_and_norm_preservation() {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let (n, heads, hd) = (3, 2, 6);
+        let table = RopeTable::<f64>::new(hd, 10_000.0, 16);
+        let pos = [0u32, 5, 11];
+        let x = rand_vec(&mut rng, n * heads * hd, 1.0);
+        let mut y = x.clone();
+        rope_fwd(&mut y, &pos, heads, &table);
+        // position 0 is the identity; rotations keep each head's norm
+        assert_eq!(&y[..heads * hd], &x[..heads * hd]);
+        for (a, b) in x.chunks(hd).zip(y.chunks(hd)) {
+            assert!((dot(a, a) - dot(b, b)).abs() < 1e-12);
+        }
+        let dy = rand_vec(&mut rng, n * heads * hd, 1.0);
+        let mut dx = dy.clone();
+        rope_bwd(&mut dx, &pos, heads, &table);
+        check("rope", &x, &dx, |x| {
+            let mut y = x.to_vec();
+            rope_fwd(&mut y, &pos, heads, &table);
+            dot(&y, &dy)
+        });
+    }
+
+    #[test]
+    fn attention_grads_gqa_and_cached_chunk() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let (h, kvh, hd) = (4, 2, 3);
+        // nq < nk exercises the KV-cache (chunk) form; nq == nk the full causal form.
+        for (nq, nk) in [(4, 4), (2, 5)] {
+            let q = rand_vec(&mut rng, nq * h * hd, 1.0);
+            let k = rand_vec(&mut rng, nk * kvh * hd, 1.0);
+            let v = rand_vec(&mut rng, nk * kvh * hd, 1.0);
+            let dout = rand_vec(&mut rng, nq * h * hd, 1.0);
+            let f = |q: &[f64], k: &[f64], v: &[f64]| {
+                let mut o = vec![0.0; nq * h * hd];
+                let mut a = vec![0.0; h * nq * nk];
+                attention_fwd(&mut o, &mut a, q, k, v, nq, nk, h, kvh, hd);
+                dot(&o, &dout)
+            };
+            let mut o = vec![0.0; nq * h * hd];
+            let mut a = vec![0.0; h * nq * nk];
+            attention_fwd(&mut o, &mut a, &q, &k, &v, nq, nk, h, kvh, hd);
+            // each probability row sums to one over its causal prefix, zero beyond
+            for hh in 0..h {
+                for i in 0..nq {
+                    let row = &a[(hh * nq + i) * nk..(hh * nq + i + 1) * nk];
+                    let last = nk - nq + i;
+                    assert!((row[..=last].iter().sum::<f64>() - 1.0).abs() < 1e-12);
+                    assert!(row[last + 1..].iter().all(|p| *p == 0.0));
+                }
+            }
+            let (mut dq, mut dk, mut dv) =
+                (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+            let mut s = vec![0.0; nk];
+            attention_bwd(
+                &mut dq, &mut dk, &mut dv, &mut s, &dout, &a, &q, &k, &v, nq, nk, h, kvh, hd,
+            );
+            check("attention dq", &q, &dq, |q| f(q, &k, &v));
+            check("attention dk", &k, &dk, |k| f(&q, k, &v));
+            check("attention dv", &v, &dv, |v| f(&q, &k, v));
+        }
+    }
+
+    #[test]
+    fn swiglu_grads() {
+        let mut rng = ChaCha8Rng::seed_from_u64(6);
+        let n = 10;
+        let g = rand_vec(&mut rng, n, 3.0);
+        let u = rand_vec(&mut rng, n, 2.0);
+        let dout = rand_vec(&mut rng, n, 1.0);
+        let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
+        swiglu_bwd(&mut dg, &mut du, &dout, &g, &u);
+        let f = |g: &[f64], u: &[f64]| {
+            let mut o = vec![0.0; n];
+            swiglu_fwd(&mut o, g, u);
+            dot(&o, &dout)
+        };
+        check("swiglu dgate", &g, &dg, |g| f(g, &u));
+        check("swiglu dup", &u, &du, |u| f(&g, u));
+    }
+
+    #[test]
+    fn logprob_values_and_grad() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let (rows, v, temp) = (3, 7, 0.7);
+        let z = rand_vec(&mut rng, rows * v, 3.0);
+        let targets = [1u32, 6, 0];
+        let dlp = rand_vec(&mut rng, rows, 1.0);
+        let (mut lp, mut ent, mut lse) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
+        logprob_fwd(&mut lp, &mut ent, &mut lse, &z, &targets, v, temp);
+        for r in 0..rows {
+            let zs: Vec<f64> = z[r * v..(r + 1) * v].iter().map(|x| x / temp).collect();
+            let s: f64 = zs.iter().map(|x| x.exp()).sum();
+            let p: Vec<f64> = zs.iter().map(|x| x.exp() / s).collect();
+            assert!((lp[r] - p[targets[r] as usize].ln()).abs() < 1e-12);
+            let h: f64 = -p.iter().map(|p| p * p.ln()).sum::<f64>();
+            assert!((ent[r] - h).abs() < 1e-12);
+        }
+        let mut dz = vec![0.0; rows * v];
+        logprob_bwd(&mut dz, &dlp, &z, &targets, &lse, v, temp);
+        check("logprob", &z, &dz, |z| {
+            let (mut lp, mut e, mut l) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
+            logprob_fwd(&mut lp, &mut e, &mut l, z, &targets, v, temp);
+            dot(&lp, &dlp)
+        });
+    }
+
+    #[test]
+    fn grpo_loss_values_clipping_and_grad() {
+        let c = GrpoCoefs {
+            eps_low: 0.2,
+            eps_high: 0.28,
+            beta: 0.05,
+        };
+        // ρ = e^0.5 > 1.28 with A > 0: clipped branch (zero surrogate gradient);
+        // ρ = e^0.5 with A < 0: unclipped branch is the min; ρ = e^-0.5 < 0.8 with A < 0:
+        // clipped; ρ = 1.05 inside the range.
+        let old = [0.0, 0.0, 0.0, 0.0];
+        let logp = [0.5, 0.5, -0.5, 0.05f64.ln_1p()];
+        let adv = [1.0, -1.0, -1.0, 2.0];
+        let refp = [0.3, 0.6, -0.2, 0.0];
+        let w = [1.0, 0.5, 2.0, 1.0];
+        let mut loss = [0.0; 4];
+        let mut kl = [0.0; 4];
+        let mut clipped = [false; 4];
+        grpo_loss_fwd(
+            &mut loss,
+            &mut kl,
+            &mut clipped,
+            &logp,
+            &old,
+            &refp,
+            &adv,
+            &w,
+            c,
+        );
+        assert_eq!(clipped, [true, false, true, false]);
+        let k3 = |r: f64, l: f64| (r - l).exp() - (r - l) - 1.0;
+        let expect = [
+            1.0 * (-1.28 + 0.05 * k3(0.3, 0.5)),
+            0.5 * (0.5f64.exp() + 0.05 * k3(0.6, 0.5)),
+            2.0 * (0.8 + 0.05 * k3(-0.2, -0.5)),
+            1.0 * (-2.1 + 0.05 * k3(0.0, 0.05f64.ln_1p())),
+        ];
+        for t in 0..4 {
+            assert!(
+                (loss[t] - expect[t]).abs() < 1e-12,
+                "{t}: {} vs {}",
+                loss[t],
+                expect[t]
+            );
+            assert!((kl[t] - k3(refp[t], logp[t])).abs() < 1e-15);
+        }
+        let mut d = [0.0; 4];
+        grpo_loss_bwd(&mut d, &logp, &old, &refp, &adv, &w, c);
+        check("grpo_loss", &logp, &d, |lp| {
+            let (mut l, mut k, mut cl) = ([0.0; 4], [0.0; 4], [false; 4]);
+            grpo_loss_fwd(&mut l, &mut k, &mut cl, lp, &old, &refp, &adv, &w, c);
+            l.iter().sum()
+        });
+    }
+
+    #[test]
+    fn adamw_matches_hand_computed_torch_steps() {
+        // torch.optim.AdamW(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1) on p = [1.0],
+        // grads 0.5 then -0.25, computed by hand with the same formulas in f64.
+        let (lr, b1, b2, eps, wd) = (0.1, 0.9, 0.999, 1e-8, 0.1);
+        let mut p = [1.0f32];
+        let (mut m, mut v) = ([0.0f32], [0.0f32]);
+        let (mut pe, mut me, mut ve) = (1.0f64, 0.0f64, 0.0f64);
+        for (t, g) in [(1u64, 0.5f64), (2, -0.25)] {
+            adamw_step(
+                &mut p,
+                &[g as f32],
+                &mut m,
+                &mut v,
+                1.0,
+                lr,
+                b1,
+                b2,
+                eps,
+                wd,
+                t,
+            );
+            pe *= 1.0 - lr * wd;
+            me = b1 * me + (1.0 - b1) * g;
+            ve = b2 * ve + (1.0 - b2) * g * g;
+            let denom = (ve.sqrt() / (1.0 - b2.powi(t as i32)).sqrt()) + eps;
+            pe -= lr / (1.0 - b1.powi(t as i32)) * me / denom;
+            assert!(
+                (p[0] as f64 - pe).abs() < 1e-6,
+                "step {t}: {} vs {pe}",
+                p[0]
+            );
+        }
+        // First step moves by lr·sign(g) (bias-corrected m/√v = ±1) after decay: 0.99 − 0.1.
+        let mut p = [1.0f32];
+        adamw_step(
+            &mut p,
+            &[3.0],
+            &mut [0.0],
+            &mut [0.0],
+            1.0,
+            lr,
+            b1,
+            b2,
+            eps,
+            wd,
+            1,
+        );
+        assert!((p[0] - 0.89).abs() < 1e-6);
+        // grad_scale folds the normaliser in: scaling g by 2 and halving it gives the same step.
+        let (mut a, mut b) = ([0.3f32, -0.7], [0.3f32, -0.7]);
+        let (mut ma, mut va, mut mb, mut vb) = ([0.0f32; 2], [0.0f32; 2], [0.0f32; 2], [0.0f32; 2]);
+        adamw_step(
+            &mut a,
+            &[0.2, 0.4],
+            &mut ma,
+            &mut va,
+            1.0,
+            lr,
+            b1,
+            b2,
+            eps,
+            wd,
+            1,
+        );
+        adamw_step(
+            &mut b,
+            &[0.4, 0.8],
+            &mut mb,
+            &mut vb,
+            0.5,
+            lr,
+            b1,
+            b2,
+            eps,
+            wd,
+            1,
+        );
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn sampling_is_pure_and_respects_truncation() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let mut s = Vec::new();
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        };
+        let (tok, lp) = sample(&logits, &greedy, 0.99, &mut s);
+        assert_eq!(tok, 1, "first maximum wins");
+        let lse = logits.iter().map(|z| (*z as f64).exp()).sum::<f64>().ln();
+        assert!((lp as f64 - (3.0 - lse)).abs() < 1e-6);
+        // top-k 2 keeps the tied tokens 1 and 3 (each 1/2 after renormalising)
+        let k2 = SamplingParams {
+            top_k: 2,
+            ..Default::default()
+        };
+        assert_eq!(sample(&logits, &k2, 0.25, &mut s).0, 1);
+        assert_eq!(sample(&logits, &k2, 0.75, &mut s).0, 3);
+        // top-p 0.5 needs the two tied tokens: p(1) = p(3) ≈ 0.41 each
+        let p5 = SamplingParams {
+            top_p: 0.5,
+            ..Default::default()
+        };
+        for u in [0.0, 0.3, 0.6, 0.999] {
+            let t = sample(&logits, &p5, u, &mut s).0;
+            assert!(t == 1 || t == 3, "u={u} gave {t}");
+        }
+        // untruncated: inverse CDF in token order; empirical frequencies follow softmax(z/T)
+        let p = SamplingParams {
+            temperature: 0.5,
+            ..Default::default()
+        };
+        let mut counts = [0usize; 5];
+        let n = 20_000;
+        for i in 0..n {
+            counts[sample(&logits, &p, (i as f64 + 0.5) / n as f64, &mut s).0 as usize] += 1;
+        }
+        let zs: Vec<f64> = logits.iter().map(|z| (*z as f64 / 0.5).exp()).collect();
+        let tot: f64 = zs.iter().sum();
+        for j in 0..5 {
+            assert!(
+                (counts[j] as f64 / n as f64 - zs[j] / tot).abs() < 1e-3,
+                "token {j}"
+            );
+        }
+        // the returned log-prob is of the temperature distribution, not the truncated one
+        let (t, lp) = sample(
+            &logits,
+            &SamplingParams {
+                temperature: 0.5,
+                top_k: 1,
+                ..Default::default()
+            },
+            0.5,
+            &mut s,
+        );
+        assert_eq!(t, 1);
+        assert!((lp as f64 - (zs[1] / tot).ln()).abs() < 1e-5);
+    }
+}

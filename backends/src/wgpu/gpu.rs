@@ -1,0 +1,610 @@
+//! The device side of the wgpu backend: one [`Gpu`] (device, queue, pipelines compiled once
+//! per kernel) and an [`Exec`] recorder that turns a call's ops into one submission.
+//!
+//! Following wgpu's `repeated_compute` example, everything that can be made once is: the
+//! pipelines live in the `Gpu` (shared by every model on it), bind groups are cached by the
+//! exact buffers they bind (a model's buffers are persistent, so after the first call no bind
+//! group is created), and all the dispatches' parameters go into one uniform arena written
+//! with a single `write_buffer` per submission and bound with dynamic offsets. Per call the
+//! backend only writes, encodes, dispatches, copies and submits, then maps one staging buffer
+//! for what the host needs back.
+//!
+//! Errors: wgpu reports validation and out-of-memory errors through a callback; the `Gpu`
+//! stores the first one and every submission turns it into [`BackendError::Device`], so no
+//! device failure panics.
+
+use std::collections::HashMap;
+use std::num::NonZeroU64;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rolloutpipe_kernels::{Kernel, MAX_STORAGE_BINDINGS, PARAMS_BYTES};
+
+use crate::error::{BackendError, Result};
+
+/// Bytes between two dispatches' parameters in the arena (WebGPU's largest required
+/// uniform offset alignment, so it is valid on every adapter).
+const SLOT: u64 = 256;
+/// Largest workgroup count of one dispatch dimension (WebGPU's default limit).
+pub const MAX_GROUPS: u32 = 65_535;
+
+fn dev_err(what: impl std::fmt::Display) -> BackendError {
+    BackendError::Device(what.to_string())
+}
+
+/// A kernel's bind group layout and one pipeline per entry point.
+#[derive(Debug)]
+struct Compiled {
+    layout: wgpu::BindGroupLayout,
+    pipelines: Vec<wgpu::ComputePipeline>,
+}
+
+/// A device and queue with the backend's kernels compiled on demand (once each).
+#[derive(Debug)]
+pub struct Gpu {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    info: wgpu::AdapterInfo,
+    error: Arc<Mutex<Option<String>>>,
+    compiled: Mutex<HashMap<Kernel, Arc<Compiled>>>,
+}
+
+impl Gpu {
+    /// Opens the first adapter wgpu finds (honouring `WGPU_BACKEND`, `WGPU_ADAPTER_NAME` and
+    /// `WGPU_POWER_PREF`); `Ok(None)` when the machine has no adapter at all, so callers can
+    /// skip cleanly.
+    pub fn new() -> Result<Option<Arc<Gpu>>> {
+        let instance =
+            wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+        let power =
+            wgpu::PowerPreference::from_env().unwrap_or(wgpu::PowerPreference::HighPerformance);
+        let adapter =
+            match pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+                power_preference: power,
+                force_fallback_adapter: false,
+                compatible_surface: None,
+            })) {
+                Ok(a) => a,
+                Err(_) => return Ok(None),
+            };
+        Self::from_adapter(&adapter).map(Some)
+    }
+
+    /// Creates the device on `adapter`; refuses adapters with fewer storage buffers per stage
+    /// than the kernels bind.
+    pub fn from_adapter(adapter: &wgpu::Adapter) -> Result<Arc<Gpu>> {
+        let have = adapter.limits();
+        if have.max_storage_buffers_per_shader_stage < MAX_STORAGE_BINDINGS {
+            return Err(dev_err(format!(
+                "adapter offers {} storage buffers per shader stage, the kernels need {}",
+                have.max_storage_buffers_per_shader_stage, MAX_STORAGE_BINDINGS
+            )));
+        }
+        // The adapter's own limits are all attainable; asking for them lets large
+        // vocabularies fit one binding wherever the hardware allows it.
+        let limits = have.clone();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("rolloutpipe"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits,
+            ..Default::default()
+        }))
+        .map_err(|e| dev_err(format!("request_device: {e}")))?;
+        Ok(Self::from_device(device, queue, adapter.get_info()))
+    }
+
+    /// Wraps a device the caller created (tests and embedders bring their own); it must
+    /// allow [`MAX_STORAGE_BINDINGS`] storage buffers per shader stage.
+    pub fn from_device(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        info: wgpu::AdapterInfo,
+    ) -> Arc<Gpu> {
+        let error = Arc::new(Mutex::new(None::<String>));
+        let sink = Arc::clone(&error);
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            let mut slot = sink.lock().unwrap_or_else(PoisonError::into_inner);
+            if slot.is_none() {
+                *slot = Some(e.to_string());
+            }
+        }));
+        Arc::new(Gpu {
+            device,
+            queue,
+            info,
+            error,
+            compiled: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The adapter's name, backend and driver.
+    pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
+        &self.info
+    }
+
+    /// The device.
+    pub fn device(&self) -> &wgpu::Device {
+        &self.device
+    }
+
+    /// The queue.
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.queue
+    }
+
+    /// Stores an error to be returned by the next [`Gpu::check`] (for calls without an
+    /// error channel).
+    pub fn defer_error(&self, e: String) {
+        let mut slot = self.error.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.is_none() {
+            *slot = Some(e);
+        }
+    }
+
+    /// Returns (and clears) the first device error since the last check.
+    pub fn check(&self) -> Result<()> {
+        let mut slot = self.error.lock().unwrap_or_else(PoisonError::into_inner);
+        match slot.take() {
+            Some(e) => Err(BackendError::Device(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// A storage buffer of `len` 4-byte elements (at least one), copyable both ways.
+    pub fn buffer(&self, label: &str, len: usize) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: (len.max(1) * 4) as u64,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// A storage buffer holding `data`.
+    pub fn upload<T: bytemuck::Pod>(&self, label: &str, data: &[T]) -> wgpu::Buffer {
+        let n = (std::mem::size_of_val(data) / 4).max(1);
+        let b = self.buffer(label, n);
+        self.write(&b, data);
+        b
+    }
+
+    /// Queues a write of `data` at the start of `buf` (performed before the next submission).
+    pub fn write<T: bytemuck::Pod>(&self, buf: &wgpu::Buffer, data: &[T]) {
+        if !data.is_empty() {
+            self.queue.write_buffer(buf, 0, bytemuck::cast_slice(data));
+        }
+    }
+
+    /// Reads `len` elements of `buf` back (a blocking round trip; tests and exports only).
+    pub fn read<T: bytemuck::Pod>(
+        self: &Arc<Self>,
+        buf: &wgpu::Buffer,
+        len: usize,
+    ) -> Result<Vec<T>> {
+        let mut ex = Exec::new(Arc::clone(self));
+        let t = ex.read_back(buf, 0, len * std::mem::size_of::<T>());
+        let out = ex.submit()?;
+        Ok(out.get::<T>(t))
+    }
+
+    fn compiled(&self, k: Kernel) -> Result<Arc<Compiled>> {
+        let mut map = self.compiled.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(c) = map.get(&k) {
+            return Ok(Arc::clone(c));
+        }
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(k.name()),
+                source: wgpu::ShaderSource::Wgsl(k.wgsl().into()),
+            });
+        let mut entries = vec![wgpu::BindGroupLayoutEntry {
+            binding: 0,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Uniform,
+                has_dynamic_offset: true,
+                min_binding_size: NonZeroU64::new(PARAMS_BYTES),
+            },
+            count: None,
+        }];
+        for b in 1..=k.storage_bindings() {
+            entries.push(wgpu::BindGroupLayoutEntry {
+                binding: b,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Storage { read_only: false },
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            });
+        }
+        let layout = self
+            .device
+            .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some(k.name()),
+                entries: &entries,
+            });
+        let pl = self
+            .device
+            .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some(k.name()),
+                bind_group_layouts: &[Some(&layout)],
+                immediate_size: 0,
+            });
+        let pipelines = k
+            .entry_points()
+            .iter()
+            .map(|ep| {
+                self.device
+                    .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                        label: Some(ep),
+                        layout: Some(&pl),
+                        module: &module,
+                        entry_point: Some(ep),
+                        compilation_options: Default::default(),
+                        cache: None,
+                    })
+            })
+            .collect();
+        self.check()?;
+        let c = Arc::new(Compiled { layout, pipelines });
+        map.insert(k, Arc::clone(&c));
+        Ok(c)
+    }
+}
+
+/// One kernel launch's parameters: the `Params` uniform as sixteen 4-byte words, filled in
+/// declaration order.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Params {
+    words: [u32; 16],
+    len: usize,
+}
+
+impl Params {
+    /// No fields yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends a `u32` field.
+    pub fn u(mut self, x: usize) -> Self {
+        // Sizes are validated against u32 by the callers (ModelConfig and batch checks).
+        self.words[self.len.min(15)] = x as u32;
+        self.len += 1;
+        self
+    }
+
+    /// Appends an `f32` field.
+    pub fn f(mut self, x: f32) -> Self {
+        self.words[self.len.min(15)] = x.to_bits();
+        self.len += 1;
+        self
+    }
+}
+
+/// Workgroup counts for `n` workgroups, spilling into y past [`MAX_GROUPS`] (kernels
+/// flatten `x + y·num_workgroups.x`).
+pub fn groups(n: usize) -> [u32; 2] {
+    let n = n.max(1);
+    if n <= MAX_GROUPS as usize {
+        [n as u32, 1]
+    } else {
+        [MAX_GROUPS, n.div_ceil(MAX_GROUPS as usize) as u32]
+    }
+}
+
+/// Workgroup counts for `n` threads in workgroups of `wg`.
+pub fn linear(n: usize, wg: usize) -> [u32; 2] {
+    groups(n.div_ceil(wg))
+}
+
+#[derive(Debug)]
+enum Cmd {
+    Dispatch {
+        kernel: Kernel,
+        entry: usize,
+        bufs: Vec<wgpu::Buffer>,
+        groups: [u32; 2],
+        slot: u64,
+    },
+    Copy {
+        src: wgpu::Buffer,
+        src_off: u64,
+        dst: wgpu::Buffer,
+        dst_off: u64,
+        size: u64,
+    },
+    Clear {
+        buf: wgpu::Buffer,
+    },
+}
+
+/// A read-back request: where its bytes land in the submission's staging buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct Ticket {
+    offset: usize,
+    len: usize,
+}
+
+/// The bytes read back by one submission.
+#[derive(Debug, Default)]
+pub struct Readback {
+    bytes: Vec<u8>,
+}
+
+impl Readback {
+    /// The values of one ticket.
+    pub fn get<T: bytemuck::Pod>(&self, t: Ticket) -> Vec<T> {
+        let b = &self.bytes[t.offset..t.offset + t.len];
+        bytemuck::pod_collect_to_vec(b)
+    }
+}
+
+/// Records the ops of one call and submits them as one command buffer.
+#[derive(Debug)]
+pub struct Exec {
+    gpu: Arc<Gpu>,
+    arena: wgpu::Buffer,
+    arena_slots: u64,
+    bind_groups: HashMap<(Kernel, Vec<wgpu::Buffer>), wgpu::BindGroup>,
+    cmds: Vec<Cmd>,
+    params: Vec<u8>,
+    reads: Vec<(wgpu::Buffer, u64, u64, Ticket)>,
+    read_bytes: usize,
+    staging: Option<wgpu::Buffer>,
+    dummy: wgpu::Buffer,
+}
+
+impl Exec {
+    /// A recorder on `gpu` with an empty bind group cache.
+    pub fn new(gpu: Arc<Gpu>) -> Self {
+        let arena_slots = 256;
+        let arena = Self::make_arena(&gpu, arena_slots);
+        Self {
+            dummy: gpu.buffer("unused binding", 4),
+            gpu,
+            arena,
+            arena_slots,
+            bind_groups: HashMap::new(),
+            cmds: Vec::new(),
+            params: Vec::new(),
+            reads: Vec::new(),
+            read_bytes: 0,
+            staging: None,
+        }
+    }
+
+    /// A small buffer for bindings an entry point does not use.
+    pub fn dummy(&self) -> wgpu::Buffer {
+        self.dummy.clone()
+    }
+
+    fn make_arena(gpu: &Gpu, slots: u64) -> wgpu::Buffer {
+        gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("params arena"),
+            size: slots * SLOT,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Drops cached bind groups (call after reallocating buffers they bind).
+    pub fn forget_bind_groups(&mut self) {
+        self.bind_groups.clear();
+    }
+
+    /// Records one launch of `kernel`'s entry point `entry` over `groups` workgroups, with
+    /// `bufs` bound at 1.. in order.
+    pub fn dispatch(
+        &mut self,
+        kernel: Kernel,
+        entry: usize,
+        bufs: &[&wgpu::Buffer],
+        p: Params,
+        groups: [u32; 2],
+    ) {
+        let slot = (self.params.len() as u64) / SLOT;
+        let mut bytes = [0u8; SLOT as usize];
+        bytes[..64].copy_from_slice(bytemuck::cast_slice(&p.words));
+        self.params.extend_from_slice(&bytes);
+        self.cmds.push(Cmd::Dispatch {
+            kernel,
+            entry,
+            bufs: bufs.iter().map(|b| (*b).clone()).collect(),
+            groups,
+            slot,
+        });
+    }
+
+    /// Records a copy of `size` bytes.
+    pub fn copy(
+        &mut self,
+        src: &wgpu::Buffer,
+        src_off: u64,
+        dst: &wgpu::Buffer,
+        dst_off: u64,
+        size: u64,
+    ) {
+        if size > 0 {
+            self.cmds.push(Cmd::Copy {
+                src: src.clone(),
+                src_off,
+                dst: dst.clone(),
+                dst_off,
+                size,
+            });
+        }
+    }
+
+    /// Records zeroing a whole buffer.
+    pub fn clear(&mut self, buf: &wgpu::Buffer) {
+        self.cmds.push(Cmd::Clear { buf: buf.clone() });
+    }
+
+    /// Asks for `size` bytes of `src` from `offset` once this submission has run.
+    pub fn read_back(&mut self, src: &wgpu::Buffer, offset: u64, size: usize) -> Ticket {
+        let t = Ticket {
+            offset: self.read_bytes,
+            len: size,
+        };
+        // Copies must be 4-byte aligned; every element here is 4 bytes.
+        let padded = size.div_ceil(4) * 4;
+        self.reads.push((src.clone(), offset, padded as u64, t));
+        self.read_bytes += padded;
+        t
+    }
+
+    /// Encodes everything recorded, submits it, waits, and returns the bytes asked for.
+    pub fn submit(&mut self) -> Result<Readback> {
+        let gpu = Arc::clone(&self.gpu);
+        let cmds = std::mem::take(&mut self.cmds);
+        let params = std::mem::take(&mut self.params);
+        let reads = std::mem::take(&mut self.reads);
+        let read_bytes = std::mem::replace(&mut self.read_bytes, 0);
+        let slots = (params.len() as u64) / SLOT;
+        if slots > self.arena_slots {
+            self.arena_slots = slots.next_power_of_two();
+            self.arena = Self::make_arena(&gpu, self.arena_slots);
+            self.bind_groups.clear();
+        }
+        if !params.is_empty() {
+            gpu.queue.write_buffer(&self.arena, 0, &params);
+        }
+        let mut enc = gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("rolloutpipe call"),
+            });
+        let mut i = 0;
+        while i < cmds.len() {
+            match &cmds[i] {
+                Cmd::Dispatch { .. } => {
+                    // Consecutive dispatches share one pass; wgpu orders their storage
+                    // accesses (each dispatch is its own synchronisation scope).
+                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some("ops"),
+                        timestamp_writes: None,
+                    });
+                    while let Some(Cmd::Dispatch {
+                        kernel,
+                        entry,
+                        bufs,
+                        groups,
+                        slot,
+                    }) = cmds.get(i)
+                    {
+                        let c = gpu.compiled(*kernel)?;
+                        let pipeline = c.pipelines.get(*entry).ok_or_else(|| {
+                            dev_err(format!("{} has no entry point #{entry}", kernel.name()))
+                        })?;
+                        if bufs.len() != kernel.storage_bindings() as usize {
+                            return Err(dev_err(format!(
+                                "{} binds {} buffers, {} given",
+                                kernel.name(),
+                                kernel.storage_bindings(),
+                                bufs.len()
+                            )));
+                        }
+                        let key = (*kernel, bufs.clone());
+                        if !self.bind_groups.contains_key(&key) {
+                            let mut entries = vec![wgpu::BindGroupEntry {
+                                binding: 0,
+                                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                    buffer: &self.arena,
+                                    offset: 0,
+                                    size: NonZeroU64::new(PARAMS_BYTES),
+                                }),
+                            }];
+                            for (b, buf) in bufs.iter().enumerate() {
+                                entries.push(wgpu::BindGroupEntry {
+                                    binding: b as u32 + 1,
+                                    resource: buf.as_entire_binding(),
+                                });
+                            }
+                            let bg = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                                label: Some(kernel.name()),
+                                layout: &c.layout,
+                                entries: &entries,
+                            });
+                            self.bind_groups.insert(key.clone(), bg);
+                        }
+                        let bg = &self.bind_groups[&key];
+                        pass.set_pipeline(pipeline);
+                        pass.set_bind_group(0, bg, &[(*slot * SLOT) as u32]);
+                        pass.dispatch_workgroups(groups[0], groups[1], 1);
+                        i += 1;
+                    }
+                }
+                Cmd::Copy {
+                    src,
+                    src_off,
+                    dst,
+                    dst_off,
+                    size,
+                } => {
+                    enc.copy_buffer_to_buffer(src, *src_off, dst, *dst_off, *size);
+                    i += 1;
+                }
+                Cmd::Clear { buf } => {
+                    enc.clear_buffer(buf, 0, None);
+                    i += 1;
+                }
+            }
+        }
+        if read_bytes > 0 {
+            let need = read_bytes as u64;
+            if self.staging.as_ref().is_none_or(|s| s.size() < need) {
+                self.staging = Some(gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("readback staging"),
+                    size: need.next_power_of_two().max(256),
+                    usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                }));
+            }
+        }
+        if let Some(staging) = &self.staging {
+            for (src, off, size, t) in &reads {
+                enc.copy_buffer_to_buffer(src, *off, staging, t.offset as u64, *size);
+            }
+        }
+        gpu.queue.submit([enc.finish()]);
+        let mut out = Readback::default();
+        if read_bytes > 0
+            && let Some(staging) = &self.staging
+        {
+            let slice = staging.slice(..read_bytes as u64);
+            let (tx, rx) = std::sync::mpsc::channel();
+            slice.map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send(r);
+            });
+            gpu.device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map_err(|e| dev_err(format!("poll: {e}")))?;
+            rx.recv()
+                .map_err(|_| dev_err("readback callback dropped"))?
+                .map_err(|e| dev_err(format!("map: {e}")))?;
+            {
+                let view = slice
+                    .get_mapped_range()
+                    .map_err(|e| dev_err(format!("mapped range: {e}")))?;
+                out.bytes = view.to_vec();
+            }
+            staging.unmap();
+        } else {
+            gpu.device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map_err(|e| dev_err(format!("poll: {e}")))?;
+        }
+        gpu.check()?;
+        Ok(out)
+    }
+}

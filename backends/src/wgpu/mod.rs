@@ -1,0 +1,486 @@
+//! The portable GPU backend: the CPU reference's Qwen3 model and GRPO training as WGSL
+//! kernels (`rolloutpipe-kernels`) on any wgpu adapter — Vulkan, Metal, DX12, GL, and in CI
+//! Mesa's lavapipe (Vulkan on the CPU).
+//!
+//! - [`gpu`]: the device, pipelines compiled once per kernel, and the [`Exec`] recorder
+//!   (bind groups cached per buffer set, one params arena, one submission per call);
+//! - [`ops`]: one launcher per kernel, named and shaped like `cpu::ops`;
+//! - `model`: parameters, gradients and activations on the device; the forward and
+//!   backward encoders;
+//! - `generate`: continuous batching with a slot KV cache and on-device sampling.
+//!
+//! What crosses back to the host per call: sampled tokens and their log-probs
+//! (`decode_step`), per-token log-probs (`logprobs`), four loss sums plus one gradient
+//! sum-of-squares (`accumulate`), one sum of squares (`optimizer_step`). Weights and
+//! gradients come back only when asked for (`export_weights`, `gradients`), and logits
+//! only through the inspection call `logits`.
+//!
+//! ```no_run
+//! use rolloutpipe_backends::wgpu::WgpuBackend;
+//! use rolloutpipe_backends::{ModelConfig, PolicyBackend, Weights};
+//! let cfg = ModelConfig::tiny();
+//! let be = WgpuBackend::new(&cfg, &Weights::random(&cfg, 0)?)?;
+//! assert_eq!(be.name(), "wgpu");
+//! # Ok::<(), rolloutpipe_backends::BackendError>(())
+//! ```
+
+pub mod generate;
+pub mod gpu;
+pub mod model;
+pub mod ops;
+
+use std::sync::Arc;
+
+pub use gpu::{Exec, Gpu};
+
+use crate::api::*;
+use crate::config::ModelConfig;
+use crate::cpu::model::{Layout, check_sequence, check_tokens, validate_train_batch};
+use crate::error::{BackendError, Result};
+use crate::weights::Weights;
+use generate::Generator;
+use model::{
+    Acts, DeviceModel, Packed, encode_backward, encode_forward, ensure_acts, upload_packed,
+};
+use ops::{AdamScalars, Loss, flags};
+
+/// Largest `head_dim` the attention kernels support (each of 64 threads owns ≤ 4 dims).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Qwen3 on a wgpu device: generation, log-probs and GRPO/SFT training.
+#[derive(Debug)]
+pub struct WgpuBackend {
+    gpu: Arc<Gpu>,
+    ex: Exec,
+    model: DeviceModel,
+    acts: Option<Acts>,
+    generator: Generator,
+    /// AdamW moments per tensor (allocated zeroed with the model) and the step count.
+    opt_m: Vec<wgpu::Buffer>,
+    opt_v: Vec<wgpu::Buffer>,
+    opt_step: u64,
+    partials: wgpu::Buffer,
+    norm_total: wgpu::Buffer,
+}
+
+impl WgpuBackend {
+    /// A backend on the default adapter (see [`Gpu::new`]); a `Device` error when the machine
+    /// has none.
+    pub fn new(cfg: &ModelConfig, w: &Weights) -> Result<Self> {
+        let gpu =
+            Gpu::new()?.ok_or_else(|| BackendError::Device("no wgpu adapter found".into()))?;
+        Self::with_gpu(gpu, cfg, w)
+    }
+
+    /// A backend on a device the caller opened (tests share one device across backends).
+    pub fn with_gpu(gpu: Arc<Gpu>, cfg: &ModelConfig, w: &Weights) -> Result<Self> {
+        cfg.validate()?;
+        if cfg.head_dim > MAX_HEAD_DIM {
+            return Err(BackendError::config(
+                "head_dim",
+                format!("{} exceeds the wgpu kernels' {MAX_HEAD_DIM}", cfg.head_dim),
+            ));
+        }
+        w.validate(cfg)?;
+        let layout = Layout::new(cfg);
+        let flat = layout.flatten::<f32>(w)?;
+        let model = DeviceModel::new(&gpu, cfg, layout, &flat)?;
+        let opt_m = model
+            .layout
+            .entries
+            .iter()
+            .map(|e| gpu.buffer(&format!("adam m {}", e.name), e.len))
+            .collect();
+        let opt_v = model
+            .layout
+            .entries
+            .iter()
+            .map(|e| gpu.buffer(&format!("adam v {}", e.name), e.len))
+            .collect();
+        let n_partials: usize = model
+            .layout
+            .entries
+            .iter()
+            .map(|e| ops::grad_norm_groups(e.len))
+            .sum();
+        let partials = gpu.buffer("grad norm partials", n_partials);
+        let norm_total = gpu.buffer("grad norm total", 1);
+        gpu.check()?;
+        Ok(Self {
+            ex: Exec::new(Arc::clone(&gpu)),
+            gpu,
+            model,
+            acts: None,
+            generator: Generator::default(),
+            opt_m,
+            opt_v,
+            opt_step: 0,
+            partials,
+            norm_total,
+        })
+    }
+
+    /// The device this backend runs on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// AdamW steps taken so far.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.opt_step
+    }
+
+    /// Records the sum of squares of every gradient tensor into `norm_total`.
+    fn encode_grad_sumsq(&mut self) {
+        let mut base = 0;
+        for (e, g) in self.model.layout.entries.iter().zip(&self.model.grads) {
+            ops::grad_norm(
+                &mut self.ex,
+                &self.partials,
+                &self.norm_total,
+                g,
+                e.len,
+                base,
+            );
+            base += ops::grad_norm_groups(e.len);
+        }
+        ops::grad_norm_reduce(&mut self.ex, &self.norm_total, &self.partials, base);
+    }
+
+    /// Packs, uploads and records the forward of `seqs`; returns the packing.
+    fn forward(&mut self, b: &Packed) -> Result<()> {
+        let (n, m) = (b.ids.len(), b.rows.len());
+        ensure_acts(
+            &self.gpu,
+            &mut self.ex,
+            &self.model.cfg,
+            &mut self.acts,
+            n,
+            m,
+        );
+        let a = self
+            .acts
+            .as_ref()
+            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
+        upload_packed(&self.gpu, a, b);
+        encode_forward(&mut self.ex, &self.model, a, n, m);
+        Ok(())
+    }
+}
+
+impl PolicyBackend for WgpuBackend {
+    fn name(&self) -> &'static str {
+        "wgpu"
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
+
+    fn export_weights(&self) -> Result<Weights> {
+        let mut ex = Exec::new(Arc::clone(&self.gpu));
+        let flat = self.model.read_flat(&mut ex, &self.model.params)?;
+        Ok(self.model.layout.to_weights(&flat))
+    }
+
+    fn import_weights(&mut self, w: &Weights) -> Result<()> {
+        if self.generator.active() > 0 {
+            return Err(BackendError::invalid(
+                "import_weights",
+                format!(
+                    "{} requests are active; their KV caches hold the old weights",
+                    self.generator.active()
+                ),
+            ));
+        }
+        w.validate(&self.model.cfg)?;
+        let flat = self.model.layout.flatten::<f32>(w)?;
+        self.model.write_params(&self.gpu, &flat);
+        self.gpu.check()
+    }
+
+    fn add_request(&mut self, req: GenRequest) -> Result<()> {
+        self.generator
+            .add(&self.gpu, &mut self.ex, &self.model.cfg, req)
+    }
+
+    fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
+        self.generator.cancel(id)
+    }
+
+    fn decode_step(&mut self) -> Result<Vec<GenOutput>> {
+        self.generator.step(&self.gpu, &mut self.ex, &self.model)
+    }
+
+    fn active_requests(&self) -> usize {
+        self.generator.active()
+    }
+
+    fn logprobs(&mut self, seqs: &[Sequence], temperature: f32) -> Result<Vec<Vec<f32>>> {
+        if seqs.is_empty() {
+            return Err(BackendError::EmptyBatch("no sequences to score".into()));
+        }
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(BackendError::invalid(
+                "temperature",
+                format!("{temperature} must be positive"),
+            ));
+        }
+        for (i, s) in seqs.iter().enumerate() {
+            check_sequence(
+                &self.model.cfg,
+                &s.prompt,
+                &s.response,
+                &format!("sequence {i}"),
+            )?;
+        }
+        let pairs: Vec<(&[u32], &[u32])> = seqs
+            .iter()
+            .map(|s| (&s.prompt[..], &s.response[..]))
+            .collect();
+        let b = Packed::scored(&pairs);
+        self.forward(&b)?;
+        let a = self
+            .acts
+            .as_ref()
+            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
+        let m = b.rows.len();
+        let v = self.model.cfg.vocab_size;
+        ops::logprob_fwd(
+            &mut self.ex,
+            &a.logp,
+            &a.entropy,
+            &a.logits,
+            &a.targets,
+            m,
+            v,
+            temperature as f64,
+        );
+        let t = self.ex.read_back(&a.logp, 0, m * 4);
+        let lp = self.ex.submit()?.get::<f32>(t);
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut at = 0;
+        for s in seqs {
+            out.push(lp[at..at + s.response.len()].to_vec());
+            at += s.response.len();
+        }
+        Ok(out)
+    }
+
+    fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        let cfg = &self.model.cfg;
+        if ids.is_empty() {
+            return Err(BackendError::EmptyBatch("no token ids".into()));
+        }
+        check_tokens(cfg, ids, "ids")?;
+        if ids.len() > cfg.max_position_embeddings {
+            return Err(BackendError::shape(
+                "ids length",
+                cfg.max_position_embeddings,
+                ids.len(),
+            ));
+        }
+        let v = cfg.vocab_size;
+        let b = Packed::all_positions(ids);
+        self.forward(&b)?;
+        let a = self
+            .acts
+            .as_ref()
+            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
+        let t = self.ex.read_back(&a.logits, 0, ids.len() * v * 4);
+        Ok(self.ex.submit()?.get::<f32>(t))
+    }
+
+    fn zero_grad(&mut self) {
+        for g in &self.model.grads {
+            self.ex.clear(g);
+        }
+        // The trait gives zero_grad no error channel; a device failure here surfaces at the
+        // next call's submission, which checks the device's error slot.
+        if let Err(e) = self.ex.submit() {
+            self.gpu_error_later(e);
+        }
+    }
+
+    fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats> {
+        validate_train_batch(&self.model.cfg, batch, obj)?;
+        let (loss, temperature) = match *obj {
+            Objective::Grpo {
+                eps_low,
+                eps_high,
+                beta,
+                temperature,
+            } => (
+                Loss::Grpo {
+                    eps_low,
+                    eps_high,
+                    beta,
+                },
+                temperature,
+            ),
+            Objective::Sft => (Loss::Sft, 1.0),
+        };
+        let pairs: Vec<(&[u32], &[u32])> = batch
+            .sequences
+            .iter()
+            .map(|s| (&s.prompt[..], &s.response[..]))
+            .collect();
+        let b = Packed::scored(&pairs);
+        let (n, m) = (b.ids.len(), b.rows.len());
+        let (mut old, mut refp, mut adv, mut wts, mut fl) = (
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+        );
+        for s in &batch.sequences {
+            let r = s.response.len();
+            let mut f = flags::SCORED;
+            match &s.old_logprobs {
+                Some(o) => {
+                    old.extend_from_slice(o);
+                    f |= flags::HAS_OLD;
+                }
+                None => old.extend(std::iter::repeat_n(0.0f32, r)),
+            }
+            match &s.ref_logprobs {
+                Some(x) => {
+                    refp.extend_from_slice(x);
+                    f |= flags::HAS_REF;
+                }
+                None => refp.extend(std::iter::repeat_n(0.0f32, r)),
+            }
+            adv.extend(std::iter::repeat_n(s.advantage as f32, r));
+            wts.extend(std::iter::repeat_n(s.weight as f32, r));
+            fl.extend(std::iter::repeat_n(f, r));
+        }
+        self.forward(&b)?;
+        let a = self
+            .acts
+            .as_ref()
+            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
+        self.gpu.write(&a.old, &old);
+        self.gpu.write(&a.refp, &refp);
+        self.gpu.write(&a.adv, &adv);
+        self.gpu.write(&a.wts, &wts);
+        self.gpu.write(&a.flags, &fl);
+        let v = self.model.cfg.vocab_size;
+        ops::logprob_fwd(
+            &mut self.ex,
+            &a.logp,
+            &a.entropy,
+            &a.logits,
+            &a.targets,
+            m,
+            v,
+            temperature,
+        );
+        ops::grpo_loss_fwd(
+            &mut self.ex,
+            &a.loss_stats,
+            &a.logp,
+            &a.old,
+            &a.refp,
+            &a.adv,
+            &a.wts,
+            &a.entropy,
+            &a.flags,
+            m,
+            loss,
+        );
+        let t = self.ex.read_back(&a.loss_stats, 0, 16);
+        let st = self.ex.submit()?.get::<f32>(t);
+        let stats = AccumStats {
+            loss_sum: st[0] as f64,
+            tokens: m,
+            sequences: batch.sequences.len(),
+            kl_sum: st[1] as f64,
+            entropy_sum: st[3] as f64,
+            clipped: st[2].max(0.0) as usize,
+        };
+        // A non-finite loss is refused before the backward, leaving the sums untouched.
+        if !stats.loss_sum.is_finite() {
+            return Err(BackendError::non_finite("loss of the micro-batch"));
+        }
+        let a = self
+            .acts
+            .as_ref()
+            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
+        encode_backward(&mut self.ex, &self.model, a, n, m, loss, temperature);
+        self.encode_grad_sumsq();
+        let t = self.ex.read_back(&self.norm_total, 0, 4);
+        let ss = self.ex.submit()?.get::<f32>(t)[0];
+        if !ss.is_finite() {
+            return Err(BackendError::non_finite(
+                "gradient sums after this micro-batch (overflow); call zero_grad before reusing them",
+            ));
+        }
+        Ok(stats)
+    }
+
+    fn optimizer_step(&mut self, normalizer: f64, opt: &AdamW) -> Result<OptStats> {
+        opt.validate()?;
+        if !(normalizer.is_finite() && normalizer > 0.0) {
+            return Err(BackendError::invalid(
+                "normalizer",
+                format!("{normalizer} is not a positive finite number"),
+            ));
+        }
+        self.encode_grad_sumsq();
+        let t = self.ex.read_back(&self.norm_total, 0, 4);
+        let ss = self.ex.submit()?.get::<f32>(t)[0] as f64;
+        let norm = ss.sqrt() / normalizer;
+        if !norm.is_finite() {
+            return Err(BackendError::non_finite("gradient (global norm)"));
+        }
+        let clip = match opt.max_grad_norm {
+            Some(c) => (c / (norm + 1e-6)).min(1.0),
+            None => 1.0,
+        };
+        self.opt_step += 1;
+        let scale = (clip / normalizer) as f32;
+        let groups = self.model.layout.param_groups(opt.exclude_norms_from_decay);
+        for (i, g) in groups.iter().enumerate() {
+            let wd = if g.decay { opt.weight_decay } else { 0.0 };
+            let s = AdamScalars::new(
+                scale,
+                opt.lr,
+                opt.beta1,
+                opt.beta2,
+                opt.eps,
+                wd,
+                self.opt_step,
+            );
+            let md = &self.model;
+            ops::adamw_step(
+                &mut self.ex,
+                &md.params[i],
+                &md.grads[i],
+                &self.opt_m[i],
+                &self.opt_v[i],
+                g.len,
+                s,
+            );
+        }
+        self.ex.submit()?;
+        Ok(OptStats {
+            grad_norm: norm,
+            clip_scale: clip,
+            step: self.opt_step,
+        })
+    }
+
+    fn gradients(&self) -> Result<Weights> {
+        let mut ex = Exec::new(Arc::clone(&self.gpu));
+        let flat = self.model.read_flat(&mut ex, &self.model.grads)?;
+        Ok(self.model.layout.to_weights(&flat))
+    }
+}
+
+impl WgpuBackend {
+    /// Keeps a device error from `zero_grad` (which cannot return one) for the next call.
+    fn gpu_error_later(&self, e: BackendError) {
+        self.gpu.defer_error(e.to_string());
+    }
+}

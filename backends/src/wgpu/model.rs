@@ -1,0 +1,685 @@
+//! The Qwen3 model on the device: one buffer per parameter tensor (gradients and AdamW
+//! moments alike), activations for packed batches, and the forward/backward encoders.
+//!
+//! The structure is the CPU reference's `cpu::model` op for op (same names, same order, same
+//! packed rows without padding), so that a difference between the two backends points at
+//! one kernel. Activation buffers are sized for a row capacity and only reallocated when a
+//! batch needs more rows (to the next power of two), so in steady state a call binds the
+//! same buffers and reuses every cached bind group.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use wgpu::Buffer;
+
+use super::gpu::{Exec, Gpu};
+use super::ops::{self, Loss};
+use crate::config::ModelConfig;
+use crate::cpu::model::Layout;
+use crate::cpu::ops::RopeTable;
+use crate::error::{BackendError, Result};
+
+/// Entry indices (into [`Layout::entries`]) of one layer's tensors.
+#[derive(Debug, Clone, Copy)]
+#[allow(missing_docs)]
+pub struct LayerIdx {
+    pub input_norm: usize,
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub o: usize,
+    pub q_norm: usize,
+    pub k_norm: usize,
+    pub post_norm: usize,
+    pub gate: usize,
+    pub up: usize,
+    pub down: usize,
+}
+
+/// Parameters and gradient sums on the device.
+#[derive(Debug)]
+pub struct DeviceModel {
+    /// The configuration.
+    pub cfg: ModelConfig,
+    /// Tensor names, shapes and flat offsets (shared with the CPU reference).
+    pub layout: Layout,
+    /// One buffer per layout entry.
+    pub params: Vec<Buffer>,
+    /// Gradient sums, one buffer per layout entry.
+    pub grads: Vec<Buffer>,
+    /// Entry of `model.embed_tokens.weight`.
+    pub embed: usize,
+    /// Entry of `lm_head.weight` (the embedding's when tied: both uses add into one tensor).
+    pub lm_head: usize,
+    /// Entry of `model.norm.weight`.
+    pub final_norm: usize,
+    /// Per layer.
+    pub layers: Vec<LayerIdx>,
+    /// RoPE tables `[max_pos, head_dim/2]` from the CPU reference's own function.
+    pub cos: Buffer,
+    /// See `cos`.
+    pub sin: Buffer,
+}
+
+impl DeviceModel {
+    /// Uploads `flat` (the layout's flat parameter buffer).
+    pub fn new(gpu: &Gpu, cfg: &ModelConfig, layout: Layout, flat: &[f32]) -> Result<Self> {
+        let by_offset: HashMap<usize, usize> = layout
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.offset, i))
+            .collect();
+        let at = |off: usize| {
+            by_offset
+                .get(&off)
+                .copied()
+                .ok_or_else(|| BackendError::Device(format!("no tensor at offset {off}")))
+        };
+        let mut layers = Vec::with_capacity(layout.layers.len());
+        for o in &layout.layers {
+            layers.push(LayerIdx {
+                input_norm: at(o.input_norm)?,
+                q: at(o.q)?,
+                k: at(o.k)?,
+                v: at(o.v)?,
+                o: at(o.o)?,
+                q_norm: at(o.q_norm)?,
+                k_norm: at(o.k_norm)?,
+                post_norm: at(o.post_norm)?,
+                gate: at(o.gate)?,
+                up: at(o.up)?,
+                down: at(o.down)?,
+            });
+        }
+        let params = layout
+            .entries
+            .iter()
+            .map(|e| gpu.upload(&e.name, &flat[e.offset..e.offset + e.len]))
+            .collect();
+        let grads = layout
+            .entries
+            .iter()
+            .map(|e| gpu.buffer(&format!("grad {}", e.name), e.len))
+            .collect();
+        let rope = RopeTable::<f32>::new(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings);
+        Ok(Self {
+            embed: at(layout.embed)?,
+            lm_head: at(layout.lm_head)?,
+            final_norm: at(layout.final_norm)?,
+            layers,
+            cos: gpu.upload("rope cos", &rope.cos),
+            sin: gpu.upload("rope sin", &rope.sin),
+            params,
+            grads,
+            cfg: cfg.clone(),
+            layout,
+        })
+    }
+
+    /// Writes a flat parameter buffer into the tensors.
+    pub fn write_params(&self, gpu: &Gpu, flat: &[f32]) {
+        for (e, b) in self.layout.entries.iter().zip(&self.params) {
+            gpu.write(b, &flat[e.offset..e.offset + e.len]);
+        }
+    }
+
+    /// Reads tensors (parameters or gradients) back into one flat buffer.
+    pub fn read_flat(&self, ex: &mut Exec, bufs: &[Buffer]) -> Result<Vec<f32>> {
+        let tickets: Vec<_> = self
+            .layout
+            .entries
+            .iter()
+            .zip(bufs)
+            .map(|(e, b)| ex.read_back(b, 0, e.len * 4))
+            .collect();
+        let back = ex.submit()?;
+        let mut flat = vec![0.0f32; self.layout.total];
+        for (e, t) in self.layout.entries.iter().zip(tickets) {
+            flat[e.offset..e.offset + e.len].copy_from_slice(&back.get::<f32>(t));
+        }
+        Ok(flat)
+    }
+}
+
+/// Saved activations of one layer (the CPU reference's `LayerActs`).
+#[derive(Debug)]
+#[allow(missing_docs)]
+pub struct LayerActs {
+    pub ln1: Buffer,
+    pub ln1_rstd: Buffer,
+    pub q_pre: Buffer,
+    pub q: Buffer,
+    pub q_rstd: Buffer,
+    pub k_pre: Buffer,
+    pub k: Buffer,
+    pub k_rstd: Buffer,
+    pub v: Buffer,
+    pub att_out: Buffer,
+    /// `[lse (n·h), delta (n·h)]`.
+    pub att_stats: Buffer,
+    pub x_mid: Buffer,
+    pub ln2: Buffer,
+    pub ln2_rstd: Buffer,
+    pub gate: Buffer,
+    pub up: Buffer,
+    pub h: Buffer,
+}
+
+/// Inputs, activations and backward scratch of a packed batch, for up to `cap_n` token
+/// rows and `cap_m` scored rows.
+#[derive(Debug)]
+#[allow(missing_docs)]
+pub struct Acts {
+    pub cap_n: usize,
+    pub cap_m: usize,
+    // inputs
+    pub ids: Buffer,
+    pub pos: Buffer,
+    pub qmeta: Buffer,
+    pub rowmeta: Buffer,
+    pub rows: Buffer,
+    pub targets: Buffer,
+    pub old: Buffer,
+    pub refp: Buffer,
+    pub adv: Buffer,
+    pub wts: Buffer,
+    pub flags: Buffer,
+    // forward
+    pub resid: Vec<Buffer>,
+    pub layers: Vec<LayerActs>,
+    pub tmp: Buffer,
+    pub lnf: Buffer,
+    pub lnf_rstd: Buffer,
+    pub hsel: Buffer,
+    pub logits: Buffer,
+    pub logp: Buffer,
+    pub entropy: Buffer,
+    pub loss_stats: Buffer,
+    // backward
+    pub dlogp: Buffer,
+    pub dlogits: Buffer,
+    pub dhsel: Buffer,
+    pub dlnf: Buffer,
+    pub dres: Buffer,
+    pub dh: Buffer,
+    pub dgate: Buffer,
+    pub dup: Buffer,
+    pub dln: Buffer,
+    pub datt: Buffer,
+    pub dq: Buffer,
+    pub dkv: Buffer,
+    pub dv: Buffer,
+    pub dq_pre: Buffer,
+    pub dk_pre: Buffer,
+}
+
+impl Acts {
+    /// Buffers for `cap_n` rows and `cap_m` scored rows.
+    pub fn new(gpu: &Gpu, c: &ModelConfig, cap_n: usize, cap_m: usize) -> Self {
+        let (n, m) = (cap_n, cap_m);
+        let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+        let (h, kvh) = (c.num_attention_heads, c.num_key_value_heads);
+        let (qd, kd) = (c.q_dim(), c.kv_dim());
+        let b = |name: &str, len: usize| gpu.buffer(name, len);
+        let layers = (0..c.num_hidden_layers)
+            .map(|l| {
+                let b = |name: &str, len: usize| gpu.buffer(&format!("layer {l} {name}"), len);
+                LayerActs {
+                    ln1: b("ln1", n * d),
+                    ln1_rstd: b("ln1_rstd", n),
+                    q_pre: b("q_pre", n * qd),
+                    q: b("q", n * qd),
+                    q_rstd: b("q_rstd", n * h),
+                    k_pre: b("k_pre", n * kd),
+                    k: b("k", n * kd),
+                    k_rstd: b("k_rstd", n * kvh),
+                    v: b("v", n * kd),
+                    att_out: b("att_out", n * qd),
+                    att_stats: b("att_stats", 2 * n * h),
+                    x_mid: b("x_mid", n * d),
+                    ln2: b("ln2", n * d),
+                    ln2_rstd: b("ln2_rstd", n),
+                    gate: b("gate", n * f),
+                    up: b("up", n * f),
+                    h: b("h", n * f),
+                }
+            })
+            .collect();
+        Self {
+            cap_n,
+            cap_m,
+            ids: b("ids", n),
+            pos: b("pos", n),
+            qmeta: b("qmeta", 2 * n),
+            rowmeta: b("rowmeta", 2 * n),
+            rows: b("rows", m),
+            targets: b("targets", m),
+            old: b("old logp", m),
+            refp: b("ref logp", m),
+            adv: b("advantages", m),
+            wts: b("token weights", m),
+            flags: b("token flags", m),
+            resid: (0..=c.num_hidden_layers)
+                .map(|l| b(&format!("resid {l}"), n * d))
+                .collect(),
+            layers,
+            tmp: b("tmp", n * d),
+            lnf: b("lnf", n * d),
+            lnf_rstd: b("lnf_rstd", n),
+            hsel: b("hsel", m * d),
+            logits: b("logits", m * v),
+            logp: b("logp", m),
+            entropy: b("entropy", m),
+            loss_stats: b("loss stats", 4),
+            dlogp: b("dlogp", m),
+            dlogits: b("dlogits", m * v),
+            dhsel: b("dhsel", m * d),
+            dlnf: b("dlnf", n * d),
+            dres: b("dres", n * d),
+            dh: b("dh", n * f),
+            dgate: b("dgate", n * f),
+            dup: b("dup", n * f),
+            dln: b("dln", n * d),
+            datt: b("datt", n * qd),
+            dq: b("dq", n * qd),
+            dkv: b("dkv", 2 * n * kd),
+            dv: b("dv", n * kd),
+            dq_pre: b("dq_pre", n * qd),
+            dk_pre: b("dk_pre", n * kd),
+        }
+    }
+}
+
+/// A packed batch as the kernels see it (the CPU reference's `PackedBatch`, plus the
+/// per-row attention metadata).
+#[derive(Debug, Default, Clone)]
+pub struct Packed {
+    /// Token ids.
+    pub ids: Vec<u32>,
+    /// Position of each row in its sequence.
+    pub pos: Vec<u32>,
+    /// Row range of each sequence.
+    pub seqs: Vec<Range<usize>>,
+    /// `(start, pos)` per row: the key rows it attends.
+    pub qmeta: Vec<u32>,
+    /// `(start, len)` per row: its sequence.
+    pub rowmeta: Vec<u32>,
+    /// Rows whose logits are computed.
+    pub rows: Vec<u32>,
+    /// The token each selected row predicts.
+    pub targets: Vec<u32>,
+}
+
+impl Packed {
+    /// Packs `(prompt, response)` pairs; the selected rows predict every response token.
+    pub fn scored(seqs: &[(&[u32], &[u32])]) -> Self {
+        let mut b = Self::default();
+        for (prompt, response) in seqs {
+            let start = b.ids.len();
+            b.ids.extend_from_slice(prompt);
+            b.ids.extend_from_slice(response);
+            let n = prompt.len() + response.len();
+            for t in 0..n {
+                b.pos.push(t as u32);
+                b.qmeta.extend([start as u32, t as u32]);
+                b.rowmeta.extend([start as u32, n as u32]);
+            }
+            for (t, tok) in response.iter().enumerate() {
+                b.rows.push((start + prompt.len() + t - 1) as u32);
+                b.targets.push(*tok);
+            }
+            b.seqs.push(start..start + n);
+        }
+        b
+    }
+
+    /// One sequence with logits at every position (targets are unused zeros).
+    pub fn all_positions(ids: &[u32]) -> Self {
+        let n = ids.len();
+        Self {
+            ids: ids.to_vec(),
+            pos: (0..n as u32).collect(),
+            seqs: vec![0..n],
+            qmeta: (0..n as u32).flat_map(|t| [0, t]).collect(),
+            rowmeta: (0..n).flat_map(|_| [0, n as u32]).collect(),
+            rows: (0..n as u32).collect(),
+            targets: vec![0; n],
+        }
+    }
+}
+
+/// Makes sure `acts` holds at least `n` rows and `m` scored rows; on reallocation the
+/// recorder's cached bind groups (which bind the old buffers) are dropped.
+pub fn ensure_acts(
+    gpu: &Gpu,
+    ex: &mut Exec,
+    c: &ModelConfig,
+    acts: &mut Option<Acts>,
+    n: usize,
+    m: usize,
+) {
+    let fits = acts.as_ref().is_some_and(|a| a.cap_n >= n && a.cap_m >= m);
+    if !fits {
+        let cap_n = n.next_power_of_two().max(64);
+        let cap_m = m.next_power_of_two().max(64);
+        *acts = None;
+        ex.forget_bind_groups();
+        *acts = Some(Acts::new(gpu, c, cap_n, cap_m));
+    }
+}
+
+/// Writes a packed batch's index arrays.
+pub fn upload_packed(gpu: &Gpu, a: &Acts, b: &Packed) {
+    gpu.write(&a.ids, &b.ids);
+    gpu.write(&a.pos, &b.pos);
+    gpu.write(&a.qmeta, &b.qmeta);
+    gpu.write(&a.rowmeta, &b.rowmeta);
+    gpu.write(&a.rows, &b.rows);
+    gpu.write(&a.targets, &b.targets);
+}
+
+/// Records the forward over `n` rows up to the logits of the `m` selected rows.
+pub fn encode_forward(ex: &mut Exec, md: &DeviceModel, a: &Acts, n: usize, m: usize) {
+    let c = &md.cfg;
+    let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let (qd, kd) = (c.q_dim(), c.kv_dim());
+    let eps = c.rms_norm_eps;
+    let maxp = c.max_position_embeddings;
+    let p = &md.params;
+    ops::embedding_fwd(ex, &a.resid[0], &a.ids, &p[md.embed], n, d, v);
+    for (l, li) in md.layers.iter().enumerate() {
+        let la = &a.layers[l];
+        let x_in = &a.resid[l];
+        ops::rmsnorm_fwd(
+            ex,
+            &la.ln1,
+            &la.ln1_rstd,
+            x_in,
+            &p[li.input_norm],
+            n,
+            d,
+            eps,
+        );
+        ops::matmul_fwd(ex, &la.q_pre, &la.ln1, &p[li.q], n, d, qd, false);
+        ops::matmul_fwd(ex, &la.k_pre, &la.ln1, &p[li.k], n, d, kd, false);
+        ops::matmul_fwd(ex, &la.v, &la.ln1, &p[li.v], n, d, kd, false);
+        ops::rmsnorm_fwd(
+            ex,
+            &la.q,
+            &la.q_rstd,
+            &la.q_pre,
+            &p[li.q_norm],
+            n * h,
+            hd,
+            eps,
+        );
+        ops::rmsnorm_fwd(
+            ex,
+            &la.k,
+            &la.k_rstd,
+            &la.k_pre,
+            &p[li.k_norm],
+            n * kvh,
+            hd,
+            eps,
+        );
+        ops::rope_fwd(ex, &la.q, &a.pos, &md.cos, &md.sin, n, h, hd, maxp);
+        ops::rope_fwd(ex, &la.k, &a.pos, &md.cos, &md.sin, n, kvh, hd, maxp);
+        ops::attention_fwd(
+            ex,
+            &la.att_out,
+            &la.att_stats,
+            &la.q,
+            &la.k,
+            &la.v,
+            &a.qmeta,
+            n,
+            n,
+            h,
+            kvh,
+            hd,
+        );
+        ops::matmul_fwd(ex, &a.tmp, &la.att_out, &p[li.o], n, qd, d, false);
+        ops::residual_fwd(ex, &la.x_mid, x_in, &a.tmp, n * d);
+        ops::rmsnorm_fwd(
+            ex,
+            &la.ln2,
+            &la.ln2_rstd,
+            &la.x_mid,
+            &p[li.post_norm],
+            n,
+            d,
+            eps,
+        );
+        ops::matmul_fwd(ex, &la.gate, &la.ln2, &p[li.gate], n, d, f, false);
+        ops::matmul_fwd(ex, &la.up, &la.ln2, &p[li.up], n, d, f, false);
+        ops::swiglu_fwd(ex, &la.h, &la.gate, &la.up, n * f);
+        ops::matmul_fwd(ex, &a.tmp, &la.h, &p[li.down], n, f, d, false);
+        ops::residual_fwd(ex, &a.resid[l + 1], &la.x_mid, &a.tmp, n * d);
+    }
+    let nl = md.layers.len();
+    ops::rmsnorm_fwd(
+        ex,
+        &a.lnf,
+        &a.lnf_rstd,
+        &a.resid[nl],
+        &p[md.final_norm],
+        n,
+        d,
+        eps,
+    );
+    // Row gather through the embedding kernel: hsel[i] = lnf[rows[i]].
+    ops::embedding_fwd(ex, &a.hsel, &a.rows, &a.lnf, m, d, n);
+    ops::matmul_fwd(ex, &a.logits, &a.hsel, &p[md.lm_head], m, d, v, false);
+}
+
+/// Records the loss backward and the model backward, adding into the gradient sums.
+pub fn encode_backward(
+    ex: &mut Exec,
+    md: &DeviceModel,
+    a: &Acts,
+    n: usize,
+    m: usize,
+    loss: Loss,
+    temperature: f64,
+) {
+    let c = &md.cfg;
+    let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let (qd, kd) = (c.q_dim(), c.kv_dim());
+    let maxp = c.max_position_embeddings;
+    let (p, g) = (&md.params, &md.grads);
+    ops::grpo_loss_bwd(
+        ex, &a.dlogp, &a.logp, &a.old, &a.refp, &a.adv, &a.wts, &a.flags, m, loss,
+    );
+    ops::logprob_bwd(
+        ex,
+        &a.dlogits,
+        &a.dlogp,
+        &a.logits,
+        &a.targets,
+        m,
+        v,
+        temperature,
+    );
+    ops::matmul_bwd(
+        ex,
+        Some((&a.dhsel, false)),
+        &g[md.lm_head],
+        &a.dlogits,
+        &a.hsel,
+        &p[md.lm_head],
+        m,
+        d,
+        v,
+    );
+    // Scatter the selected rows' gradients back (rows are distinct, so no write collides).
+    ex.clear(&a.dlnf);
+    ops::embedding_bwd(ex, &a.dlnf, &a.dhsel, &a.rows, m, d, n);
+    let nl = md.layers.len();
+    ops::rmsnorm_bwd(
+        ex,
+        &a.dres,
+        &g[md.final_norm],
+        &a.dlnf,
+        &a.resid[nl],
+        &p[md.final_norm],
+        &a.lnf_rstd,
+        n,
+        d,
+        false,
+    );
+    for l in (0..nl).rev() {
+        let li = &md.layers[l];
+        let la = &a.layers[l];
+        ops::matmul_bwd(
+            ex,
+            Some((&a.dh, false)),
+            &g[li.down],
+            &a.dres,
+            &la.h,
+            &p[li.down],
+            n,
+            f,
+            d,
+        );
+        ops::swiglu_bwd(ex, &a.dgate, &a.dup, &a.dh, &la.gate, &la.up, n * f);
+        ops::matmul_bwd(
+            ex,
+            Some((&a.dln, false)),
+            &g[li.gate],
+            &a.dgate,
+            &la.ln2,
+            &p[li.gate],
+            n,
+            d,
+            f,
+        );
+        ops::matmul_bwd(
+            ex,
+            Some((&a.dln, true)),
+            &g[li.up],
+            &a.dup,
+            &la.ln2,
+            &p[li.up],
+            n,
+            d,
+            f,
+        );
+        ops::rmsnorm_bwd(
+            ex,
+            &a.dres,
+            &g[li.post_norm],
+            &a.dln,
+            &la.x_mid,
+            &p[li.post_norm],
+            &la.ln2_rstd,
+            n,
+            d,
+            true,
+        );
+        ops::matmul_bwd(
+            ex,
+            Some((&a.datt, false)),
+            &g[li.o],
+            &a.dres,
+            &la.att_out,
+            &p[li.o],
+            n,
+            qd,
+            d,
+        );
+        ops::attention_bwd(
+            ex,
+            &a.dq,
+            &a.dkv,
+            &la.att_stats,
+            &a.datt,
+            &la.q,
+            &la.k,
+            &la.v,
+            &la.att_out,
+            &a.rowmeta,
+            n,
+            h,
+            kvh,
+            hd,
+        );
+        // dk is the first half of dkv; the ops below read only their first rows·width values.
+        ops::rope_bwd(ex, &a.dq, &a.pos, &md.cos, &md.sin, n, h, hd, maxp);
+        ops::rope_bwd(ex, &a.dkv, &a.pos, &md.cos, &md.sin, n, kvh, hd, maxp);
+        ex.copy(&a.dkv, (n * kd * 4) as u64, &a.dv, 0, (n * kd * 4) as u64);
+        ops::rmsnorm_bwd(
+            ex,
+            &a.dq_pre,
+            &g[li.q_norm],
+            &a.dq,
+            &la.q_pre,
+            &p[li.q_norm],
+            &la.q_rstd,
+            n * h,
+            hd,
+            false,
+        );
+        ops::matmul_bwd(
+            ex,
+            Some((&a.dln, false)),
+            &g[li.q],
+            &a.dq_pre,
+            &la.ln1,
+            &p[li.q],
+            n,
+            d,
+            qd,
+        );
+        ops::rmsnorm_bwd(
+            ex,
+            &a.dk_pre,
+            &g[li.k_norm],
+            &a.dkv,
+            &la.k_pre,
+            &p[li.k_norm],
+            &la.k_rstd,
+            n * kvh,
+            hd,
+            false,
+        );
+        ops::matmul_bwd(
+            ex,
+            Some((&a.dln, true)),
+            &g[li.k],
+            &a.dk_pre,
+            &la.ln1,
+            &p[li.k],
+            n,
+            d,
+            kd,
+        );
+        ops::matmul_bwd(
+            ex,
+            Some((&a.dln, true)),
+            &g[li.v],
+            &a.dv,
+            &la.ln1,
+            &p[li.v],
+            n,
+            d,
+            kd,
+        );
+        ops::rmsnorm_bwd(
+            ex,
+            &a.dres,
+            &g[li.input_norm],
+            &a.dln,
+            &a.resid[l],
+            &p[li.input_norm],
+            &la.ln1_rstd,
+            n,
+            d,
+            true,
+        );
+    }
+    ops::embedding_bwd(ex, &g[md.embed], &a.dres, &a.ids, n, d, v);
+}

@@ -1,0 +1,553 @@
+//! One launcher per kernel: binds the op's buffers in the kernel's binding order, fills its
+//! `Params` and picks the launch geometry. Names, argument order (outputs first) and shapes
+//! follow the CPU reference's `cpu::ops`, so the conformance suite can run each op on both.
+//! Launchers only record into an [`Exec`]; nothing runs until `Exec::submit`.
+//!
+//! Differences from the CPU ops, all deliberate: gradient outputs that the model never needs
+//! to accumulate (`swiglu_bwd`, `logprob_bwd`, `attention_bwd`, `grpo_loss_bwd`) are written
+//! rather than added to; `attention_*` take packed rows with per-row metadata instead of one
+//! sequence per call, and save log-sum-exp instead of the probability matrix.
+
+use rolloutpipe_kernels::Kernel;
+use wgpu::Buffer;
+
+use super::gpu::{Exec, Params, groups, linear};
+
+/// Ceil-divided tile counts of the 64x64 matmul tiles.
+fn tiles(cols: usize, rows: usize) -> [u32; 2] {
+    [
+        cols.div_ceil(64).max(1) as u32,
+        rows.div_ceil(64).max(1) as u32,
+    ]
+}
+
+/// `out[n, d] = table[ids[t], :]` (also a row gather: `table` any `[rows, d]` buffer).
+pub fn embedding_fwd(
+    ex: &mut Exec,
+    out: &Buffer,
+    ids: &Buffer,
+    table: &Buffer,
+    n: usize,
+    d: usize,
+    vocab: usize,
+) {
+    let p = Params::new().u(n).u(d).u(vocab);
+    ex.dispatch(
+        Kernel::EmbeddingFwd,
+        0,
+        &[ids, table, out],
+        p,
+        linear(n * d, 256),
+    );
+}
+
+/// `dtable[ids[t], :] += dout[t, :]` (also a row scatter-add).
+pub fn embedding_bwd(
+    ex: &mut Exec,
+    dtable: &Buffer,
+    dout: &Buffer,
+    ids: &Buffer,
+    n: usize,
+    d: usize,
+    vocab: usize,
+) {
+    let p = Params::new().u(n).u(d).u(vocab);
+    ex.dispatch(
+        Kernel::EmbeddingBwd,
+        0,
+        &[ids, dout, dtable],
+        p,
+        linear(d, 64),
+    );
+}
+
+/// RMSNorm of `rows` rows of width `d`, saving `rstd[rows]`.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_fwd(
+    ex: &mut Exec,
+    out: &Buffer,
+    rstd: &Buffer,
+    x: &Buffer,
+    w: &Buffer,
+    rows: usize,
+    d: usize,
+    eps: f64,
+) {
+    let p = Params::new().u(rows).u(d).f(eps as f32);
+    ex.dispatch(Kernel::RmsnormFwd, 0, &[x, w, out, rstd], p, groups(rows));
+}
+
+/// Backward of [`rmsnorm_fwd`]: `dx (+)= …` (added when `accumulate`), `dw += …`.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_bwd(
+    ex: &mut Exec,
+    dx: &Buffer,
+    dw: &Buffer,
+    dout: &Buffer,
+    x: &Buffer,
+    w: &Buffer,
+    rstd: &Buffer,
+    rows: usize,
+    d: usize,
+    accumulate: bool,
+) {
+    let p = Params::new().u(rows).u(d).u(accumulate as usize);
+    let b = [x, w, rstd, dout, dx, dw];
+    ex.dispatch(Kernel::RmsnormBwd, 0, &b, p, groups(rows));
+    ex.dispatch(Kernel::RmsnormBwd, 1, &b, p, linear(d, 64));
+}
+
+/// `y[n, dout] (+)= x[n, din] · wᵀ` with `w` `[dout, din]`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_fwd(
+    ex: &mut Exec,
+    y: &Buffer,
+    x: &Buffer,
+    w: &Buffer,
+    n: usize,
+    din: usize,
+    dout: usize,
+    accumulate: bool,
+) {
+    let p = Params::new().u(n).u(dout).u(din).u(accumulate as usize);
+    ex.dispatch(Kernel::MatmulFwd, 0, &[x, w, y], p, tiles(dout, n));
+}
+
+/// Backward of [`matmul_fwd`]: `dx (+)= dy·w` when `dx` is given (`(buffer, accumulate)`),
+/// and `dw += dyᵀ·x`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_bwd(
+    ex: &mut Exec,
+    dx: Option<(&Buffer, bool)>,
+    dw: &Buffer,
+    dy: &Buffer,
+    x: &Buffer,
+    w: &Buffer,
+    n: usize,
+    din: usize,
+    dout: usize,
+) {
+    let dummy = ex.dummy();
+    let (dxb, acc) = match dx {
+        Some((b, acc)) => (b.clone(), acc),
+        None => (dummy, false),
+    };
+    let p = Params::new().u(n).u(dout).u(din).u(acc as usize);
+    let b = [dy, x, w, &dxb, dw];
+    if dx.is_some() {
+        ex.dispatch(Kernel::MatmulBwd, 0, &b, p, tiles(din, n));
+    }
+    ex.dispatch(Kernel::MatmulBwd, 1, &b, p, tiles(din, dout));
+}
+
+/// Rotate-half RoPE in place on `x[rows, heads·hd]` at `pos[rows]`, from the `[max_pos,
+/// hd/2]` cos/sin tables.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_fwd(
+    ex: &mut Exec,
+    x: &Buffer,
+    pos: &Buffer,
+    cos: &Buffer,
+    sin: &Buffer,
+    rows: usize,
+    heads: usize,
+    hd: usize,
+    max_pos: usize,
+) {
+    let p = Params::new().u(rows).u(heads).u(hd).u(max_pos);
+    ex.dispatch(
+        Kernel::RopeFwd,
+        0,
+        &[x, pos, cos, sin],
+        p,
+        linear(rows * heads * hd / 2, 256),
+    );
+}
+
+/// Backward of [`rope_fwd`] in place on the gradient.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_bwd(
+    ex: &mut Exec,
+    dx: &Buffer,
+    pos: &Buffer,
+    cos: &Buffer,
+    sin: &Buffer,
+    rows: usize,
+    heads: usize,
+    hd: usize,
+    max_pos: usize,
+) {
+    let p = Params::new().u(rows).u(heads).u(hd).u(max_pos);
+    ex.dispatch(
+        Kernel::RopeBwd,
+        0,
+        &[dx, pos, cos, sin],
+        p,
+        linear(rows * heads * hd / 2, 256),
+    );
+}
+
+/// The attention scale `head_dim^-½`, rounded from f64 as the CPU reference does.
+pub fn attention_scale(hd: usize) -> f32 {
+    (1.0 / (hd as f64).sqrt()) as f32
+}
+
+/// Causal GQA attention of `n_q` query rows; query `i` attends key rows
+/// `qmeta[2i] ..= qmeta[2i] + qmeta[2i+1]` of `k`, `v` (`n_k` rows). Writes `out` and the
+/// log-sum-exp into the first `n_q·h` entries of `stats`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd(
+    ex: &mut Exec,
+    out: &Buffer,
+    stats: &Buffer,
+    q: &Buffer,
+    k: &Buffer,
+    v: &Buffer,
+    qmeta: &Buffer,
+    n_q: usize,
+    n_k: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+) {
+    let p = Params::new()
+        .u(n_q)
+        .u(h)
+        .u(kvh)
+        .u(hd)
+        .u(n_k)
+        .f(attention_scale(hd));
+    ex.dispatch(
+        Kernel::AttentionFwd,
+        0,
+        &[q, k, v, qmeta, out, stats],
+        p,
+        groups(n_q * h),
+    );
+}
+
+/// Backward of [`attention_fwd`] over `n` packed rows (`meta_rows[2r..2r+2]` = start and
+/// length of row r's sequence): writes `dq` and `dkv = [dk, dv]`; `stats` holds the
+/// forward's log-sum-exp and receives the row sums `delta` in its second half.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd(
+    ex: &mut Exec,
+    dq: &Buffer,
+    dkv: &Buffer,
+    stats: &Buffer,
+    dout: &Buffer,
+    q: &Buffer,
+    k: &Buffer,
+    v: &Buffer,
+    out: &Buffer,
+    meta_rows: &Buffer,
+    n: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+) {
+    let p = Params::new().u(n).u(h).u(kvh).u(hd).f(attention_scale(hd));
+    let b = [q, k, v, out, stats, dout, dq, dkv, meta_rows];
+    ex.dispatch(Kernel::AttentionBwd, 0, &b, p, groups(n * h));
+    ex.dispatch(Kernel::AttentionBwd, 1, &b, p, groups(n * kvh));
+}
+
+/// `out = silu(gate)·up` over `n` values.
+pub fn swiglu_fwd(ex: &mut Exec, out: &Buffer, gate: &Buffer, up: &Buffer, n: usize) {
+    ex.dispatch(
+        Kernel::SwigluFwd,
+        0,
+        &[gate, up, out],
+        Params::new().u(n),
+        linear(n, 256),
+    );
+}
+
+/// Backward of [`swiglu_fwd`] (written, not accumulated).
+pub fn swiglu_bwd(
+    ex: &mut Exec,
+    dgate: &Buffer,
+    dup: &Buffer,
+    dout: &Buffer,
+    gate: &Buffer,
+    up: &Buffer,
+    n: usize,
+) {
+    let b = [gate, up, dout, dgate, dup];
+    ex.dispatch(Kernel::SwigluBwd, 0, &b, Params::new().u(n), linear(n, 256));
+}
+
+/// `out = a + b` over `n` values.
+pub fn residual_fwd(ex: &mut Exec, out: &Buffer, a: &Buffer, b: &Buffer, n: usize) {
+    ex.dispatch(
+        Kernel::ResidualFwd,
+        0,
+        &[a, b, out],
+        Params::new().u(n),
+        linear(n, 256),
+    );
+}
+
+/// `logp[r] = log_softmax(logits[r]/T)[targets[r]]` and the entropy, per row.
+#[allow(clippy::too_many_arguments)]
+pub fn logprob_fwd(
+    ex: &mut Exec,
+    logp: &Buffer,
+    entropy: &Buffer,
+    logits: &Buffer,
+    targets: &Buffer,
+    rows: usize,
+    v: usize,
+    temperature: f64,
+) {
+    let p = Params::new().u(rows).u(v).f((1.0 / temperature) as f32);
+    ex.dispatch(
+        Kernel::LogprobFwd,
+        0,
+        &[logits, targets, logp, entropy],
+        p,
+        groups(rows),
+    );
+}
+
+/// Backward of [`logprob_fwd`] (written, not accumulated).
+#[allow(clippy::too_many_arguments)]
+pub fn logprob_bwd(
+    ex: &mut Exec,
+    dlogits: &Buffer,
+    dlogp: &Buffer,
+    logits: &Buffer,
+    targets: &Buffer,
+    rows: usize,
+    v: usize,
+    temperature: f64,
+) {
+    let p = Params::new().u(rows).u(v).f((1.0 / temperature) as f32);
+    ex.dispatch(
+        Kernel::LogprobBwd,
+        0,
+        &[logits, targets, dlogp, dlogits],
+        p,
+        groups(rows),
+    );
+}
+
+/// Per-token flag bits of the loss kernels.
+pub mod flags {
+    /// The token is scored.
+    pub const SCORED: u32 = 1;
+    /// `old_logp` holds a value (else the current log-prob, detached).
+    pub const HAS_OLD: u32 = 2;
+    /// `ref_logp` holds a value (else the current log-prob: no KL).
+    pub const HAS_REF: u32 = 4;
+}
+
+/// The objective of the loss kernels.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Loss {
+    /// Clipped GRPO surrogate with k3 KL.
+    Grpo {
+        /// Lower clip range.
+        eps_low: f64,
+        /// Upper clip range.
+        eps_high: f64,
+        /// KL weight.
+        beta: f64,
+    },
+    /// `−logp`.
+    Sft,
+}
+
+impl Loss {
+    fn params(self, n: usize) -> Params {
+        match self {
+            Loss::Grpo {
+                eps_low,
+                eps_high,
+                beta,
+            } => Params::new()
+                .u(n)
+                .u(0)
+                .f(eps_low as f32)
+                .f(eps_high as f32)
+                .f(beta as f32),
+            Loss::Sft => Params::new().u(n).u(1).f(0.0).f(0.0).f(0.0),
+        }
+    }
+}
+
+/// `stats = [Σ w·loss, Σ KL, #clipped, Σ entropy]` over the `n` tokens (see the kernel).
+#[allow(clippy::too_many_arguments)]
+pub fn grpo_loss_fwd(
+    ex: &mut Exec,
+    stats: &Buffer,
+    logp: &Buffer,
+    old: &Buffer,
+    refp: &Buffer,
+    adv: &Buffer,
+    w: &Buffer,
+    entropy: &Buffer,
+    tok_flags: &Buffer,
+    n: usize,
+    loss: Loss,
+) {
+    let b = [logp, old, refp, adv, w, entropy, stats, tok_flags];
+    ex.dispatch(Kernel::GrpoLossFwd, 0, &b, loss.params(n), [1, 1]);
+}
+
+/// `dlogp = w·∂loss/∂logp` (written).
+#[allow(clippy::too_many_arguments)]
+pub fn grpo_loss_bwd(
+    ex: &mut Exec,
+    dlogp: &Buffer,
+    logp: &Buffer,
+    old: &Buffer,
+    refp: &Buffer,
+    adv: &Buffer,
+    w: &Buffer,
+    tok_flags: &Buffer,
+    n: usize,
+    loss: Loss,
+) {
+    let b = [logp, old, refp, adv, w, dlogp, tok_flags];
+    ex.dispatch(Kernel::GrpoLossBwd, 0, &b, loss.params(n), linear(n, 256));
+}
+
+/// The f64-derived scalars of one AdamW step, computed as the CPU reference does.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamScalars {
+    /// Normaliser and clip factor folded into one gradient scale.
+    pub grad_scale: f32,
+    /// `1 − lr·wd`.
+    pub decay: f32,
+    /// `lr / (1 − β1^t)`.
+    pub step_size: f32,
+    /// `1 − β1`.
+    pub one_minus_beta1: f32,
+    /// `β2`.
+    pub beta2: f32,
+    /// `1 − β2`.
+    pub one_minus_beta2: f32,
+    /// `√(1 − β2^t)`.
+    pub sqrt_bc2: f32,
+    /// `eps`.
+    pub eps: f32,
+}
+
+impl AdamScalars {
+    /// The scalars of step `t` (1-based) with decay `wd` for this tensor.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        grad_scale: f32,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        wd: f64,
+        t: u64,
+    ) -> Self {
+        let ti = t.min(i32::MAX as u64) as i32;
+        Self {
+            grad_scale,
+            decay: (1.0 - lr * wd) as f32,
+            step_size: (lr / (1.0 - beta1.powi(ti))) as f32,
+            one_minus_beta1: (1.0 - beta1) as f32,
+            beta2: beta2 as f32,
+            one_minus_beta2: (1.0 - beta2) as f32,
+            sqrt_bc2: (1.0 - beta2.powi(ti)).sqrt() as f32,
+            eps: eps as f32,
+        }
+    }
+}
+
+/// One AdamW step of an `n`-value tensor in place.
+pub fn adamw_step(
+    ex: &mut Exec,
+    p: &Buffer,
+    g: &Buffer,
+    m: &Buffer,
+    v: &Buffer,
+    n: usize,
+    s: AdamScalars,
+) {
+    let prm = Params::new()
+        .u(n)
+        .f(s.grad_scale)
+        .f(s.decay)
+        .f(s.step_size)
+        .f(s.one_minus_beta1)
+        .f(s.beta2)
+        .f(s.one_minus_beta2)
+        .f(s.sqrt_bc2)
+        .f(s.eps);
+    ex.dispatch(Kernel::AdamwStep, 0, &[p, g, m, v], prm, linear(n, 256));
+}
+
+/// Workgroups [`grad_norm`] launches for an `n`-value tensor (its partials' count).
+pub fn grad_norm_groups(n: usize) -> usize {
+    n.div_ceil(256).clamp(1, 64)
+}
+
+/// Sum of squares of `g[n]` into `partials[base .. base + grad_norm_groups(n)]`.
+pub fn grad_norm(
+    ex: &mut Exec,
+    partials: &Buffer,
+    total: &Buffer,
+    g: &Buffer,
+    n: usize,
+    base: usize,
+) {
+    let p = Params::new().u(n).u(base).u(0);
+    ex.dispatch(
+        Kernel::GradNorm,
+        0,
+        &[g, partials, total],
+        p,
+        [grad_norm_groups(n) as u32, 1],
+    );
+}
+
+/// `total[0] = Σ partials[0 .. count]`.
+pub fn grad_norm_reduce(ex: &mut Exec, total: &Buffer, partials: &Buffer, count: usize) {
+    let dummy = ex.dummy();
+    let p = Params::new().u(0).u(0).u(count);
+    ex.dispatch(Kernel::GradNorm, 1, &[&dummy, partials, total], p, [1, 1]);
+}
+
+/// Samples one token per row of `logits[rows, v]`; `rowp[r]` = (1/T or 0 for greedy,
+/// top_k bits, top_p, u). Writes `tokens[rows]` and their log-probs.
+#[allow(clippy::too_many_arguments)]
+pub fn sample(
+    ex: &mut Exec,
+    tokens: &Buffer,
+    logp: &Buffer,
+    logits: &Buffer,
+    rowp: &Buffer,
+    rows: usize,
+    v: usize,
+) {
+    let p = Params::new().u(rows).u(v);
+    ex.dispatch(
+        Kernel::Sample,
+        0,
+        &[logits, rowp, tokens, logp],
+        p,
+        groups(rows),
+    );
+}
+
+/// The `rowp` entry of one request: inverse temperature (0 = greedy), top-k (as bits),
+/// top-p and the uniform draw (rounded down to f32 so that it stays below 1).
+pub fn sample_row(temperature: f32, top_k: usize, top_p: f32, u: f64) -> [f32; 4] {
+    let inv = if temperature > 0.0 {
+        ((1.0 / temperature as f64) as f32).max(f32::MIN_POSITIVE)
+    } else {
+        0.0
+    };
+    let mut uf = u as f32;
+    if uf as f64 > u {
+        uf = f32::from_bits(uf.to_bits().saturating_sub(1));
+    }
+    let k = top_k.min(u32::MAX as usize) as u32;
+    [inv, f32::from_bits(k), top_p, uf]
+}
