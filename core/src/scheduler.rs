@@ -2450,7 +2450,7 @@ mod tests {
                 }
                 while s.poll_micro_batch(now).is_some() {
                     let mb = s.on_micro_batch_consumed(now).unwrap();
-                    assert_eq!(s.on_micro_batch_consumed(now).is_err(), true);
+                    assert!(s.on_micro_batch_consumed(now).is_err());
                     if mb.ends_optimizer_step {
                         s.on_optimizer_step_done(now).unwrap();
                     }
