@@ -202,12 +202,21 @@ def make(name: str, tied: bool, seed: int, explicit_old: bool, hub_style_rope: b
         assert "lm_head.weight" not in names, "tied model must expose one embedding parameter"
     save_file(tensors, os.path.join(d, "expected.safetensors"))
 
+    # Tokens outside the clip range, and those where the clipped branch is the active one of the
+    # min (zero surrogate gradient: A > 0 above 1 + eps_high, A < 0 below 1 - eps_low).
     clipped = 0
+    clip_active = 0
     if old is not None:
-        for gi in range(len(groups)):
-            for j in range(3):
+        for gi, g in enumerate(groups):
+            r = torch.tensor([resp["reward"] for resp in g["responses"]], dtype=torch.float64)
+            adv = (r - r.mean()) / (r.std(unbiased=True) + STD_EPS)
+            for j in range(len(g["responses"])):
                 ratio = torch.exp(lps[f"{gi}.{j}"] - old[gi][j])
                 clipped += int(((ratio < 1 - EPS_LOW) | (ratio > 1 + EPS_HIGH)).sum())
+                if adv[j] > 0:
+                    clip_active += int((ratio > 1 + EPS_HIGH).sum())
+                elif adv[j] < 0:
+                    clip_active += int((ratio < 1 - EPS_LOW).sum())
     meta = {
         "loss": float(loss.detach()),
         "temperature": TEMPERATURE,
@@ -218,13 +227,14 @@ def make(name: str, tied: bool, seed: int, explicit_old: bool, hub_style_rope: b
         "std": "sample",
         "tokens": sum(len(r["tokens"]) for g in groups for r in g["responses"]),
         "clipped_tokens": clipped,
+        "clip_active_tokens": clip_active,
         "tied": tied,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
     with open(os.path.join(d, "expected.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    print(f"{name}: loss {float(loss.detach()):.6f}, clipped tokens {clipped}, params {len(names)}", file=sys.stderr)
+    print(f"{name}: loss {float(loss.detach()):.6f}, clipped tokens {clipped} ({clip_active} active), params {len(names)}", file=sys.stderr)
 
 
 if __name__ == "__main__":
