@@ -79,8 +79,8 @@ fn compare(what: &str, got: &[f32], want: &[f32], tol: Tol) -> Result<f64, Strin
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let (g, w) = (f64::from(g), f64::from(w));
         let err = (g - w).abs();
-        // A NaN on either side must fail, so test the negation of "within tolerance".
-        if !(err <= tol.atol + tol.rtol * w.abs()) {
+        // A NaN on either side makes `err` NaN, which must fail too.
+        if err.is_nan() || err > tol.atol + tol.rtol * w.abs() {
             nbad += 1;
             if bad.len() < 5 {
                 bad.push(format!("[{i}] got {g:.7e} want {w:.7e} (err {err:.2e})"));
