@@ -1,2 +1,80 @@
-//! Placeholder until the benchmark lands (milestone 2).
-fn main() {}
+//! Cost per request lifecycle (admit, finish with reward, dispatch, micro-batch, with a fifth of
+//! the groups filtered and replaced, surplus aborted) over whole steps of B groups x 16 samples,
+//! for both admission policies. Throughput is in requests, so criterion prints requests/s; the
+//! time per request is 1 / that. Time is this thread's CPU time (`/proc/thread-self/schedstat`,
+//! wall time where unreadable), so other load on a shared machine does not inflate it. Run:
+//! `cargo bench -p rolloutpipe-core --bench core -- --warm-up-time 1 --measurement-time 3`
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use rolloutpipe_core::{AdmissionPolicy, GroupSlot, RequestSlot, Scheduler, SubmitOrder};
+
+#[allow(dead_code)]
+#[path = "../tests/support/step.rs"]
+mod step;
+
+/// Nanoseconds this thread has run on a CPU, if the kernel exposes it.
+fn thread_cpu_ns() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    stat.split_whitespace().next()?.parse().ok()
+}
+
+/// Times `iters` runs of `f` in thread CPU time (wall time as the fallback).
+fn cpu_time(iters: u64, mut f: impl FnMut()) -> Duration {
+    let (cpu0, wall0) = (thread_cpu_ns(), Instant::now());
+    for _ in 0..iters {
+        f();
+    }
+    match (cpu0, thread_cpu_ns()) {
+        (Some(a), Some(b)) => Duration::from_nanos(b - a),
+        _ => wall0.elapsed(),
+    }
+}
+
+fn core_step(c: &mut Criterion) {
+    let mut group = c.benchmark_group("core_step");
+    group.sample_size(10);
+    for b in [64u32, 1024, 16_384, 65_536] {
+        let mut groups = vec![GroupSlot::EMPTY; 2 * b as usize];
+        let mut requests = vec![RequestSlot::EMPTY; 2 * b as usize * 16];
+        let mut s = Scheduler::new(&mut groups, &mut requests);
+        let mut id = 0u64;
+        for (name, admission) in [
+            (
+                "fifo",
+                AdmissionPolicy::Fifo {
+                    order: SubmitOrder::Interleaved,
+                },
+            ),
+            (
+                "frontier",
+                AdmissionPolicy::Frontier {
+                    width: 4,
+                    expected_filter_ppm: 200_000,
+                    fallback: SubmitOrder::Interleaved,
+                },
+            ),
+        ] {
+            let mut plan = step::plan(b);
+            plan.admission = admission;
+            // Steps are deterministic for a seed: measure the request count once.
+            id += 1;
+            let requests = step::run_step(&mut s, id, plan, 7).requests;
+            group.throughput(Throughput::Elements(requests));
+            group.bench_with_input(BenchmarkId::new(name, b), &b, |bench, _| {
+                bench.iter_custom(|iters| {
+                    cpu_time(iters, || {
+                        id += 1;
+                        black_box(step::run_step(&mut s, id, plan, 7));
+                    })
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, core_step);
+criterion_main!(benches);

@@ -189,6 +189,60 @@ impl<'s, 'a> View<'s, 'a> {
         self.incomplete().take(self.frontier_len() as usize)
     }
 
+    /// The lowest-numbered group that has a pending request (O(1): a four-level bitset).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 1)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 2).unwrap();
+    /// s.poll_admit(Tick(0)).unwrap();
+    /// assert_eq!(s.view().first_pending_group(), Some(GroupId(1)));
+    /// ```
+    pub fn first_pending_group(&self) -> Option<GroupId> {
+        self.s.first_pending_group().map(GroupId)
+    }
+
+    /// Whether group `g` is in the frontier of the given width and filter rate. O(1) for the
+    /// plan's own parameters while the scheduler's cache is fresh (it is refreshed before every
+    /// admission), else O(frontier) by walking the incomplete list.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 2).unwrap();
+    /// assert!(s.view().in_frontier_for(GroupId(0), 0, 0));
+    /// assert!(!s.view().in_frontier_for(GroupId(1), 0, 0));
+    /// assert!(s.view().in_frontier_for(GroupId(1), 1, 0));
+    /// ```
+    pub fn in_frontier_for(&self, g: GroupId, width: u32, expected_filter_ppm: u32) -> bool {
+        let n = self.frontier_len_for(width, expected_filter_ppm);
+        let (len, last) = if !self.s.frontier_dirty && n == self.frontier_len() {
+            self.s.frontier_cache
+        } else {
+            self.walk_frontier(n)
+        };
+        len > 0
+            && self.group_state(g).is_some_and(|st| st.is_incomplete())
+            && (last == NIL || g.0 <= last)
+    }
+
+    /// `(len, last)` of the first `n` incomplete groups; `last == NIL` when fewer than `n`
+    /// exist (the frontier is every incomplete group).
+    pub(crate) fn walk_frontier(&self, n: u32) -> (u32, u32) {
+        if n == 0 {
+            return (0, NIL);
+        }
+        let mut it = self.incomplete();
+        match it.nth(n as usize - 1) {
+            Some(g) => (n, g.0),
+            None => (n, NIL),
+        }
+    }
+
     /// A drawn group's state.
     ///
     /// ```
@@ -322,10 +376,11 @@ impl Admit for AdmissionPolicy {
                 expected_filter_ppm,
                 ..
             } => {
-                let n = view.frontier_len_for(width, expected_filter_ppm) as usize;
-                view.incomplete()
-                    .take(n)
-                    .find(|&g| view.pending_in(g) > 0)
+                // Pending groups are incomplete and the incomplete list is in draw (= id) order,
+                // so the earliest frontier group with a pending request, if any, is the
+                // lowest-numbered pending group, provided it lies within the frontier.
+                view.first_pending_group()
+                    .filter(|&g| view.in_frontier_for(g, width, expected_filter_ppm))
                     .and_then(|g| view.lowest_pending(g))
                     .or_else(|| view.queue_front())
             }

@@ -15,6 +15,9 @@ use crate::types::{
 /// variance ≤ 1e-12 because `core` has no `sqrt`.
 const ZERO_VARIANCE: f64 = 1e-12;
 
+/// Groups addressable by the four-level pending-groups bitset (64^4).
+const MAX_GROUPS: usize = 1 << 24;
+
 /// A decision to start a request in a free slot.
 ///
 /// ```
@@ -244,12 +247,19 @@ pub struct Scheduler<'a> {
     exhausted: bool,
     pub(crate) is_final: bool,
     short: bool,
+    /// Pending-groups bitset, levels 2 and 3 (levels 0 and 1 live in the group slots).
+    pending_l2: [u64; 64],
+    pending_l3: u64,
+    /// The plan policy's frontier, cached between changes of the incomplete list or the batch:
+    /// `(len, last group)`; `last == NIL` with `len > 0` means every incomplete group.
+    pub(crate) frontier_cache: (u32, u32),
+    pub(crate) frontier_dirty: bool,
 }
 
 impl<'a> Scheduler<'a> {
     /// A scheduler over caller storage: one group slot per prompt a step may draw, one request
-    /// slot per sample (extensions included). Slices longer than `u32::MAX - 1` are used only up
-    /// to that length.
+    /// slot per sample (extensions included). At most 2^24 group slots and `u32::MAX - 1`
+    /// request slots are used; longer slices are used only up to that length.
     ///
     /// ```
     /// use rolloutpipe_core::{GroupSlot, RequestSlot, Scheduler};
@@ -260,8 +270,8 @@ impl<'a> Scheduler<'a> {
     /// ```
     pub const fn new(groups: &'a mut [GroupSlot], requests: &'a mut [RequestSlot]) -> Self {
         let max = (NIL - 1) as usize;
-        let group_cap = if groups.len() > max {
-            max as u32
+        let group_cap = if groups.len() > MAX_GROUPS {
+            MAX_GROUPS as u32
         } else {
             groups.len() as u32
         };
@@ -319,6 +329,10 @@ impl<'a> Scheduler<'a> {
             exhausted: false,
             is_final: false,
             short: false,
+            pending_l2: [0; 64],
+            pending_l3: 0,
+            frontier_cache: (0, NIL),
+            frontier_dirty: true,
         }
     }
 
@@ -441,6 +455,7 @@ impl<'a> Scheduler<'a> {
                 };
             }
             self.incomplete.push_back(self.groups, g);
+            self.mark_pending(g);
             self.counters.drawn += 1;
             self.counters.queued += 1;
         }
@@ -479,6 +494,7 @@ impl<'a> Scheduler<'a> {
             }
         }
         self.draw_outstanding = self.draw_outstanding.saturating_sub(n);
+        self.frontier_dirty = true;
         Ok(GroupId(drawn))
     }
 
@@ -585,6 +601,9 @@ impl<'a> Scheduler<'a> {
             self.queue.push_back(self.reqs, idx);
         }
         self.req_used = first + new_target as u32;
+        if self.groups[g as usize].pending == 0 {
+            self.mark_pending(g);
+        }
         let gs = &mut self.groups[g as usize];
         gs.target = new_target;
         gs.pending += extra;
@@ -744,6 +763,9 @@ impl<'a> Scheduler<'a> {
                     rs.attempt = attempt;
                     rs.state = RequestState::Pending;
                     self.queue.push_back(self.reqs, idx);
+                    if self.groups[g as usize].pending == 0 {
+                        self.mark_pending(g);
+                    }
                     let gs = &mut self.groups[g as usize];
                     gs.pending += 1;
                     gs.low = gs.low.min(r.sample);
@@ -894,6 +916,10 @@ impl<'a> Scheduler<'a> {
         {
             return Ok(None);
         }
+        if self.frontier_dirty {
+            self.frontier_cache = self.view().walk_frontier(self.view().frontier_len());
+            self.frontier_dirty = false;
+        }
         let Some(choice) = policy.choose(&self.view()) else {
             return Ok(None);
         };
@@ -910,8 +936,12 @@ impl<'a> Scheduler<'a> {
         if gs.low == sample {
             gs.low = sample + 1;
         }
+        let none_left = gs.pending == 0;
         if gs.state == GroupState::Queued {
             self.set_state(g, GroupState::Generating);
+        }
+        if none_left {
+            self.unmark_pending(g);
         }
         self.counters.in_flight += 1;
         self.counters.requests_admitted += 1;
@@ -1400,6 +1430,10 @@ impl<'a> Scheduler<'a> {
                 }
             }
             pending_total += p as u32;
+            let bit = self.groups[(g >> 6) as usize].bits[0] >> (g & 63) & 1 == 1;
+            if bit != (p > 0) {
+                return bad("pending-groups bitset", g as u64);
+            }
             if s.state.is_incomplete() {
                 if (p, f, gen_, rew) != (s.pending, s.in_flight, s.generated, s.rewarded) {
                     return bad("group request tallies", g as u64);
@@ -1458,6 +1492,15 @@ impl<'a> Scheduler<'a> {
             }
             n += 1;
             i = self.reqs[i as usize].link.next;
+        }
+        let first = (0..self.counters.drawn).find(|&g| self.groups[g as usize].pending > 0);
+        if first != self.first_pending_group() {
+            return bad("first pending group", first.unwrap_or(NIL) as u64);
+        }
+        if !self.frontier_dirty
+            && self.frontier_cache != self.view().walk_frontier(self.view().frontier_len())
+        {
+            return bad("stale frontier cache", self.frontier_cache.1 as u64);
         }
         let mut last = None;
         let mut n = 0u32;
@@ -1532,6 +1575,56 @@ impl<'a> Scheduler<'a> {
     }
 
     // ----- helpers --------------------------------------------------------------------------
+
+    /// Group `g` has pending requests now (it had none).
+    fn mark_pending(&mut self, g: u32) {
+        let (w0, w1, w2) = (g >> 6, g >> 12, g >> 18);
+        let l0 = &mut self.groups[w0 as usize].bits[0];
+        let fresh = *l0 == 0;
+        *l0 |= 1 << (g & 63);
+        if !fresh {
+            return;
+        }
+        let l1 = &mut self.groups[w1 as usize].bits[1];
+        let fresh = *l1 == 0;
+        *l1 |= 1 << (w0 & 63);
+        if !fresh {
+            return;
+        }
+        self.pending_l2[w2 as usize] |= 1 << (w1 & 63);
+        self.pending_l3 |= 1 << w2;
+    }
+
+    /// Group `g` has no pending request any more.
+    fn unmark_pending(&mut self, g: u32) {
+        let (w0, w1, w2) = (g >> 6, g >> 12, g >> 18);
+        let l0 = &mut self.groups[w0 as usize].bits[0];
+        *l0 &= !(1 << (g & 63));
+        if *l0 != 0 {
+            return;
+        }
+        let l1 = &mut self.groups[w1 as usize].bits[1];
+        *l1 &= !(1 << (w0 & 63));
+        if *l1 != 0 {
+            return;
+        }
+        let l2 = &mut self.pending_l2[w2 as usize];
+        *l2 &= !(1 << (w1 & 63));
+        if *l2 == 0 {
+            self.pending_l3 &= !(1 << w2);
+        }
+    }
+
+    /// The lowest-numbered group with a pending request: four word reads.
+    pub(crate) fn first_pending_group(&self) -> Option<u32> {
+        if self.pending_l3 == 0 {
+            return None;
+        }
+        let w2 = self.pending_l3.trailing_zeros();
+        let w1 = (w2 << 6) | self.pending_l2[w2 as usize].trailing_zeros();
+        let w0 = (w1 << 6) | self.groups[w1 as usize].bits[1].trailing_zeros();
+        Some((w0 << 6) | self.groups[w0 as usize].bits[0].trailing_zeros())
+    }
 
     pub(crate) fn slot(&self, g: GroupId) -> Option<&GroupSlot> {
         (self.phase != StepPhase::Idle && g.0 < self.counters.drawn)
@@ -1659,11 +1752,15 @@ impl<'a> Scheduler<'a> {
                 _ => {}
             }
         }
+        if self.groups[g as usize].pending > 0 {
+            self.unmark_pending(g);
+        }
         let gs = &mut self.groups[g as usize];
         gs.pending = 0;
         gs.in_flight = 0;
         gs.ended_at = Some(now);
         self.incomplete.remove(self.groups, g);
+        self.frontier_dirty = true;
         self.set_state(g, end);
         if end == GroupState::Trainable {
             if self.ready_tail == NIL {

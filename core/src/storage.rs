@@ -66,6 +66,11 @@ pub struct GroupSlot {
     pub(crate) tokens: u64,
     pub(crate) drawn_at: Tick,
     pub(crate) ended_at: Option<Tick>,
+    /// Words of the pending-groups bitset stored in the group slots themselves: `bits[0]` of
+    /// slot `w` covers groups `64w .. 64w + 63`, `bits[1]` of slot `w` covers level-0 words
+    /// `64w ..`. A slot is reset when its group is drawn, which is always before any group its
+    /// words cover (those have larger ids, except group 0 itself).
+    pub(crate) bits: [u64; 2],
 }
 
 impl GroupSlot {
@@ -94,6 +99,7 @@ impl GroupSlot {
         tokens: 0,
         drawn_at: Tick(0),
         ended_at: None,
+        bits: [0; 2],
     };
 }
 
