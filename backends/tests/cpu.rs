@@ -392,26 +392,41 @@ fn micro_batches_in_any_order_equal_the_one_shot_gradient_and_step() {
             assert_eq!(s.tokens, s1.tokens);
             assert!((s.loss_sum - s1.loss_sum).abs() < 1e-5);
             let g = mb.gradients().unwrap();
-            let mut max_g = 0.0f32;
+            let max_g = g1
+                .tensors
+                .values()
+                .flat_map(|t| &t.data)
+                .fold(0.0f32, |m, x| m.max(x.abs()));
+            assert!(max_g > 1e-3);
             for (name, t) in &g1.tensors {
                 for (a, b) in t.data.iter().zip(&g.tensors[name].data) {
-                    max_g = max_g.max(a.abs());
                     // f32 sums of the same terms in another order: relative 1e-5 of the
                     // largest gradient covers reassociation over a few hundred tokens.
-                    assert!((a - b).abs() <= 1e-5 * max_g.max(1.0), "{name}: {a} vs {b}");
+                    assert!(
+                        (a - b).abs() <= 1e-5 * max_g,
+                        "{name}: {a} vs {b} (max {max_g})"
+                    );
                 }
             }
-            assert!(max_g > 1e-3);
             let o = mb.optimizer_step(norm, &opt).unwrap();
             assert!((o.grad_norm - o1.grad_norm).abs() < 1e-5 * o1.grad_norm);
             let wm = mb.export_weights().unwrap();
+            let (mut total, mut off) = (0usize, 0usize);
             for (name, t) in &w1.tensors {
                 for (a, b) in t.data.iter().zip(&wm.tensors[name].data) {
-                    // Adam divides by √v, so gradient rounding of 1e-5 relative moves weights by
-                    // at most ~lr·1e-5; 1e-6 absolute holds with lr = 1e-2.
-                    assert!((a - b).abs() < 1e-6, "{name}: {a} vs {b}");
+                    total += 1;
+                    // Adam's first step moves each coordinate by lr·g/(|g| + eps): summation-order
+                    // rounding is invisible except where g itself is ~0 (cancellation), where it
+                    // can move a weight by a fraction of lr = 1e-2. Bound all by lr/100 and
+                    // require all but 0.5% to agree to 1e-6.
+                    assert!((a - b).abs() < 1e-4, "{name}: {a} vs {b}");
+                    off += usize::from((a - b).abs() > 1e-6);
                 }
             }
+            assert!(
+                off * 200 < total,
+                "{off} of {total} weights differ by more than 1e-6"
+            );
         }
     }
 }

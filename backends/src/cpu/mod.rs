@@ -3,6 +3,7 @@
 //! [`PolicyBackend`] interface. Every GPU backend is checked against this one.
 
 pub mod generate;
+pub mod kernel;
 pub mod model;
 pub mod ops;
 

@@ -56,6 +56,9 @@ pub trait Float:
     fn max(self, o: Self) -> Self;
     /// Neither NaN nor infinite.
     fn is_finite(self) -> bool;
+    /// `out[n, dout] = x[n, din]·wᵀ` (the forward product; f32 uses the batch-invariant SIMD
+    /// kernel of `cpu::kernel`, f64 the GEMM).
+    fn matmul_nt(out: &mut [Self], x: &[Self], w: &[Self], n: usize, din: usize, dout: usize);
     /// `C ← α·A·B + β·C` with element strides, as `matrixmultiply::{s,d}gemm`.
     ///
     /// # Safety
@@ -81,8 +84,18 @@ pub trait Float:
 }
 
 macro_rules! impl_float {
-    ($t:ty, $gemm:path) => {
+    ($t:ty, $gemm:path, $nt:path) => {
         impl Float for $t {
+            fn matmul_nt(
+                out: &mut [Self],
+                x: &[Self],
+                w: &[Self],
+                n: usize,
+                din: usize,
+                dout: usize,
+            ) {
+                $nt(out, x, w, n, din, dout)
+            }
             const ZERO: Self = 0.0;
             const ONE: Self = 1.0;
             #[inline]
@@ -148,8 +161,12 @@ macro_rules! impl_float {
         }
     };
 }
-impl_float!(f32, matrixmultiply::sgemm);
-impl_float!(f64, matrixmultiply::dgemm);
+impl_float!(
+    f32,
+    matrixmultiply::sgemm,
+    crate::cpu::kernel::matmul_nt_f32
+);
+impl_float!(f64, matrixmultiply::dgemm, gemm_nt_fallback);
 
 /// Highest element index + 1 that a `rows × cols` operand with these strides touches.
 fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
@@ -286,7 +303,20 @@ pub fn rmsnorm_bwd<T: Float>(
 }
 
 /// `out[n, dout] = x[n, din] · wᵀ` with `w` stored `[dout, din]` (torch's Linear, no bias).
+/// In f32 each output element's bits do not depend on `n` (see `cpu::kernel`).
 pub fn matmul_fwd<T: Float>(out: &mut [T], x: &[T], w: &[T], n: usize, din: usize, dout: usize) {
+    T::matmul_nt(out, x, w, n, din, dout);
+}
+
+/// `out = x·wᵀ` through matrixmultiply (f64, and f32 without AVX2+FMA).
+pub(crate) fn gemm_nt_fallback<T: Float>(
+    out: &mut [T],
+    x: &[T],
+    w: &[T],
+    n: usize,
+    din: usize,
+    dout: usize,
+) {
     gemm(
         n,
         din,

@@ -1,0 +1,236 @@
+//! The f32 forward matrix product `y = x·Wᵀ` as a batch-invariant dot-product kernel.
+//!
+//! Both operands are contiguous along the reduced dimension (`x` rows and `W` rows, torch's
+//! `[out, in]` layout), so every output is one dot product with no packing; that is what makes a
+//! one-token decode step cheap (a packed GEMM copies the whole weight matrix per call). Every
+//! output element is computed by the same instruction sequence whatever the number of rows, the
+//! tile it falls in or the thread that runs it: 8-lane FMA accumulation in `k` order, a fixed
+//! horizontal sum, then the `k mod 8` tail with scalar FMAs. A request's logits are therefore
+//! bit-identical alone or in any batch, which the batch-invariance test relies on.
+//!
+//! Without AVX2+FMA the product falls back to matrixmultiply, whose per-element arithmetic also
+//! does not depend on the number of rows.
+
+use rayon::prelude::*;
+
+/// Rows per tile.
+const TR: usize = 4;
+/// Output columns per tile.
+const TC: usize = 2;
+/// Below this many multiply-adds a product runs on the calling thread (rayon's fork/join costs
+/// a few microseconds).
+const PAR_MIN_FMA: usize = 1 << 16;
+
+/// `out[n, dout] = x[n, din] · w[dout, din]ᵀ`.
+pub fn matmul_nt_f32(out: &mut [f32], x: &[f32], w: &[f32], n: usize, din: usize, dout: usize) {
+    assert!(
+        out.len() >= n * dout && x.len() >= n * din && w.len() >= dout * din,
+        "matmul_nt_f32 operand out of bounds (n={n}, din={din}, dout={dout})"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        let out = &mut out[..n * dout];
+        let big = n * din * dout >= PAR_MIN_FMA;
+        if big && n >= 2 * TR {
+            out.par_chunks_mut(TR * dout)
+                .enumerate()
+                .for_each(|(bi, o)| {
+                    let r0 = bi * TR;
+                    let rows = o.len() / dout;
+                    // SAFETY: AVX2 and FMA were detected above; `o` holds `rows` output rows
+                    // starting at row r0 and the assert above bounds x and w.
+                    unsafe {
+                        avx::rows(
+                            o,
+                            &x[r0 * din..(r0 + rows) * din],
+                            w,
+                            rows,
+                            din,
+                            dout,
+                            0,
+                            dout,
+                        )
+                    }
+                });
+        } else if big {
+            // Few rows (a small decode step): split the output columns instead.
+            for (r, o) in out.chunks_mut(dout).enumerate() {
+                let xr = &x[r * din..(r + 1) * din];
+                let chunk = 32;
+                o.par_chunks_mut(chunk).enumerate().for_each(|(ci, oc)| {
+                    let c0 = ci * chunk;
+                    // SAFETY: features detected above; `oc` is columns c0..c0 + oc.len() of one
+                    // row, which w covers by the assert above.
+                    unsafe { avx::rows(oc, xr, w, 1, din, oc.len(), c0, c0 + oc.len()) }
+                });
+            }
+        } else {
+            // SAFETY: features detected above; slices bounded by the assert.
+            unsafe { avx::rows(out, x, w, n, din, dout, 0, dout) }
+        }
+        return;
+    }
+    crate::cpu::ops::gemm_nt_fallback(out, x, w, n, din, dout);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx {
+    use std::arch::x86_64::*;
+
+    use super::{TC, TR};
+
+    /// Fixed-order horizontal sum of 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps::<1>(v);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// One output element, with exactly the operations of a tile element.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn one(x: &[f32], w: &[f32], din: usize) -> f32 {
+        let k8 = din / 8 * 8;
+        let mut acc = _mm256_setzero_ps();
+        let mut k = 0;
+        while k < k8 {
+            // SAFETY: k + 8 <= k8 <= din <= len of both rows (callers pass full rows).
+            let (a, b) = unsafe {
+                (
+                    _mm256_loadu_ps(x.as_ptr().add(k)),
+                    _mm256_loadu_ps(w.as_ptr().add(k)),
+                )
+            };
+            acc = _mm256_fmadd_ps(a, b, acc);
+            k += 8;
+        }
+        let mut s = hsum(acc);
+        for k in k8..din {
+            s = x[k].mul_add(w[k], s);
+        }
+        s
+    }
+
+    /// `out[r, c − c0] = x[r]·w[c]` for `r < rows`, `c0 <= c < c1`; `out` rows have stride
+    /// `c1 − c0`.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available; `x` holds `rows × din`, `w` holds `c1 × din` values and
+    /// `out` holds `rows × (c1 − c0)`.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn rows(
+        out: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        rows: usize,
+        din: usize,
+        _dout: usize,
+        c0: usize,
+        c1: usize,
+    ) {
+        let width = c1 - c0;
+        let k8 = din / 8 * 8;
+        let mut r = 0;
+        while r + TR <= rows {
+            let mut c = c0;
+            while c + TC <= c1 {
+                let mut acc = [[_mm256_setzero_ps(); TC]; TR];
+                let xp: [*const f32; TR] = std::array::from_fn(|i| x[(r + i) * din..].as_ptr());
+                let wp: [*const f32; TC] = std::array::from_fn(|j| w[(c + j) * din..].as_ptr());
+                let mut k = 0;
+                while k < k8 {
+                    // SAFETY: each pointer starts a full row of `din` values and k + 8 <= din.
+                    let wv: [__m256; TC] =
+                        std::array::from_fn(|j| unsafe { _mm256_loadu_ps(wp[j].add(k)) });
+                    for i in 0..TR {
+                        // SAFETY: as above for the x rows.
+                        let xv = unsafe { _mm256_loadu_ps(xp[i].add(k)) };
+                        for j in 0..TC {
+                            acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+                        }
+                    }
+                    k += 8;
+                }
+                for i in 0..TR {
+                    let xr = &x[(r + i) * din..(r + i + 1) * din];
+                    for j in 0..TC {
+                        let wr = &w[(c + j) * din..(c + j + 1) * din];
+                        let mut s = hsum(acc[i][j]);
+                        for k in k8..din {
+                            s = xr[k].mul_add(wr[k], s);
+                        }
+                        out[(r + i) * width + (c + j - c0)] = s;
+                    }
+                }
+                c += TC;
+            }
+            for c in c..c1 {
+                for i in 0..TR {
+                    out[(r + i) * width + (c - c0)] = one(
+                        &x[(r + i) * din..(r + i + 1) * din],
+                        &w[c * din..(c + 1) * din],
+                        din,
+                    );
+                }
+            }
+            r += TR;
+        }
+        for r in r..rows {
+            for c in c0..c1 {
+                out[r * width + (c - c0)] =
+                    one(&x[r * din..(r + 1) * din], &w[c * din..(c + 1) * din], din);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matches_f64_reference_and_is_row_invariant() {
+        for (n, din, dout) in [
+            (1, 3, 5),
+            (7, 19, 11),
+            (9, 128, 384),
+            (1, 384, 128),
+            (33, 64, 64),
+        ] {
+            let x: Vec<f32> = (0..n * din)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+                .collect();
+            let w: Vec<f32> = (0..dout * din)
+                .map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.011)
+                .collect();
+            let mut y = vec![0.0f32; n * dout];
+            matmul_nt_f32(&mut y, &x, &w, n, din, dout);
+            for r in 0..n {
+                for c in 0..dout {
+                    let e: f64 = (0..din)
+                        .map(|k| x[r * din + k] as f64 * w[c * din + k] as f64)
+                        .sum();
+                    // f32 accumulation of `din` products of size ~0.5: a few ulps of the sum.
+                    assert!(
+                        (y[r * dout + c] as f64 - e).abs()
+                            < 1e-5 * (1.0 + e.abs()) * (din as f64).sqrt()
+                    );
+                }
+                // each row alone gives the same bits as inside the batch
+                let mut y1 = vec![0.0f32; dout];
+                matmul_nt_f32(&mut y1, &x[r * din..(r + 1) * din], &w, 1, din, dout);
+                assert_eq!(
+                    &y1[..],
+                    &y[r * dout..(r + 1) * dout],
+                    "row {r} of {n}x{din}x{dout}"
+                );
+            }
+        }
+    }
+}
