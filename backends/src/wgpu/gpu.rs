@@ -62,6 +62,7 @@ impl Gpu {
                 power_preference: power,
                 force_fallback_adapter: false,
                 compatible_surface: None,
+                apply_limit_buckets: false,
             })) {
                 Ok(a) => a,
                 Err(_) => return Ok(None),

@@ -8,7 +8,6 @@
 //! same buffers and reuses every cached bind group.
 
 use std::collections::HashMap;
-use std::ops::Range;
 
 use wgpu::Buffer;
 
@@ -299,8 +298,6 @@ pub struct Packed {
     pub ids: Vec<u32>,
     /// Position of each row in its sequence.
     pub pos: Vec<u32>,
-    /// Row range of each sequence.
-    pub seqs: Vec<Range<usize>>,
     /// `(start, pos)` per row: the key rows it attends.
     pub qmeta: Vec<u32>,
     /// `(start, len)` per row: its sequence.
@@ -329,7 +326,6 @@ impl Packed {
                 b.rows.push((start + prompt.len() + t - 1) as u32);
                 b.targets.push(*tok);
             }
-            b.seqs.push(start..start + n);
         }
         b
     }
@@ -340,7 +336,6 @@ impl Packed {
         Self {
             ids: ids.to_vec(),
             pos: (0..n as u32).collect(),
-            seqs: vec![0..n],
             qmeta: (0..n as u32).flat_map(|t| [0, t]).collect(),
             rowmeta: (0..n).flat_map(|_| [0, n as u32]).collect(),
             rows: (0..n as u32).collect(),
