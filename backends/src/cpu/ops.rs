@@ -225,13 +225,25 @@ fn gemm<T: Float>(
     }
 }
 
+/// Dot product with 8 independent partial sums (lane `i mod 8`), added in a fixed tree: the
+/// compiler keeps the lanes in one vector register instead of a serial dependency chain, and the
+/// order is fixed, so results are deterministic.
 #[inline]
 fn dot<T: Float>(a: &[T], b: &[T]) -> T {
-    let mut s = T::ZERO;
-    for (x, y) in a.iter().zip(b) {
-        s += *x * *y;
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [T::ZERO; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
     }
-    s
+    for (i, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[i] += *x * *y;
+    }
+    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
 /// `out[n, d] = table[ids[t], :]`. `table` is `[vocab, d]`; ids must be below vocab.
