@@ -262,8 +262,8 @@ impl Weights {
     }
 }
 
-/// Reads a model directory (`config.json` + `model.safetensors`), validating the tensors against
-/// the configuration.
+/// Reads a model directory (`config.json` + `model.safetensors`, or shards listed in
+/// `model.safetensors.index.json`), validating the tensors against the configuration.
 pub fn load_model_dir(dir: &Path) -> Result<(ModelConfig, Weights)> {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|source| BackendError::Io {
@@ -271,10 +271,61 @@ pub fn load_model_dir(dir: &Path) -> Result<(ModelConfig, Weights)> {
         source,
     })?;
     let cfg = ModelConfig::from_json_str(&text)?;
-    let mut w = Weights::load_safetensors(&dir.join("model.safetensors"))?;
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    let mut w = if !single.exists() && index.exists() {
+        load_sharded(dir, &index)?
+    } else {
+        Weights::load_safetensors(&single)?
+    };
     w.normalise_tied(&cfg)?;
     w.validate(&cfg)?;
     Ok((cfg, w))
+}
+
+/// Reads a checkpoint split into shards (larger Hub models): the index's `weight_map` names
+/// each tensor's shard; every shard is read once and each tensor taken from the shard the index
+/// names, so a tensor repeated in two shards cannot silently shadow the other.
+fn load_sharded(dir: &Path, index: &Path) -> Result<Weights> {
+    let text = std::fs::read_to_string(index).map_err(|source| BackendError::Io {
+        path: index.to_path_buf(),
+        source,
+    })?;
+    let bad = |reason: String| BackendError::Safetensors {
+        what: index.display().to_string(),
+        reason,
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("no `weight_map` object".into()))?;
+    let mut by_shard: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (name, shard) in map {
+        let shard = shard
+            .as_str()
+            .ok_or_else(|| bad(format!("shard of `{name}` is not a string")))?;
+        if shard.contains('/') || shard.contains('\\') || shard.starts_with('.') {
+            return Err(bad(format!(
+                "shard name `{shard}` leaves the model directory"
+            )));
+        }
+        by_shard.entry(shard).or_default().push(name);
+    }
+    let mut out = Weights::default();
+    for (shard, names) in by_shard {
+        let mut part = Weights::load_safetensors(&dir.join(shard))?;
+        for name in names {
+            let t = part.tensors.remove(name).ok_or_else(|| {
+                bad(format!(
+                    "`{name}` is mapped to {shard} but not stored there"
+                ))
+            })?;
+            out.tensors.insert(name.to_string(), t);
+        }
+    }
+    Ok(out)
 }
 
 /// Writes a model directory (creating it): `config.json` and F32 `model.safetensors`.
@@ -351,6 +402,45 @@ mod tests {
         assert_eq!(w.get("a").unwrap().data, vals);
         assert_eq!(w.get("b").unwrap().shape, vec![1, 3]);
         assert_eq!(w.get("b").unwrap().data, vals);
+    }
+
+    #[test]
+    fn sharded_checkpoint_loads_like_a_single_file() {
+        let cfg = ModelConfig::tiny();
+        let w = Weights::random(&cfg, 3).unwrap();
+        let dir = std::env::temp_dir().join(format!("rolloutpipe-shards-{}", std::process::id()));
+        save_model_dir(&dir, &cfg, &w).unwrap();
+        std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+        // two shards: the embedding alone, everything else together
+        let (emb, rest): (Vec<_>, Vec<_>) = w
+            .tensors
+            .iter()
+            .partition(|(n, _)| n.as_str() == "model.embed_tokens.weight");
+        let mut map = serde_json::Map::new();
+        for (file, part) in [("a.safetensors", emb), ("b.safetensors", rest)] {
+            let shard = Weights {
+                tensors: part
+                    .into_iter()
+                    .map(|(n, t)| (n.clone(), t.clone()))
+                    .collect(),
+            };
+            for n in shard.tensors.keys() {
+                map.insert(n.clone(), file.into());
+            }
+            shard.save_safetensors(&dir.join(file)).unwrap();
+        }
+        let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        let (_, back) = load_model_dir(&dir).unwrap();
+        assert_eq!(back, w);
+        // an index pointing outside the directory is refused
+        let evil = serde_json::json!({ "weight_map": { "model.norm.weight": "../x.safetensors" } });
+        std::fs::write(dir.join("model.safetensors.index.json"), evil.to_string()).unwrap();
+        assert!(matches!(
+            load_model_dir(&dir),
+            Err(BackendError::Safetensors { .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
