@@ -182,9 +182,36 @@ mod avx {
             r += TR;
         }
         for r in r..rows {
-            for c in c0..c1 {
-                out[r * width + (c - c0)] =
-                    one(&x[r * din..(r + 1) * din], &w[c * din..(c + 1) * din], din);
+            let xr = &x[r * din..(r + 1) * din];
+            let mut c = c0;
+            // Leftover rows (a one-token decode step has only these): four independent
+            // columns at a time hide the FMA latency that one serial accumulator would expose.
+            while c + 4 <= c1 {
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let wp: [*const f32; 4] = std::array::from_fn(|j| w[(c + j) * din..].as_ptr());
+                let mut k = 0;
+                while k < k8 {
+                    // SAFETY: xr and each w row hold `din` values and k + 8 <= din.
+                    let xv = unsafe { _mm256_loadu_ps(xr.as_ptr().add(k)) };
+                    for j in 0..4 {
+                        // SAFETY: as above.
+                        let wv = unsafe { _mm256_loadu_ps(wp[j].add(k)) };
+                        acc[j] = _mm256_fmadd_ps(xv, wv, acc[j]);
+                    }
+                    k += 8;
+                }
+                for j in 0..4 {
+                    let wr = &w[(c + j) * din..(c + j + 1) * din];
+                    let mut s = hsum(acc[j]);
+                    for k in k8..din {
+                        s = xr[k].mul_add(wr[k], s);
+                    }
+                    out[r * width + (c + j - c0)] = s;
+                }
+                c += 4;
+            }
+            for c in c..c1 {
+                out[r * width + (c - c0)] = one(xr, &w[c * din..(c + 1) * din], din);
             }
         }
     }
