@@ -148,4 +148,27 @@ mod tests {
         }
         assert_eq!(token_weight(Aggregation::TokenMean, 7), 1.0);
     }
+
+    proptest::proptest! {
+        /// Advantages are centred; with a std mode and spread-out rewards their own spread is 1.
+        #[test]
+        fn advantages_are_centred_and_scaled(rewards in proptest::collection::vec(-100.0f64..100.0, 2..32)) {
+            for mode in [StdMode::Sample, StdMode::Population, StdMode::None] {
+                let a = advantages(&rewards, mode).unwrap();
+                let n = a.len() as f64;
+                let mean = a.iter().sum::<f64>() / n;
+                proptest::prop_assert!(mean.abs() < 1e-9);
+                let ss: f64 = a.iter().map(|x| x * x).sum();
+                let spread = match mode {
+                    StdMode::Sample => (ss / (n - 1.0)).sqrt(),
+                    StdMode::Population => (ss / n).sqrt(),
+                    StdMode::None => continue,
+                };
+                let rs: f64 = rewards.iter().map(|r| (r - rewards.iter().sum::<f64>() / n).powi(2)).sum();
+                if rs > 1e-6 {
+                    proptest::prop_assert!((spread - 1.0).abs() < 1e-4, "{:?}: {}", mode, spread);
+                }
+            }
+        }
+    }
 }

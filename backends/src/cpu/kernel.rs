@@ -260,4 +260,27 @@ mod tests {
             }
         }
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Any shape: each row computed alone has the same bits as inside the batch.
+        #[test]
+        fn any_shape_is_row_invariant(n in 1usize..12, din in 1usize..70, dout in 1usize..40, seed in 0u64..1000) {
+            let val = |i: usize| (((i as u64 * 2654435761 + seed) % 1000) as f32 - 500.0) * 0.002;
+            let x: Vec<f32> = (0..n * din).map(val).collect();
+            let w: Vec<f32> = (0..dout * din).map(|i| val(i + 7919)).collect();
+            let mut y = vec![0.0f32; n * dout];
+            matmul_nt_f32(&mut y, &x, &w, n, din, dout);
+            for r in 0..n {
+                let mut y1 = vec![0.0f32; dout];
+                matmul_nt_f32(&mut y1, &x[r * din..(r + 1) * din], &w, 1, din, dout);
+                proptest::prop_assert_eq!(&y1[..], &y[r * dout..(r + 1) * dout]);
+                for c in 0..dout {
+                    let e: f64 = (0..din).map(|k| x[r * din + k] as f64 * w[c * din + k] as f64).sum();
+                    proptest::prop_assert!((y[r * dout + c] as f64 - e).abs() < 1e-5);
+                }
+            }
+        }
+    }
 }

@@ -1308,4 +1308,35 @@ mod tests {
         assert_eq!(t, 1);
         assert!((lp as f64 - (zs[1] / tot).ln()).abs() < 1e-5);
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Any finite logits and settings give a valid token whose log-prob is that of the
+        /// temperature distribution, inside the top-k set, and the argmax when greedy.
+        #[test]
+        fn sample_is_valid_for_any_settings(
+            logits in proptest::collection::vec(-30.0f32..30.0, 1..40),
+            temperature in proptest::prop_oneof![proptest::strategy::Just(0.0f32), 0.05f32..3.0],
+            top_k in 0usize..8,
+            top_p in proptest::prop_oneof![proptest::strategy::Just(1.0f32), 0.01f32..1.0],
+            u in 0.0f64..1.0,
+        ) {
+            let p = SamplingParams { temperature, top_k, top_p, ..Default::default() };
+            let mut s = Vec::new();
+            let (tok, lp) = sample(&logits, &p, u, &mut s);
+            let t = tok as usize;
+            proptest::prop_assert!(t < logits.len());
+            let temp = if temperature > 0.0 { temperature as f64 } else { 1.0 };
+            let mx = logits.iter().fold(f64::NEG_INFINITY, |m, z| m.max(*z as f64 / temp));
+            let lse = mx + logits.iter().map(|z| (*z as f64 / temp - mx).exp()).sum::<f64>().ln();
+            proptest::prop_assert!((lp as f64 - (logits[t] as f64 / temp - lse)).abs() < 1e-4);
+            let better = logits.iter().filter(|z| **z > logits[t]).count();
+            if temperature == 0.0 {
+                proptest::prop_assert_eq!(better, 0);
+            } else if top_k > 0 {
+                proptest::prop_assert!(better < top_k, "token ranked below the top {}", top_k);
+            }
+        }
+    }
 }
