@@ -22,6 +22,14 @@ pub struct Cli {
 pub enum Command {
     /// Discrete-event simulation of a disaggregated cluster, driving the real scheduling core.
     Simulate(cmd::simulate::Args),
+    /// Logits of one token sequence as JSON (sequence × vocab).
+    Logits(cmd::logits::Args),
+    /// One GRPO optimizer step on a JSON batch of groups (docs/batch-format.md).
+    GrpoStep(cmd::grpo_step::Args),
+    /// SFT warm start on a task; writes a model directory.
+    Sft(cmd::sft::Args),
+    /// Accuracy of a model on a task's held-out split or a JSONL file, as JSON.
+    Eval(cmd::eval::Args),
 }
 
 /// Parses arguments, sets up logging and runs the chosen job.
@@ -32,6 +40,10 @@ pub fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let result = match cli.command {
         Command::Simulate(args) => cmd::simulate::run(args),
+        Command::Logits(args) => cmd::logits::run(args),
+        Command::GrpoStep(args) => cmd::grpo_step::run(args),
+        Command::Sft(args) => cmd::sft::run(args),
+        Command::Eval(args) => cmd::eval::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,223 @@
+//! `rolloutpipe eval --model DIR --task add`: accuracy of a model on a task's held-out split (or,
+//! with `--data FILE.jsonl`, on the user's own problems, checked by the task's verifier), as
+//! JSON. Greedy decoding by default, so the number is reproducible.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use rolloutpipe_backends::{PolicyBackend, SamplingParams};
+use serde_json::json;
+
+use super::common::{
+    BackendArgs, ModelSource, generate_all, open_backend, progress, response_text, tokenizer_for,
+    write_json,
+};
+use crate::tasks::{
+    Problem, Split, TaskOptions, Tokenizer, Verdict, Verifier, generate, load_jsonl, task_by_name,
+};
+
+/// Task selection and difficulty flags shared by `sft` and `eval`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TaskArgs {
+    /// Task: add, mul or countdown.
+    #[arg(long)]
+    pub task: String,
+    /// add/mul: most digits per operand.
+    #[arg(long)]
+    pub digits: Option<u32>,
+    /// countdown: how many numbers are given.
+    #[arg(long)]
+    pub numbers: Option<usize>,
+    /// Penalty for a malformed response (reward −penalty instead of 0).
+    #[arg(long)]
+    pub format_penalty: Option<f32>,
+}
+
+impl TaskArgs {
+    /// The task's options.
+    pub fn options(&self) -> TaskOptions {
+        TaskOptions {
+            digits: self.digits,
+            numbers: self.numbers,
+            format_penalty: self.format_penalty,
+            heldout_per_mille: None,
+        }
+    }
+}
+
+/// Arguments of `eval`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Task and difficulty.
+    #[command(flatten)]
+    pub task: TaskArgs,
+    /// Evaluate on these problems (JSONL, `{"prompt": ..., "answer": ...}` per line) instead of
+    /// the task's held-out split.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Number of held-out problems.
+    #[arg(long, default_value_t = 200)]
+    pub n: usize,
+    /// Seed of the held-out draw (and of sampling when `--temperature` > 0).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Most generated tokens per problem.
+    #[arg(long, default_value_t = 48)]
+    pub max_tokens: usize,
+    /// Concurrent requests.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// Write the JSON report here too (it always goes to stdout).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Backend selection.
+    #[command(flatten)]
+    pub backend: BackendArgs,
+}
+
+/// Accuracy of one evaluation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalReport {
+    /// Problems evaluated.
+    pub n: usize,
+    /// Verified correct.
+    pub correct: usize,
+    /// Not in the expected format.
+    pub malformed: usize,
+    /// Mean reward (with the format penalty).
+    pub mean_reward: f64,
+    /// Mean generated tokens per problem.
+    pub mean_tokens: f64,
+    /// The first few problems with the model's response and verdict.
+    pub examples: Vec<serde_json::Value>,
+}
+
+impl EvalReport {
+    /// Fraction verified correct.
+    pub fn accuracy(&self) -> f64 {
+        if self.n == 0 {
+            0.0
+        } else {
+            self.correct as f64 / self.n as f64
+        }
+    }
+}
+
+/// Generates a response for every problem and verifies it.
+pub fn evaluate(
+    be: &mut dyn PolicyBackend,
+    tok: &dyn Tokenizer,
+    verifier: &dyn Verifier,
+    problems: &[Problem],
+    params: &SamplingParams,
+    concurrency: usize,
+    show_progress: bool,
+) -> anyhow::Result<EvalReport> {
+    let prompts = problems
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            tok.encode_prompt(&p.prompt)
+                .with_context(|| format!("encoding prompt {i} {:?}", p.prompt))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let bar = progress(problems.len() as u64, "eval");
+    if !show_progress {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let outs = generate_all(be, &prompts, params, concurrency, || bar.inc(1))?;
+    bar.finish_and_clear();
+    let mut report = EvalReport {
+        n: problems.len(),
+        correct: 0,
+        malformed: 0,
+        mean_reward: 0.0,
+        mean_tokens: 0.0,
+        examples: Vec::new(),
+    };
+    let mut reward_sum = 0.0f64;
+    let mut token_sum = 0usize;
+    for (p, out) in problems.iter().zip(&outs) {
+        let text = response_text(tok, out)?;
+        let verdict = verifier.verify(p, &text);
+        reward_sum += f64::from(verifier.reward(p, &text));
+        token_sum += out.tokens.len();
+        match &verdict {
+            Verdict::Correct => report.correct += 1,
+            Verdict::Malformed(_) => report.malformed += 1,
+            Verdict::Incorrect(_) => {}
+        }
+        if report.examples.len() < 8 {
+            let (v, why) = match verdict {
+                Verdict::Correct => ("correct", String::new()),
+                Verdict::Incorrect(r) => ("incorrect", r),
+                Verdict::Malformed(r) => ("malformed", r),
+            };
+            report.examples.push(json!({
+                "prompt": p.prompt, "answer": p.answer, "response": text, "verdict": v, "reason": why,
+            }));
+        }
+    }
+    let n = problems.len().max(1) as f64;
+    report.mean_reward = reward_sum / n;
+    report.mean_tokens = token_sum as f64 / n;
+    Ok(report)
+}
+
+/// Runs `eval`.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let task = task_by_name(&args.task.task, &args.task.options())?;
+    let problems = match &args.data {
+        Some(path) => load_jsonl(path, task.as_ref())?,
+        None => generate(task.as_ref(), args.seed, Split::HeldOut, args.n)?,
+    };
+    let mut be = open_backend(
+        args.backend.backend,
+        &ModelSource::Dir(args.model.clone()),
+        args.backend.threads,
+    )?;
+    let tok = tokenizer_for(Some(&args.model), be.config())?;
+    let params = SamplingParams {
+        temperature: args.temperature,
+        max_new_tokens: args.max_tokens,
+        stop_tokens: tok.eos_id().into_iter().collect(),
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    let start = std::time::Instant::now();
+    let report = evaluate(
+        be.as_mut(),
+        tok.as_ref(),
+        task.as_ref(),
+        &problems,
+        &params,
+        args.concurrency,
+        true,
+    )?;
+    let value = json!({
+        "task": task.name(),
+        "split": if args.data.is_some() { "data" } else { "held-out" },
+        "data": args.data,
+        "n": report.n,
+        "correct": report.correct,
+        "accuracy": report.accuracy(),
+        "malformed": report.malformed,
+        "mean_reward": report.mean_reward,
+        "mean_tokens": report.mean_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "seconds": start.elapsed().as_secs_f64(),
+        "examples": report.examples,
+    });
+    if let Some(path) = &args.out {
+        write_json(path, &value)?;
+    }
+    println!("{}", serde_json::to_string_pretty(&value)?);
+    Ok(())
+}

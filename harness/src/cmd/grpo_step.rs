@@ -1,0 +1,297 @@
+//! `rolloutpipe grpo-step --model DIR --batch FILE --out DIR2`: one GRPO optimizer step on a
+//! JSON batch of groups (format: `docs/batch-format.md`). Writes `DIR2/result.json` (loss, grad
+//! norm before clipping, ...), the updated model directory in `DIR2`, and with `--save-grads`
+//! the normalized gradient before clipping as `DIR2/grads.safetensors`. Every objective and
+//! optimizer setting of SPEC §6 is a flag, so parity checks against other trainers can pin them.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use clap::ValueEnum;
+use rolloutpipe_backends::{
+    AdamW, Aggregation, Objective, StdMode, TrainBatch, TrainSequence, Weights, advantages,
+    normalizer, save_model_dir,
+};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::common::{BackendArgs, ModelSource, open_backend, write_json};
+
+/// Loss aggregation (`--agg`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AggArg {
+    /// Mean over all response tokens of the step (DAPO).
+    TokenMean,
+    /// Mean over each sequence's tokens, then over sequences.
+    SeqMean,
+}
+
+/// Advantage normalization (`--std`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StdArg {
+    /// Sample standard deviation (ddof 1).
+    Sample,
+    /// Population standard deviation.
+    Pop,
+    /// No division (Dr. GRPO).
+    None,
+}
+
+impl From<AggArg> for Aggregation {
+    fn from(a: AggArg) -> Self {
+        match a {
+            AggArg::TokenMean => Aggregation::TokenMean,
+            AggArg::SeqMean => Aggregation::SeqMean,
+        }
+    }
+}
+
+impl From<StdArg> for StdMode {
+    fn from(s: StdArg) -> Self {
+        match s {
+            StdArg::Sample => StdMode::Sample,
+            StdArg::Pop => StdMode::Population,
+            StdArg::None => StdMode::None,
+        }
+    }
+}
+
+/// Arguments of `grpo-step`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Model directory to start from.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The batch of groups (JSON, see docs/batch-format.md).
+    #[arg(long)]
+    pub batch: PathBuf,
+    /// Output directory: result.json, the updated model, and grads.safetensors.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Also write the normalized gradient before clipping to `OUT/grads.safetensors`.
+    #[arg(long)]
+    pub save_grads: bool,
+    /// Learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// Decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    pub wd: f64,
+    /// Global gradient-norm clip (0 = no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f64,
+    /// Adam β1.
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f64,
+    /// Adam β2.
+    #[arg(long, default_value_t = 0.999)]
+    pub beta2: f64,
+    /// Adam ε.
+    #[arg(long, default_value_t = 1e-8)]
+    pub adam_eps: f64,
+    /// Do not decay norm weights.
+    #[arg(long)]
+    pub no_decay_norms: bool,
+    /// Lower clip range ε_low.
+    #[arg(long, default_value_t = 0.2)]
+    pub eps_low: f64,
+    /// Upper clip range ε_high.
+    #[arg(long, default_value_t = 0.2)]
+    pub eps_high: f64,
+    /// KL (k3) weight β.
+    #[arg(long, default_value_t = 0.0)]
+    pub beta: f64,
+    /// Loss aggregation.
+    #[arg(long, value_enum, default_value = "token-mean")]
+    pub agg: AggArg,
+    /// Advantage normalization.
+    #[arg(long, value_enum, default_value = "sample")]
+    pub std: StdArg,
+    /// Sampling temperature of the rollout (log-probs are of logits / T).
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f64,
+    /// Backend selection.
+    #[command(flatten)]
+    pub backend: BackendArgs,
+}
+
+/// The batch file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchFile {
+    /// Groups in dispatch order.
+    pub groups: Vec<GroupJson>,
+}
+
+/// One group of the batch file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupJson {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// The group's responses.
+    pub responses: Vec<ResponseJson>,
+}
+
+/// One response of the batch file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResponseJson {
+    /// Response token ids.
+    pub tokens: Vec<u32>,
+    /// Its reward (must be finite).
+    pub reward: f64,
+    /// Rollout log-probs, one per token; `null`: the current model's.
+    #[serde(default)]
+    pub old_logprobs: Option<Vec<f32>>,
+    /// Reference log-probs, one per token; `null`: the current model's.
+    #[serde(default)]
+    pub ref_logprobs: Option<Vec<f32>>,
+}
+
+impl BatchFile {
+    /// Reads and parses a batch file.
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        serde_json::from_str(&text)
+            .with_context(|| format!("parsing batch file {}", path.display()))
+    }
+
+    /// The training batch: advantages per group, per-token weights of `agg`. Checks the
+    /// structure (non-empty groups and responses, finite rewards, log-prob lengths) and names
+    /// the group and response at fault.
+    pub fn to_train_batch(&self, agg: Aggregation, std: StdMode) -> anyhow::Result<TrainBatch> {
+        if self.groups.is_empty() {
+            bail!("the batch has no groups");
+        }
+        let mut batch = TrainBatch::default();
+        for (g, group) in self.groups.iter().enumerate() {
+            if group.prompt.is_empty() {
+                bail!("group {g}: empty prompt");
+            }
+            if group.responses.is_empty() {
+                bail!("group {g}: no responses");
+            }
+            let rewards: Vec<f64> = group.responses.iter().map(|r| r.reward).collect();
+            let adv = advantages(&rewards, std).with_context(|| format!("group {g}"))?;
+            for (j, r) in group.responses.iter().enumerate() {
+                if r.tokens.is_empty() {
+                    bail!("group {g} response {j}: no tokens");
+                }
+                for (what, lp) in [
+                    ("old_logprobs", &r.old_logprobs),
+                    ("ref_logprobs", &r.ref_logprobs),
+                ] {
+                    if let Some(lp) = lp {
+                        if lp.len() != r.tokens.len() {
+                            bail!(
+                                "group {g} response {j}: {what} has {} values for {} tokens",
+                                lp.len(),
+                                r.tokens.len()
+                            );
+                        }
+                        if let Some(i) = lp.iter().position(|x| !x.is_finite() || *x > 0.0) {
+                            bail!(
+                                "group {g} response {j}: {what}[{i}] = {} is not a log-probability",
+                                lp[i]
+                            );
+                        }
+                    }
+                }
+                let mut s = TrainSequence::new(group.prompt.clone(), r.tokens.clone(), adv[j], agg);
+                s.old_logprobs = r.old_logprobs.clone();
+                s.ref_logprobs = r.ref_logprobs.clone();
+                batch.sequences.push(s);
+            }
+        }
+        Ok(batch)
+    }
+}
+
+/// Runs `grpo-step`.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let agg: Aggregation = args.agg.into();
+    let file = BatchFile::load(&args.batch)?;
+    let batch = file.to_train_batch(agg, args.std.into())?;
+    let mut be = open_backend(
+        args.backend.backend,
+        &ModelSource::Dir(args.model.clone()),
+        args.backend.threads,
+    )?;
+    let obj = Objective::Grpo {
+        eps_low: args.eps_low,
+        eps_high: args.eps_high,
+        beta: args.beta,
+        temperature: args.temperature,
+    };
+    let opt = AdamW {
+        lr: args.lr,
+        beta1: args.beta1,
+        beta2: args.beta2,
+        eps: args.adam_eps,
+        weight_decay: args.wd,
+        max_grad_norm: (args.clip > 0.0).then_some(args.clip),
+        exclude_norms_from_decay: args.no_decay_norms,
+    };
+    opt.validate().context("optimizer settings")?;
+
+    be.zero_grad();
+    let stats = be
+        .accumulate(&batch, &obj)
+        .context("GRPO forward/backward")?;
+    let norm = normalizer(agg, std::slice::from_ref(&batch));
+    if args.save_grads {
+        let raw = be.gradients()?;
+        let scaled = Weights {
+            tensors: raw
+                .tensors
+                .into_iter()
+                .map(|(name, mut t)| {
+                    t.data
+                        .iter_mut()
+                        .for_each(|g| *g = (f64::from(*g) / norm) as f32);
+                    (name, t)
+                })
+                .collect(),
+        };
+        std::fs::create_dir_all(&args.out)
+            .with_context(|| format!("creating {}", args.out.display()))?;
+        scaled.save_safetensors(&args.out.join("grads.safetensors"))?;
+    }
+    let opt_stats = be.optimizer_step(norm, &opt).context("optimizer step")?;
+    let weights = be.export_weights()?;
+    save_model_dir(&args.out, be.config(), &weights)
+        .with_context(|| format!("saving the updated model to {}", args.out.display()))?;
+
+    let tokens = stats.tokens.max(1) as f64;
+    let result = json!({
+        "loss": stats.loss_sum / norm,
+        "grad_norm": opt_stats.grad_norm,
+        "clip_scale": opt_stats.clip_scale,
+        "normalizer": norm,
+        "groups": file.groups.len(),
+        "sequences": stats.sequences,
+        "tokens": stats.tokens,
+        "kl_mean": stats.kl_sum / tokens,
+        "entropy_mean": stats.entropy_sum / tokens,
+        "clip_fraction": stats.clip_fraction(),
+        "settings": {
+            "backend": be.name(),
+            "lr": args.lr, "wd": args.wd, "clip": args.clip, "beta1": args.beta1, "beta2": args.beta2,
+            "adam_eps": args.adam_eps, "no_decay_norms": args.no_decay_norms,
+            "eps_low": args.eps_low, "eps_high": args.eps_high, "beta": args.beta,
+            "agg": value_name(args.agg), "std": value_name(args.std), "temperature": args.temperature,
+        },
+    });
+    write_json(&args.out.join("result.json"), &result)?;
+    println!("{}", serde_json::to_string(&result)?);
+    Ok(())
+}
+
+/// The flag spelling of a value (`token-mean`), for result files that mirror the command line.
+fn value_name(v: impl ValueEnum) -> String {
+    v.to_possible_value()
+        .map(|p| p.get_name().to_owned())
+        .unwrap_or_default()
+}

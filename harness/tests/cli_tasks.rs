@@ -1,0 +1,172 @@
+//! `sft` and `eval` run end to end on the tiny preset (seconds), checking their outputs and
+//! their error messages.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use rolloutpipe_backends::load_model_dir;
+use serde_json::Value;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_rolloutpipe"))
+}
+
+fn tempdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rolloutpipe-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn run_ok(cmd: &mut Command) -> Output {
+    let out = cmd.output().expect("binary runs");
+    assert!(
+        out.status.success(),
+        "command failed: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn run_err(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("binary runs");
+    assert!(
+        !out.status.success(),
+        "command should fail: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn sft_lowers_the_loss_and_eval_reads_its_model() {
+    let dir = tempdir("sft");
+    let model = dir.join("m");
+    let out = run_ok(
+        bin()
+            .args([
+                "sft", "--task", "add", "--digits", "1", "--preset", "tiny", "--steps", "60",
+            ])
+            .args([
+                "--batch-size",
+                "16",
+                "--lr",
+                "0.01",
+                "--warmup",
+                "5",
+                "--eval-n",
+                "4",
+                "--seed",
+                "3",
+                "--out",
+            ])
+            .arg(&model),
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let saved: Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("sft.json")).unwrap()).unwrap();
+    assert_eq!(report, saved);
+    let curve = report["loss_curve"].as_array().unwrap();
+    let first = curve[0][1].as_f64().unwrap();
+    let last = curve.last().unwrap()[1].as_f64().unwrap();
+    // Uniform over the 52-id vocabulary is ln 52 = 3.95; answers of 1-digit sums are a digit or
+    // two then <eos>, so even the tiny model gets well under 2.5 nats in 60 steps.
+    assert!(first > 3.0 && last < 2.5, "loss {first} -> {last}");
+    assert_eq!(report["heldout_eval"]["n"], 4);
+
+    let (cfg, _) = load_model_dir(&model).unwrap();
+    assert_eq!(cfg.vocab_size, 52);
+    assert_eq!((cfg.bos_token_id, cfg.eos_token_id), (Some(1), Some(2)));
+
+    let out = run_ok(
+        bin()
+            .args([
+                "eval", "--task", "add", "--digits", "1", "--n", "6", "--model",
+            ])
+            .arg(&model),
+    );
+    let ev: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ev["n"], 6);
+    assert_eq!(ev["split"], "held-out");
+    let acc = ev["accuracy"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&acc));
+    assert_eq!(ev["correct"].as_u64().unwrap() as f64 / 6.0, acc);
+
+    // The user's own problems, checked by the task's verifier.
+    let data = dir.join("p.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"1+2=\", \"answer\": \"3\"}\n{\"prompt\": \"4+4=\", \"answer\": 8}\n",
+    )
+    .unwrap();
+    let out = run_ok(
+        bin()
+            .args(["eval", "--task", "add", "--model"])
+            .arg(&model)
+            .arg("--data")
+            .arg(&data),
+    );
+    let ev: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (ev["n"].as_u64(), ev["split"].as_str()),
+        (Some(2), Some("data"))
+    );
+    assert_eq!(ev["examples"][1]["answer"], "8");
+
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"1+2=\", \"answer\": \"3\"}\n{\"prompt\": \"4+4=\"}\n",
+    )
+    .unwrap();
+    let err = run_err(
+        bin()
+            .args(["eval", "--task", "add", "--model"])
+            .arg(&model)
+            .arg("--data")
+            .arg(&data),
+    );
+    assert!(err.contains("line 2") && err.contains("answer"), "{err}");
+    let err = run_err(
+        bin()
+            .args(["eval", "--task", "subtract", "--model"])
+            .arg(&model),
+    );
+    assert!(err.contains("add, mul, countdown"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn sft_rejects_bad_options() {
+    let dir = tempdir("sft-bad");
+    let err = run_err(
+        bin()
+            .args([
+                "sft", "--task", "add", "--digits", "0", "--preset", "tiny", "--out",
+            ])
+            .arg(dir.join("m")),
+    );
+    assert!(err.contains("digits"), "{err}");
+    let err = run_err(
+        bin()
+            .args([
+                "sft",
+                "--task",
+                "countdown",
+                "--numbers",
+                "9",
+                "--preset",
+                "tiny",
+                "--out",
+            ])
+            .arg(dir.join("m")),
+    );
+    assert!(err.contains("numbers"), "{err}");
+    let err = run_err(
+        bin()
+            .args(["sft", "--task", "add", "--steps", "0", "--out"])
+            .arg(dir.join("m")),
+    );
+    assert!(err.contains("--steps"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
