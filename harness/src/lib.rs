@@ -5,6 +5,8 @@
 
 pub mod cli;
 pub mod cmd;
+pub mod plot;
 pub mod sim;
 pub mod tasks;
+pub mod trace;
 pub mod train;

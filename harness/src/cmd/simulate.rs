@@ -1,11 +1,417 @@
 //! `rolloutpipe simulate`: the discrete-event simulator (see `crate::sim`).
-use anyhow::bail;
+//!
+//! Runs every selected (profile, setting) in every selected mode, prints the comparison table
+//! and writes it (CSV, JSON) with plots and a Chrome trace under `--out`. `--sweep` adds the
+//! sensitivity sweeps (frontier width, trainer pool size); `--bench` only times the runs.
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+
+use crate::plot::{self, Series};
+use crate::sim::config::{Mode, SimConfig};
+use crate::sim::report;
+use crate::sim::{RunResult, Simulated, simulate};
 
 /// Arguments of `simulate`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// TOML file deep-merged over the built-in defaults (repeatable; later files win).
+    #[arg(long = "config", value_name = "FILE")]
+    pub configs: Vec<PathBuf>,
+    /// Override one value, e.g. `--set trainer.gpus=4` or `--set run.modes='["sync","cgp"]'`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Directory for the table, plots and trace.
+    #[arg(long, default_value = "sim-out")]
+    pub out: PathBuf,
+    /// The `profile/setting` whose Gantt timelines, completion CDF and trace are drawn.
+    #[arg(long, default_value = "math/R1")]
+    pub focus: String,
+    /// Also run the sensitivity sweeps (frontier width; trainer pool size).
+    #[arg(long)]
+    pub sweep: bool,
+    /// Only time all settings in all modes (no files written) and report the speed.
+    #[arg(long)]
+    pub bench: bool,
+    /// Skip plots and the trace (tables only).
+    #[arg(long)]
+    pub no_plots: bool,
+    /// Worker threads (default: available parallelism).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// Print the resolved configuration as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+/// One unit of work.
+#[derive(Debug, Clone)]
+struct Job {
+    profile: String,
+    setting: String,
+    mode: Mode,
+    record: bool,
+}
+
+/// Runs jobs on `jobs` threads; results come back in job order.
+fn run_all(cfg: &SimConfig, work: &[Job], jobs: usize) -> anyhow::Result<Vec<Simulated>> {
+    let next = AtomicUsize::new(0);
+    let slots: Vec<Mutex<Option<anyhow::Result<Simulated>>>> =
+        work.iter().map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..jobs.max(1).min(work.len().max(1)) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(j) = work.get(i) else { break };
+                    let r = simulate(cfg, &j.profile, &j.setting, j.mode, j.record);
+                    if let Ok(mut slot) = slots[i].lock() {
+                        *slot = Some(r);
+                    }
+                }
+            });
+        }
+    });
+    slots
+        .into_iter()
+        .zip(work)
+        .map(|(m, j)| {
+            let r = m.into_inner().ok().flatten();
+            r.with_context(|| format!("{}/{}/{}: no result", j.profile, j.setting, j.mode))?
+                .with_context(|| {
+                    format!("simulating {}/{} in mode {}", j.profile, j.setting, j.mode)
+                })
+        })
+        .collect()
+}
+
+/// All (profile, setting, mode) jobs of a config, in table order.
+fn jobs_of(cfg: &SimConfig, focus: Option<(&str, &str)>) -> Vec<Job> {
+    let mut modes = cfg.run.modes.clone();
+    // The reductions and the ideal bound are against sync: always run it, first.
+    modes.retain(|m| *m != Mode::Sync);
+    modes.insert(0, Mode::Sync);
+    let mut out = Vec::new();
+    for p in &cfg.run.profiles {
+        for s in &cfg.run.settings {
+            for &mode in &modes {
+                let record = focus == Some((p.as_str(), s.as_str()));
+                out.push(Job {
+                    profile: p.clone(),
+                    setting: s.clone(),
+                    mode,
+                    record,
+                });
+            }
+        }
+    }
+    out
+}
+
+fn load(args: &Args) -> anyhow::Result<SimConfig> {
+    let mut texts = Vec::new();
+    for path in &args.configs {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        texts.push((path.display().to_string(), text));
+    }
+    SimConfig::load(&texts, &args.sets)
+}
 
 /// Runs the simulator.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    bail!("the simulator is not built yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let cfg = load(&args)?;
+    if args.print_config {
+        print!(
+            "{}",
+            toml::to_string(&cfg).context("serializing the config")?
+        );
+        return Ok(());
+    }
+    let threads = args
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if args.bench {
+        return bench(&cfg, threads);
+    }
+    let (fp, fs) = args
+        .focus
+        .split_once('/')
+        .context("--focus must be profile/setting, e.g. math/R1")?;
+    if !cfg.profile.contains_key(fp) || !cfg.setting.contains_key(fs) {
+        bail!("--focus {}: unknown profile or setting", args.focus);
+    }
+    let mut work = jobs_of(&cfg, None);
+    // Record the focus setting even when it is outside the selected table.
+    for j in &mut work {
+        j.record = j.profile == fp && j.setting == fs;
+    }
+    if !work.iter().any(|j| j.record) {
+        let mut extra = jobs_of(&cfg, Some((fp, fs)));
+        extra.retain(|j| j.profile == fp && j.setting == fs);
+        extra.iter_mut().for_each(|j| j.record = true);
+        work.extend(extra);
+    }
+    let t0 = Instant::now();
+    let sims = run_all(&cfg, &work, threads)?;
+    let elapsed = t0.elapsed();
+    let in_table: Vec<RunResult> = sims
+        .iter()
+        .filter(|s| {
+            cfg.run.profiles.contains(&s.result.profile)
+                && cfg.run.settings.contains(&s.result.setting)
+        })
+        .map(|s| s.result.clone())
+        .collect();
+    for r in &in_table {
+        if !r.conserved {
+            bail!(
+                "{}/{}/{}: the core's conservation check failed",
+                r.profile,
+                r.setting,
+                r.mode
+            );
+        }
+    }
+    let rows = report::rows(&in_table);
+    print!("{}", report::table_text(&rows));
+    println!();
+    for (mode, lo, hi, wlo, whi) in report::headline(&rows) {
+        println!(
+            "{mode:>13}: rollout-to-train-end {:+.1}% .. {:+.1}%, trainer waiting {:+.1}% .. {:+.1}% vs sync",
+            -100.0 * hi,
+            -100.0 * lo,
+            -100.0 * whi,
+            -100.0 * wlo
+        );
+    }
+    println!(
+        "simulated {} runs in {:.2} s on {threads} threads",
+        sims.len(),
+        elapsed.as_secs_f64()
+    );
+    report::write_tables(&args.out, &rows, &in_table, &cfg)?;
+    if !args.no_plots {
+        report::plot_bars(&args.out, &rows)?;
+        let focus: Vec<&Simulated> = sims
+            .iter()
+            .filter(|s| s.result.profile == fp && s.result.setting == fs)
+            .collect();
+        let results: Vec<&RunResult> = focus.iter().map(|s| &s.result).collect();
+        report::plot_cdf(
+            &args.out,
+            &results,
+            &format!("Group completion times, {fp}/{fs} (all steps)"),
+        )?;
+        let step = u64::from(cfg.run.trace_step);
+        let engines = cfg.rollout.engines as usize;
+        for s in &focus {
+            let name = s.result.mode.name();
+            report::plot_gantt(
+                &args.out.join(format!("gantt_{name}.svg")),
+                &s.result,
+                &s.recording,
+                step,
+                engines,
+            )?;
+            report::write_trace(
+                &args.out.join(format!("trace_{name}.json")),
+                &s.result,
+                &s.recording,
+                step,
+                engines,
+            )?;
+        }
+    }
+    if args.sweep {
+        sweeps(&cfg, &args.out, threads, &in_table)?;
+    }
+    println!("wrote {}", args.out.display());
+    Ok(())
+}
+
+fn bench(cfg: &SimConfig, threads: usize) -> anyhow::Result<()> {
+    let mut c = cfg.clone();
+    c.run.modes = vec![Mode::Sync, Mode::Cgp, Mode::Rolloutpipe, Mode::OneStepOff];
+    let work = jobs_of(&c, None);
+    for t in [1, threads] {
+        let t0 = Instant::now();
+        let sims = run_all(&c, &work, t)?;
+        let dt = t0.elapsed().as_secs_f64();
+        let events: u64 = sims.iter().map(|s| s.result.events).sum();
+        println!(
+            "simulate --bench: {} runs ({} settings x {} modes, {} steps each), {events} events in {dt:.2} s on {t} thread(s) ({:.1} M events/s)",
+            sims.len(),
+            c.run.profiles.len() * c.run.settings.len(),
+            c.run.modes.len(),
+            c.run.steps,
+            events as f64 / dt / 1e6
+        );
+        if t == threads {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Mean of the r2t cut of `mode` against sync over the runs of one sweep point.
+fn mean_cut(results: &[RunResult], sync: &[RunResult], mode: Mode) -> f64 {
+    let cuts: Vec<f64> = results
+        .iter()
+        .filter(|r| r.mode == mode)
+        .filter_map(|r| {
+            let s = sync
+                .iter()
+                .find(|s| s.profile == r.profile && s.setting == r.setting)?;
+            Some((s.mean_r2t() - r.mean_r2t()) / s.mean_r2t())
+        })
+        .collect();
+    cuts.iter().sum::<f64>() / cuts.len().max(1) as f64
+}
+
+fn sweeps(cfg: &SimConfig, out: &Path, threads: usize, base: &[RunResult]) -> anyhow::Result<()> {
+    let sync: Vec<RunResult> = base
+        .iter()
+        .filter(|r| r.mode == Mode::Sync)
+        .cloned()
+        .collect();
+    // Frontier width: RolloutPipe only (the other modes do not use it), per setting.
+    let widths = [0u32, 1, 2, 4, 8, 16, 64];
+    let mut csv = String::from("width,profile,setting,r2t_s,r2t_cut,wait_ratio\n");
+    let mut per_setting: Vec<Series<(f64, f64)>> = cfg
+        .run
+        .settings
+        .iter()
+        .map(|s| Series::new(format!("rolloutpipe {s}"), Vec::new()))
+        .collect();
+    let mut cgp_line: Vec<Series<(f64, f64)>> = cfg
+        .run
+        .settings
+        .iter()
+        .map(|s| Series::new(format!("cgp {s}"), Vec::new()))
+        .collect();
+    for &w in &widths {
+        let mut c = cfg.clone();
+        c.scheduler.frontier_width = w;
+        c.run.modes = vec![Mode::Rolloutpipe];
+        let mut work = jobs_of(&c, None);
+        work.retain(|j| j.mode == Mode::Rolloutpipe);
+        let res: Vec<RunResult> = run_all(&c, &work, threads)?
+            .into_iter()
+            .map(|s| s.result)
+            .collect();
+        for r in &res {
+            let s = sync
+                .iter()
+                .find(|s| s.profile == r.profile && s.setting == r.setting);
+            let cut = s.map_or(f64::NAN, |s| (s.mean_r2t() - r.mean_r2t()) / s.mean_r2t());
+            csv.push_str(&format!(
+                "{w},{},{},{:.4},{:.5},{:.5}\n",
+                r.profile,
+                r.setting,
+                r.mean_r2t(),
+                cut,
+                r.mean_wait_ratio()
+            ));
+        }
+        for (i, s) in cfg.run.settings.iter().enumerate() {
+            let sel: Vec<RunResult> = res.iter().filter(|r| &r.setting == s).cloned().collect();
+            per_setting[i].values.push((
+                f64::from(w),
+                100.0 * mean_cut(&sel, &sync, Mode::Rolloutpipe),
+            ));
+            let cgp: Vec<RunResult> = base.iter().filter(|r| &r.setting == s).cloned().collect();
+            cgp_line[i]
+                .values
+                .push((f64::from(w), 100.0 * mean_cut(&cgp, &sync, Mode::Cgp)));
+        }
+    }
+    std::fs::write(out.join("sweep_frontier.csv"), csv).context("writing sweep_frontier.csv")?;
+    per_setting.extend(
+        cgp_line
+            .into_iter()
+            .filter(|s| !s.values.iter().any(|v| v.1.is_nan())),
+    );
+    plot::lines(
+        &out.join("sweep_frontier.svg"),
+        "Frontier width: r2t cut vs sync (mean over profiles)",
+        "frontier width (extra groups)",
+        "cut, percent",
+        &per_setting,
+    )?;
+
+    // Trainer pool: the training share of a sync step bounds any overlap.
+    let gpus = [1u32, 2, 3, 4, 6, 8];
+    let mut csv = String::from(
+        "trainer_gpus,profile,setting,mode,r2t_s,r2t_cut,wait_ratio,rollout_s,train_s\n",
+    );
+    let modes = [Mode::Cgp, Mode::Rolloutpipe];
+    let mut lines: Vec<Series<(f64, f64)>> = modes
+        .iter()
+        .map(|m| Series::new(m.name(), Vec::new()))
+        .collect();
+    let mut bound = Series::new("ideal bound", Vec::new());
+    let mut share = Series::new("training share of sync step", Vec::new());
+    for &g in &gpus {
+        let mut c = cfg.clone();
+        c.trainer.gpus = g;
+        c.run.modes = vec![Mode::Sync, Mode::Cgp, Mode::Rolloutpipe];
+        let res: Vec<RunResult> = run_all(&c, &jobs_of(&c, None), threads)?
+            .into_iter()
+            .map(|s| s.result)
+            .collect();
+        let sync_g: Vec<RunResult> = res
+            .iter()
+            .filter(|r| r.mode == Mode::Sync)
+            .cloned()
+            .collect();
+        for r in &res {
+            let s = sync_g
+                .iter()
+                .find(|s| s.profile == r.profile && s.setting == r.setting);
+            let cut = s.map_or(f64::NAN, |s| (s.mean_r2t() - r.mean_r2t()) / s.mean_r2t());
+            csv.push_str(&format!(
+                "{g},{},{},{},{:.4},{:.5},{:.5},{:.4},{:.4}\n",
+                r.profile,
+                r.setting,
+                r.mode,
+                r.mean_r2t(),
+                cut,
+                r.mean_wait_ratio(),
+                r.mean_rollout(),
+                r.mean_trainer_busy()
+            ));
+        }
+        for (i, m) in modes.iter().enumerate() {
+            lines[i]
+                .values
+                .push((f64::from(g), 100.0 * mean_cut(&res, &sync_g, *m)));
+        }
+        let n = sync_g.len().max(1) as f64;
+        let ideal = sync_g
+            .iter()
+            .map(|s| (s.mean_r2t() - s.mean_ideal()) / s.mean_r2t())
+            .sum::<f64>()
+            / n;
+        let tshare = sync_g
+            .iter()
+            .map(|s| s.mean_trainer_busy() / s.mean_r2t())
+            .sum::<f64>()
+            / n;
+        bound.values.push((f64::from(g), 100.0 * ideal));
+        share.values.push((f64::from(g), 100.0 * tshare));
+    }
+    std::fs::write(out.join("sweep_trainer.csv"), csv).context("writing sweep_trainer.csv")?;
+    lines.push(bound);
+    lines.push(share);
+    plot::lines(
+        &out.join("sweep_trainer.svg"),
+        "Trainer pool size: r2t cut vs sync (mean over 12 settings)",
+        "trainer GPUs",
+        "percent",
+        &lines,
+    )
 }

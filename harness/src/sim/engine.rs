@@ -1,0 +1,489 @@
+//! One rollout engine with continuous batching (SGLang-like), advanced in closed form.
+//!
+//! Every running request decodes one token per iteration; an iteration with `B` running requests
+//! and `K` resident KV tokens takes `base + per_seq*B + per_kv*K`. Between two events (a request
+//! finishing, the KV cache filling up, an admission) `B` is fixed and `K` grows by `B` per
+//! iteration, so the time of `n` iterations is a quadratic in `n`: the simulator jumps from event
+//! to event instead of stepping token by token. Newly admitted requests are prefilled before the
+//! next iteration (prefill stalls decode, as SGLang does without mixed chunking). When the cache
+//! would overflow, the request with the fewest generated tokens is retracted (SGLang's
+//! `retract_decode`): it frees its KV and resumes later with its prompt and output re-prefilled.
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use super::config::RolloutConfig;
+
+/// Simulated time in nanoseconds.
+pub type Ns = u64;
+
+/// Converts seconds to nanoseconds, rounding up so that a positive duration never becomes 0.
+pub fn secs_to_ns(s: f64) -> Ns {
+    if s <= 0.0 { 0 } else { (s * 1e9).ceil() as Ns }
+}
+
+/// Iterations kept free after a retraction, so that the engine does not retract again on the
+/// next iteration (SGLang retracts until its decode-memory check passes with a buffer; est.).
+const RETRACT_HEADROOM_ITERS: u64 = 32;
+
+/// Decode iteration cost: `base + per_seq*B + per_kv_token*K` seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeModel {
+    /// Constant term, s.
+    pub base_s: f64,
+    /// Per running sequence, s.
+    pub per_seq_s: f64,
+    /// Per resident KV token, s.
+    pub per_kv_token_s: f64,
+}
+
+impl DecodeModel {
+    /// From the rollout config (ms and per-thousand-token units).
+    pub fn from_config(c: &RolloutConfig) -> Self {
+        Self {
+            base_s: c.decode_base_ms * 1e-3,
+            per_seq_s: c.decode_per_seq_ms * 1e-3,
+            per_kv_token_s: c.decode_per_kilo_kv_ms * 1e-6,
+        }
+    }
+
+    /// One iteration with `b` running and `k` resident tokens, s.
+    pub fn iteration_s(&self, b: u64, k: u64) -> f64 {
+        self.base_s + self.per_seq_s * b as f64 + self.per_kv_token_s * k as f64
+    }
+
+    /// `n` iterations from `b` running and `k` resident tokens (K grows by `b` each), s.
+    pub fn run_s(&self, b: u64, k: u64, n: u64) -> f64 {
+        let n_f = n as f64;
+        n_f * self.iteration_s(b, k) + self.per_kv_token_s * b as f64 * n_f * (n_f - 1.0) / 2.0
+    }
+
+    /// The fewest iterations whose total time (rounded to ns) reaches `dt`.
+    pub fn iterations_reaching(&self, b: u64, k: u64, dt: Ns) -> u64 {
+        if dt == 0 {
+            return 0;
+        }
+        let a = self.iteration_s(b, k);
+        let half_c = self.per_kv_token_s * b as f64 / 2.0;
+        let secs = dt as f64 * 1e-9;
+        // Solve half_c n^2 + (a - half_c) n = secs, then fix up rounding on the integer grid.
+        let q = a - half_c;
+        let guess = if half_c > 0.0 {
+            (-q + (q * q + 4.0 * half_c * secs).sqrt()) / (2.0 * half_c)
+        } else {
+            secs / a
+        };
+        let mut n = guess.max(0.0).floor() as u64;
+        while secs_to_ns(self.run_s(b, k, n)) < dt {
+            n += 1;
+        }
+        while n > 0 && secs_to_ns(self.run_s(b, k, n - 1)) >= dt {
+            n -= 1;
+        }
+        n
+    }
+}
+
+/// A request as the engine sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Running {
+    prompt: u32,
+    target: u32,
+    gen_at_join: u32,
+    join_iter: u64,
+}
+
+impl Running {
+    fn finish_iter(&self) -> u64 {
+        self.join_iter + u64::from(self.target - self.gen_at_join)
+    }
+    fn generated(&self, iter: u64) -> u32 {
+        self.gen_at_join + (iter - self.join_iter) as u32
+    }
+    /// Larger = fewer tokens generated so far (retracted first).
+    fn retract_rank(&self) -> i64 {
+        self.join_iter as i64 - i64::from(self.gen_at_join)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Retracted {
+    key: u64,
+    prompt: u32,
+    target: u32,
+    generated: u32,
+}
+
+/// What happened at an engine's boundary event.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct BoundaryOutcome {
+    /// Requests that generated their last token (caller's keys).
+    pub finished: Vec<u64>,
+    /// Requests retracted to free KV.
+    pub retracted: u32,
+}
+
+/// One engine's state. Time only moves forward through `advance_to` and `on_event`.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    model: DecodeModel,
+    max_running: u32,
+    capacity: u64,
+    ratio: f64,
+    cap: u32,
+    prefill_tok_per_s: f64,
+    /// Time of the current iteration boundary.
+    t: Ns,
+    iter: u64,
+    running: BTreeMap<(u64, u64), Running>,
+    by_rank: BTreeSet<(i64, u64)>,
+    finish_of: BTreeMap<u64, u64>,
+    kv: u64,
+    prompt_sum: u64,
+    retracted: VecDeque<Retracted>,
+    pending_prefill: u64,
+    /// Bumped whenever the scheduled event is superseded.
+    epoch: u64,
+    /// Iterations the scheduled event covers.
+    planned: u64,
+    busy_ns: Ns,
+    retractions: u64,
+}
+
+impl Engine {
+    /// An idle engine at time 0; `cap` is the response cap (SGLang's max_new_tokens).
+    pub fn new(c: &RolloutConfig, max_running: u32, cap: u32) -> Self {
+        Self {
+            model: DecodeModel::from_config(c),
+            max_running,
+            capacity: c.kv_capacity_tokens,
+            ratio: c.kv_new_token_ratio,
+            cap,
+            prefill_tok_per_s: c.prefill_tok_per_s,
+            t: 0,
+            iter: 0,
+            running: BTreeMap::new(),
+            by_rank: BTreeSet::new(),
+            finish_of: BTreeMap::new(),
+            kv: 0,
+            prompt_sum: 0,
+            retracted: VecDeque::new(),
+            pending_prefill: 0,
+            epoch: 0,
+            planned: 0,
+            busy_ns: 0,
+            retractions: 0,
+        }
+    }
+
+    /// Requests running in the batch.
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests held (running or retracted, waiting to resume).
+    pub fn held(&self) -> usize {
+        self.running.len() + self.retracted.len()
+    }
+
+    /// Resident KV tokens.
+    pub fn kv_tokens(&self) -> u64 {
+        self.kv
+    }
+
+    /// The current boundary time.
+    pub fn time(&self) -> Ns {
+        self.t
+    }
+
+    /// The epoch a scheduled event must carry to be current.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Time spent decoding or prefilling.
+    pub fn busy_ns(&self) -> Ns {
+        self.busy_ns
+    }
+
+    /// Retractions so far.
+    pub fn retractions(&self) -> u64 {
+        self.retractions
+    }
+
+    fn b(&self) -> u64 {
+        self.running.len() as u64
+    }
+
+    /// KV the admission check keeps for running requests to grow (SGLang's new_token_ratio).
+    fn reserve(&self) -> f64 {
+        let generated = self.kv - self.prompt_sum;
+        let budget = (self.b() * u64::from(self.cap)).saturating_sub(generated);
+        self.ratio * budget as f64
+    }
+
+    /// Whether a new request with `prompt` tokens fits now (slot, no one waiting to resume, KV).
+    pub fn can_admit(&self, prompt: u32) -> bool {
+        self.held() < self.max_running as usize
+            && self.retracted.is_empty()
+            && self.fits(u64::from(prompt), u64::from(self.cap))
+    }
+
+    fn fits(&self, tokens: u64, remaining: u64) -> bool {
+        // `kv` already counts requests admitted at this boundary (their prompts are resident).
+        (self.kv + tokens) as f64 + self.reserve() + self.ratio * remaining as f64
+            <= self.capacity as f64
+    }
+
+    /// Moves to the first iteration boundary at or after `now` (never past the scheduled event)
+    /// and cancels the scheduled event: the caller changes the batch, then reschedules.
+    pub fn advance_to(&mut self, now: Ns) {
+        self.epoch += 1;
+        if self.running.is_empty() {
+            self.t = self.t.max(now);
+            return;
+        }
+        if now <= self.t {
+            return;
+        }
+        let n = self
+            .model
+            .iterations_reaching(self.b(), self.kv, now - self.t)
+            .min(self.planned);
+        self.run(n);
+    }
+
+    fn run(&mut self, n: u64) {
+        let dt = secs_to_ns(self.model.run_s(self.b(), self.kv, n));
+        self.t += dt;
+        self.busy_ns += dt;
+        self.kv += self.b() * n;
+        self.iter += n;
+        self.planned = self.planned.saturating_sub(n);
+    }
+
+    /// Adds a request to the batch at the current boundary; `key` is the caller's handle.
+    pub fn admit(&mut self, key: u64, prompt: u32, response_tokens: u32) {
+        let target = response_tokens.max(1);
+        self.insert(key, prompt, target, 0);
+        self.pending_prefill += u64::from(prompt);
+    }
+
+    fn insert(&mut self, key: u64, prompt: u32, target: u32, generated: u32) {
+        let r = Running {
+            prompt,
+            target,
+            gen_at_join: generated,
+            join_iter: self.iter,
+        };
+        self.running.insert((r.finish_iter(), key), r);
+        self.by_rank.insert((r.retract_rank(), key));
+        self.finish_of.insert(key, r.finish_iter());
+        self.kv += u64::from(prompt) + u64::from(generated);
+        self.prompt_sum += u64::from(prompt);
+    }
+
+    fn remove(&mut self, key: u64) -> Option<Running> {
+        let finish = self.finish_of.remove(&key)?;
+        let r = self.running.remove(&(finish, key))?;
+        self.by_rank.remove(&(r.retract_rank(), key));
+        self.kv -= u64::from(r.prompt) + u64::from(r.generated(self.iter));
+        self.prompt_sum -= u64::from(r.prompt);
+        Some(r)
+    }
+
+    /// Resumes retracted requests that fit again, oldest first; their prompt and output are
+    /// prefilled again.
+    pub fn resume_retracted(&mut self) {
+        while let Some(r) = self.retracted.front().copied() {
+            let tokens = u64::from(r.prompt) + u64::from(r.generated);
+            if !self.fits(tokens, u64::from(r.target - r.generated)) && !self.running.is_empty() {
+                break;
+            }
+            self.retracted.pop_front();
+            self.insert(r.key, r.prompt, r.target, r.generated);
+            self.pending_prefill += tokens;
+        }
+    }
+
+    /// Runs the prefill of everything admitted at this boundary.
+    pub fn prefill(&mut self) {
+        if self.pending_prefill > 0 {
+            let dt = secs_to_ns(self.pending_prefill as f64 / self.prefill_tok_per_s);
+            self.t += dt;
+            self.busy_ns += dt;
+            self.pending_prefill = 0;
+        }
+    }
+
+    /// Schedules the next boundary: the earliest finish, or the iteration that would overflow
+    /// the KV cache. Returns its time and epoch, or `None` when idle.
+    pub fn schedule(&mut self) -> Option<(Ns, u64)> {
+        self.epoch += 1;
+        let (&(finish, _), _) = self.running.first_key_value()?;
+        let b = self.b();
+        let to_finish = finish - self.iter;
+        let room = self.capacity.saturating_sub(self.kv) / b;
+        self.planned = to_finish.min(room);
+        let at = self.t + secs_to_ns(self.model.run_s(b, self.kv, self.planned));
+        Some((at, self.epoch))
+    }
+
+    /// Handles the scheduled boundary: runs the planned iterations, collects finished requests
+    /// and retracts if the cache is full.
+    pub fn on_event(&mut self) -> BoundaryOutcome {
+        let mut out = BoundaryOutcome::default();
+        self.run(self.planned);
+        self.epoch += 1;
+        while let Some((&(finish, key), _)) = self.running.first_key_value() {
+            if finish > self.iter {
+                break;
+            }
+            self.remove(key);
+            out.finished.push(key);
+        }
+        let b = self.b();
+        if b > 0 && self.kv + b > self.capacity {
+            while self.b() > 1 && self.kv + self.b() * RETRACT_HEADROOM_ITERS > self.capacity {
+                let Some(&(_, key)) = self.by_rank.last() else {
+                    break;
+                };
+                let Some(r) = self.remove(key) else { break };
+                self.retracted.push_back(Retracted {
+                    key,
+                    prompt: r.prompt,
+                    target: r.target,
+                    generated: r.generated(self.iter),
+                });
+                self.retractions += 1;
+                out.retracted += 1;
+            }
+        }
+        out
+    }
+
+    /// Drops a request (abort); returns the tokens it had generated, or `None` if the engine
+    /// did not hold it.
+    pub fn abort(&mut self, key: u64) -> Option<u32> {
+        let iter = self.iter;
+        if let Some(r) = self.remove(key) {
+            return Some(r.generated(iter));
+        }
+        let pos = self.retracted.iter().position(|r| r.key == key)?;
+        self.retracted.remove(pos).map(|r| r.generated)
+    }
+
+    /// Whether a slot is free (the KV check is separate, see `can_admit`).
+    pub fn has_free_slot(&self) -> bool {
+        self.held() < self.max_running as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::config::SimConfig;
+
+    fn config() -> RolloutConfig {
+        SimConfig::defaults().unwrap().rollout
+    }
+
+    #[test]
+    fn closed_form_matches_iteration_by_iteration() {
+        let m = DecodeModel::from_config(&config());
+        let (b, k) = (37, 12_345);
+        let stepped: f64 = (0..500).map(|i| m.iteration_s(b, k + i * b)).sum();
+        assert!((m.run_s(b, k, 500) - stepped).abs() < 1e-9);
+        let dt = secs_to_ns(m.run_s(b, k, 321));
+        assert_eq!(m.iterations_reaching(b, k, dt), 321);
+        assert_eq!(m.iterations_reaching(b, k, dt + 1), 322);
+    }
+
+    #[test]
+    fn single_request_takes_prefill_plus_its_decode() {
+        let c = config();
+        let mut e = Engine::new(&c, 8, 4096);
+        e.admit(1, 100, 50);
+        e.prefill();
+        let (at, _) = e.schedule().unwrap();
+        let m = DecodeModel::from_config(&c);
+        let expected = secs_to_ns(100.0 / c.prefill_tok_per_s) + secs_to_ns(m.run_s(1, 100, 50));
+        assert_eq!(at, expected);
+        let out = e.on_event();
+        assert_eq!(out.finished, vec![1]);
+        assert_eq!(e.time(), expected);
+        assert_eq!(e.kv_tokens(), 0);
+    }
+
+    #[test]
+    fn shorter_request_finishes_first_and_batch_shrinks() {
+        let c = config();
+        let mut e = Engine::new(&c, 8, 4096);
+        e.admit(1, 10, 5);
+        e.admit(2, 10, 8);
+        e.prefill();
+        e.schedule();
+        assert_eq!(e.on_event().finished, vec![1]);
+        // Request 2 has 3 tokens left; its KV is prompt + 5 generated.
+        assert_eq!(e.kv_tokens(), 15);
+        e.schedule();
+        assert_eq!(e.on_event().finished, vec![2]);
+    }
+
+    #[test]
+    fn admission_mid_run_joins_at_the_next_boundary() {
+        let c = config();
+        let m = DecodeModel::from_config(&c);
+        let mut e = Engine::new(&c, 8, 4096);
+        e.admit(1, 0, 100);
+        e.schedule();
+        let now = secs_to_ns(m.run_s(1, 0, 10)) + 1;
+        e.advance_to(now);
+        // Ten whole iterations were done before `now`; the eleventh ends after it.
+        assert_eq!(e.time(), secs_to_ns(m.run_s(1, 0, 11)));
+        assert_eq!(e.kv_tokens(), 11);
+        e.admit(2, 0, 5);
+        e.schedule();
+        assert_eq!(e.on_event().finished, vec![2]);
+    }
+
+    #[test]
+    fn kv_overflow_retracts_the_youngest_and_resumes_it() {
+        let mut c = config();
+        c.kv_capacity_tokens = 1_000;
+        c.kv_new_token_ratio = 0.0;
+        let mut e = Engine::new(&c, 8, 900);
+        e.admit(1, 100, 600);
+        e.admit(2, 100, 600);
+        e.prefill();
+        e.schedule();
+        // 200 prompt tokens + 2 per iteration overflow 1000 after 400 iterations.
+        let out = e.on_event();
+        assert!(out.finished.is_empty());
+        assert_eq!(out.retracted, 1);
+        assert_eq!(e.running(), 1);
+        assert_eq!(e.held(), 2);
+        assert!(!e.can_admit(1));
+        // Request 1 finishes; request 2 resumes with its 400 generated tokens.
+        e.schedule();
+        let out = e.on_event();
+        assert_eq!(out.finished.len(), 1);
+        e.resume_retracted();
+        assert_eq!(e.running(), 1);
+        assert_eq!(e.kv_tokens(), 500);
+        e.prefill();
+        e.schedule();
+        assert_eq!(e.on_event().finished.len(), 1);
+        assert_eq!(e.retractions(), 1);
+    }
+
+    #[test]
+    fn abort_frees_slot_and_kv() {
+        let c = config();
+        let mut e = Engine::new(&c, 1, 4096);
+        e.admit(7, 100, 1000);
+        assert!(!e.can_admit(10));
+        assert_eq!(e.abort(7), Some(0));
+        assert_eq!(e.abort(7), None);
+        assert_eq!(e.kv_tokens(), 0);
+        assert!(e.can_admit(10));
+    }
+}

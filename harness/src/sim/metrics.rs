@@ -1,0 +1,181 @@
+//! What one simulated run measures, per step and in total.
+use serde::Serialize;
+
+use super::config::Mode;
+use super::engine::Ns;
+
+/// Seconds from nanoseconds.
+pub fn secs(ns: Ns) -> f64 {
+    ns as f64 * 1e-9
+}
+
+/// One RL step's measurements (times in seconds from the run's start).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepMetrics {
+    /// Step index.
+    pub step: u64,
+    /// Policy version the rollout used.
+    pub version: u64,
+    /// Rollout start.
+    pub rollout_start: f64,
+    /// When the B-th trainable group materialized (the rollout's end).
+    pub rollout_end: f64,
+    /// When the step's last optimizer step finished.
+    pub train_end: f64,
+    /// Trainer busy (micro-batches and optimizer steps) for this step.
+    pub trainer_busy: f64,
+    /// The last micro-batch's duration plus the last optimizer step's (ideal-bound tail).
+    pub last_tail: f64,
+    /// When the first micro-batch's worth of trainable groups had materialized, s after the
+    /// rollout start (no trainer can start earlier).
+    pub first_micro_batch_ready: f64,
+    /// Tokens generated during the rollout (finished and aborted requests).
+    pub tokens_generated: u64,
+    /// Time-average of requests held by the engines over the rollout, divided by the slots.
+    pub slot_occupancy: f64,
+    /// Prompts drawn.
+    pub drawn: u32,
+    /// Groups trained.
+    pub trained: u32,
+    /// Groups filtered (zero variance or otherwise).
+    pub filtered: u32,
+    /// Groups aborted as surplus once the batch was full.
+    pub aborted_groups: u32,
+    /// Requests aborted.
+    pub aborted_requests: u32,
+    /// KV retractions on the engines during the rollout.
+    pub retractions: u64,
+    /// Completion time of each trained group, s after rollout start (materialization order).
+    pub group_completion: Vec<f64>,
+    /// Weight versions between the data's policy and the weights it updates (0 = on-policy).
+    pub staleness: u64,
+}
+
+impl StepMetrics {
+    /// Rollout-to-train-end time (SPEC §3).
+    pub fn r2t(&self) -> f64 {
+        self.train_end - self.rollout_start
+    }
+
+    /// Rollout duration (start to batch full).
+    pub fn rollout(&self) -> f64 {
+        self.rollout_end - self.rollout_start
+    }
+
+    /// Trainer waiting ratio inside the rollout-to-train-end window.
+    pub fn wait_ratio(&self) -> f64 {
+        let window = self.r2t();
+        if window <= 0.0 {
+            0.0
+        } else {
+            ((window - self.trainer_busy) / window).clamp(0.0, 1.0)
+        }
+    }
+
+    /// The ideal bound of this step (see [`RunResult::mean_ideal`]).
+    pub fn ideal(&self) -> f64 {
+        (self.rollout() + self.last_tail).max(self.first_micro_batch_ready + self.trainer_busy)
+    }
+
+    /// Rollout throughput, generated tokens per second of rollout.
+    pub fn throughput(&self) -> f64 {
+        let r = self.rollout();
+        if r <= 0.0 {
+            0.0
+        } else {
+            self.tokens_generated as f64 / r
+        }
+    }
+}
+
+/// One (profile, setting, mode) run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunResult {
+    /// Profile key.
+    pub profile: String,
+    /// Setting key.
+    pub setting: String,
+    /// Mode.
+    pub mode: Mode,
+    /// Per-step measurements.
+    pub steps: Vec<StepMetrics>,
+    /// Total simulated time, s.
+    pub makespan: f64,
+    /// Simulated events processed (for the speed report).
+    pub events: u64,
+    /// Conservation held at every step's end (drawn = trained + filtered + aborted).
+    pub conserved: bool,
+}
+
+fn mean(v: impl Iterator<Item = f64>) -> f64 {
+    let (s, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 { f64::NAN } else { s / n as f64 }
+}
+
+impl RunResult {
+    /// Mean rollout-to-train-end time, s.
+    pub fn mean_r2t(&self) -> f64 {
+        mean(self.steps.iter().map(StepMetrics::r2t))
+    }
+
+    /// Mean trainer waiting ratio.
+    pub fn mean_wait_ratio(&self) -> f64 {
+        mean(self.steps.iter().map(StepMetrics::wait_ratio))
+    }
+
+    /// Mean rollout duration, s.
+    pub fn mean_rollout(&self) -> f64 {
+        mean(self.steps.iter().map(StepMetrics::rollout))
+    }
+
+    /// Mean throughput, tokens/s.
+    pub fn mean_throughput(&self) -> f64 {
+        mean(self.steps.iter().map(StepMetrics::throughput))
+    }
+
+    /// Mean slot occupancy.
+    pub fn mean_occupancy(&self) -> f64 {
+        mean(self.steps.iter().map(|s| s.slot_occupancy))
+    }
+
+    /// Mean time between consecutive train ends (the steady-state step period), s.
+    pub fn mean_period(&self) -> f64 {
+        match (self.steps.first(), self.steps.last()) {
+            (Some(a), Some(b)) if self.steps.len() > 1 => {
+                (b.train_end - a.train_end) / (self.steps.len() - 1) as f64
+            }
+            (Some(a), _) => a.train_end,
+            _ => f64::NAN,
+        }
+    }
+
+    /// Mean trainer busy time per step, s.
+    pub fn mean_trainer_busy(&self) -> f64 {
+        mean(self.steps.iter().map(|s| s.trainer_busy))
+    }
+
+    /// Mean ideal bound: SPEC §3's `T_rollout + T_train(last micro-batch)` (plus the optimizer
+    /// step), tightened by the trainer's own work: no schedule ends before the first micro-batch
+    /// is ready plus all training. The second term binds when training outlasts the rollout.
+    pub fn mean_ideal(&self) -> f64 {
+        mean(self.steps.iter().map(StepMetrics::ideal))
+    }
+
+    /// Mean staleness in versions.
+    pub fn mean_staleness(&self) -> f64 {
+        mean(self.steps.iter().map(|s| s.staleness as f64))
+    }
+
+    /// Totals over steps: (drawn, trained, filtered, aborted groups, aborted requests).
+    pub fn totals(&self) -> (u64, u64, u64, u64, u64) {
+        self.steps.iter().fold((0, 0, 0, 0, 0), |t, s| {
+            (
+                t.0 + u64::from(s.drawn),
+                t.1 + u64::from(s.trained),
+                t.2 + u64::from(s.filtered),
+                t.3 + u64::from(s.aborted_groups),
+                t.4 + u64::from(s.aborted_requests),
+            )
+        })
+    }
+}

@@ -1,0 +1,629 @@
+//! Turning runs into the comparison table (stdout, CSV, JSON), plots and traces.
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::Context;
+use serde::Serialize;
+use serde_json::json;
+
+use super::config::Mode;
+use super::driver::Recording;
+use super::engine::Ns;
+use super::metrics::{RunResult, secs};
+use crate::plot::{self, GanttRow, Series, Span};
+use crate::trace::ChromeTrace;
+
+/// One line of the comparison table: a (profile, setting) in one mode, or its ideal bound.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Row {
+    /// Profile key.
+    pub profile: String,
+    /// Setting key.
+    pub setting: String,
+    /// Mode name, or `ideal`.
+    pub mode: String,
+    /// Mean rollout-to-train-end time, s.
+    pub r2t_s: f64,
+    /// Mean step period (train end to train end, weight sync included), s.
+    pub period_s: f64,
+    /// Mean rollout duration (start to batch final), s.
+    pub rollout_s: f64,
+    /// Mean trainer busy time per step, s.
+    pub train_s: f64,
+    /// Mean trainer waiting ratio.
+    pub wait_ratio: f64,
+    /// Cut of r2t against sync (0.3 = 30% shorter).
+    pub r2t_cut: f64,
+    /// Cut of the waiting ratio against sync.
+    pub wait_cut: f64,
+    /// Cut of the step period against sync.
+    pub period_cut: f64,
+    /// (T_sync - T) / (T_sync - T_ideal).
+    pub overlap_eff: f64,
+    /// Rollout throughput, tokens/s.
+    pub tok_per_s: f64,
+    /// Mean slot occupancy during rollout.
+    pub occupancy: f64,
+    /// Prompts drawn (all steps).
+    pub drawn: u64,
+    /// Groups trained.
+    pub trained: u64,
+    /// Groups filtered.
+    pub filtered: u64,
+    /// Groups aborted.
+    pub aborted: u64,
+    /// Requests aborted.
+    pub aborted_requests: u64,
+    /// Mean staleness (versions).
+    pub staleness: f64,
+    /// KV retractions (all steps).
+    pub retractions: u64,
+}
+
+fn row(r: &RunResult, sync: Option<&RunResult>) -> Row {
+    let (drawn, trained, filtered, aborted, aborted_requests) = r.totals();
+    let cut = |base: f64, x: f64| {
+        if base > 0.0 {
+            (base - x) / base
+        } else {
+            f64::NAN
+        }
+    };
+    let (r2t, wait, period) = (r.mean_r2t(), r.mean_wait_ratio(), r.mean_period());
+    let (r2t_cut, wait_cut, period_cut, overlap_eff) = match sync {
+        Some(s) => {
+            let (ts, ti) = (s.mean_r2t(), s.mean_ideal());
+            let eff = if ts - ti > 1e-9 {
+                (ts - r2t) / (ts - ti)
+            } else {
+                f64::NAN
+            };
+            (
+                cut(ts, r2t),
+                cut(s.mean_wait_ratio(), wait),
+                cut(s.mean_period(), period),
+                eff,
+            )
+        }
+        None => (f64::NAN, f64::NAN, f64::NAN, f64::NAN),
+    };
+    Row {
+        profile: r.profile.clone(),
+        setting: r.setting.clone(),
+        mode: r.mode.name().to_owned(),
+        r2t_s: r2t,
+        period_s: period,
+        rollout_s: r.mean_rollout(),
+        train_s: r.mean_trainer_busy(),
+        wait_ratio: wait,
+        r2t_cut,
+        wait_cut,
+        period_cut,
+        overlap_eff,
+        tok_per_s: r.mean_throughput(),
+        occupancy: r.mean_occupancy(),
+        drawn,
+        trained,
+        filtered,
+        aborted,
+        aborted_requests,
+        staleness: r.mean_staleness(),
+        retractions: r.steps.iter().map(|s| s.retractions).sum(),
+    }
+}
+
+/// The ideal bound's row, from the sync run (see `RunResult::mean_ideal`); in the ideal schedule
+/// the trainer waits only for what it cannot overlap.
+fn ideal_row(sync: &RunResult) -> Row {
+    let ideal = sync.mean_ideal();
+    let train = sync.mean_trainer_busy();
+    let mut r = row(sync, Some(sync));
+    r.mode = "ideal".into();
+    r.r2t_s = ideal;
+    r.period_s = f64::NAN;
+    // In the ideal schedule all training but the tail overlaps the rollout.
+    r.wait_ratio = if ideal > 0.0 {
+        ((ideal - train) / ideal).max(0.0)
+    } else {
+        f64::NAN
+    };
+    r.r2t_cut = (sync.mean_r2t() - ideal) / sync.mean_r2t();
+    r.wait_cut = (sync.mean_wait_ratio() - r.wait_ratio) / sync.mean_wait_ratio();
+    r.period_cut = f64::NAN;
+    r.overlap_eff = 1.0;
+    r
+}
+
+/// Table rows for every run, grouped by (profile, setting) in run order, the ideal after sync.
+pub fn rows(results: &[RunResult]) -> Vec<Row> {
+    let mut out = Vec::new();
+    let mut keys: Vec<(&str, &str)> = Vec::new();
+    for r in results {
+        if !keys.contains(&(r.profile.as_str(), r.setting.as_str())) {
+            keys.push((&r.profile, &r.setting));
+        }
+    }
+    for (p, s) in keys {
+        let group: Vec<&RunResult> = results
+            .iter()
+            .filter(|r| r.profile == p && r.setting == s)
+            .collect();
+        let sync = group.iter().copied().find(|r| r.mode == Mode::Sync);
+        for r in &group {
+            out.push(row(r, sync));
+            if r.mode == Mode::Sync {
+                out.push(ideal_row(r));
+            }
+        }
+    }
+    out
+}
+
+fn pct(x: f64) -> String {
+    if x.is_finite() {
+        format!("{:+.1}%", -100.0 * x)
+    } else {
+        "-".into()
+    }
+}
+
+fn num(x: f64, prec: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.prec$}")
+    } else {
+        "-".into()
+    }
+}
+
+/// The table as aligned text: reductions are shown as signed changes against sync.
+pub fn table_text(rows: &[Row]) -> String {
+    let header = [
+        "profile",
+        "set",
+        "mode",
+        "r2t s",
+        "vs sync",
+        "wait",
+        "vs sync",
+        "overlap",
+        "period s",
+        "rollout s",
+        "train s",
+        "tok/s",
+        "occ",
+        "filtered",
+        "aborted",
+        "stale",
+    ];
+    let mut lines: Vec<Vec<String>> = vec![header.iter().map(|s| (*s).to_owned()).collect()];
+    for r in rows {
+        lines.push(vec![
+            r.profile.clone(),
+            r.setting.clone(),
+            r.mode.clone(),
+            num(r.r2t_s, 1),
+            if r.mode == "sync" {
+                String::new()
+            } else {
+                pct(r.r2t_cut)
+            },
+            num(r.wait_ratio, 3),
+            if r.mode == "sync" {
+                String::new()
+            } else {
+                pct(r.wait_cut)
+            },
+            if r.mode == "sync" {
+                String::new()
+            } else {
+                num(r.overlap_eff, 2)
+            },
+            num(r.period_s, 1),
+            num(r.rollout_s, 1),
+            num(r.train_s, 1),
+            format!("{:.0}", r.tok_per_s),
+            num(r.occupancy, 2),
+            r.filtered.to_string(),
+            r.aborted.to_string(),
+            num(r.staleness, 1),
+        ]);
+    }
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for (n, l) in lines.iter().enumerate() {
+        let cells: Vec<String> = l
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                if i < 3 {
+                    format!("{c:<w$}", w = widths[i])
+                } else {
+                    format!("{c:>w$}", w = widths[i])
+                }
+            })
+            .collect();
+        let _ = writeln!(out, "{}", cells.join("  ").trim_end());
+        if n == 0 {
+            let _ = writeln!(
+                out,
+                "{}",
+                "-".repeat(widths.iter().sum::<usize>() + 2 * (widths.len() - 1))
+            );
+        }
+    }
+    out
+}
+
+/// The table as CSV (one row per line, the fields of [`Row`]).
+pub fn table_csv(rows: &[Row]) -> String {
+    let mut out = String::from(
+        "profile,setting,mode,r2t_s,period_s,rollout_s,train_s,wait_ratio,r2t_cut,wait_cut,period_cut,overlap_eff,tok_per_s,occupancy,drawn,trained,filtered,aborted,aborted_requests,staleness,retractions\n",
+    );
+    for r in rows {
+        let f = |x: f64| {
+            if x.is_finite() {
+                format!("{x:.6}")
+            } else {
+                String::new()
+            }
+        };
+        let _ = writeln!(
+            out,
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            r.profile,
+            r.setting,
+            r.mode,
+            f(r.r2t_s),
+            f(r.period_s),
+            f(r.rollout_s),
+            f(r.train_s),
+            f(r.wait_ratio),
+            f(r.r2t_cut),
+            f(r.wait_cut),
+            f(r.period_cut),
+            f(r.overlap_eff),
+            f(r.tok_per_s),
+            f(r.occupancy),
+            r.drawn,
+            r.trained,
+            r.filtered,
+            r.aborted,
+            r.aborted_requests,
+            f(r.staleness),
+            r.retractions
+        );
+    }
+    out
+}
+
+/// Ranges of the cuts over all settings for each mode: (mode, min, max) of r2t and wait cuts.
+pub fn headline(rows: &[Row]) -> Vec<(String, f64, f64, f64, f64)> {
+    let mut modes: Vec<String> = Vec::new();
+    for r in rows {
+        if r.mode != "sync" && !modes.contains(&r.mode) {
+            modes.push(r.mode.clone());
+        }
+    }
+    modes
+        .into_iter()
+        .map(|m| {
+            let sel: Vec<&Row> = rows.iter().filter(|r| r.mode == m).collect();
+            let lo = |f: &dyn Fn(&Row) -> f64| {
+                sel.iter()
+                    .map(|r| f(r))
+                    .filter(|x| x.is_finite())
+                    .fold(f64::INFINITY, f64::min)
+            };
+            let hi = |f: &dyn Fn(&Row) -> f64| {
+                sel.iter()
+                    .map(|r| f(r))
+                    .filter(|x| x.is_finite())
+                    .fold(f64::NEG_INFINITY, f64::max)
+            };
+            (
+                m,
+                lo(&|r| r.r2t_cut),
+                hi(&|r| r.r2t_cut),
+                lo(&|r| r.wait_cut),
+                hi(&|r| r.wait_cut),
+            )
+        })
+        .collect()
+}
+
+/// Writes table.txt, table.csv and table.json (rows plus the per-step metrics and the config).
+pub fn write_tables(
+    dir: &Path,
+    rows: &[Row],
+    results: &[RunResult],
+    config: &impl Serialize,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(dir.join("table.txt"), table_text(rows)).context("writing table.txt")?;
+    std::fs::write(dir.join("table.csv"), table_csv(rows)).context("writing table.csv")?;
+    let doc = json!({ "rows": rows, "runs": results, "config": config });
+    std::fs::write(
+        dir.join("table.json"),
+        serde_json::to_string_pretty(&doc).context("serializing table.json")?,
+    )
+    .context("writing table.json")
+}
+
+/// Per-setting grouped bars of r2t and waiting ratio (modes plus the ideal bound).
+pub fn plot_bars(dir: &Path, rows: &[Row]) -> anyhow::Result<()> {
+    let mut cats: Vec<(String, String)> = Vec::new();
+    let mut modes: Vec<String> = Vec::new();
+    for r in rows {
+        let k = (r.profile.clone(), r.setting.clone());
+        if !cats.contains(&k) {
+            cats.push(k);
+        }
+        if !modes.contains(&r.mode) {
+            modes.push(r.mode.clone());
+        }
+    }
+    let names: Vec<String> = cats.iter().map(|(p, s)| format!("{p}/{s}")).collect();
+    let series = |f: &dyn Fn(&Row) -> f64, skip: &[&str]| -> Vec<Series<f64>> {
+        modes
+            .iter()
+            .filter(|m| !skip.contains(&m.as_str()))
+            .map(|m| {
+                let vals = cats
+                    .iter()
+                    .map(|(p, s)| {
+                        rows.iter()
+                            .find(|r| &r.profile == p && &r.setting == s && &r.mode == m)
+                            .map_or(f64::NAN, f)
+                    })
+                    .collect();
+                Series::new(m.clone(), vals)
+            })
+            .collect()
+    };
+    plot::bars(
+        &dir.join("r2t.svg"),
+        "Rollout-to-train-end time per step (lower is better)",
+        "seconds",
+        &names,
+        &series(&|r| r.r2t_s, &["one-step-off"]),
+    )?;
+    plot::bars(
+        &dir.join("wait_ratio.svg"),
+        "Trainer waiting ratio (lower is better)",
+        "wait / (wait + busy)",
+        &names,
+        &series(&|r| r.wait_ratio, &["one-step-off"]),
+    )?;
+    plot::bars(
+        &dir.join("r2t_cut.svg"),
+        "Cut of rollout-to-train-end time vs sync (paper: 30.7-42.3%)",
+        "percent",
+        &names,
+        &series(&|r| 100.0 * r.r2t_cut, &["sync", "one-step-off"]),
+    )?;
+    plot::bars(
+        &dir.join("period.svg"),
+        "Step period incl. weight sync (one-step-off is asynchronous)",
+        "seconds",
+        &names,
+        &series(&|r| r.period_s, &["ideal"]),
+    )
+}
+
+/// The CDF of group completion times (s after rollout start) of one setting, per mode.
+pub fn plot_cdf(dir: &Path, results: &[&RunResult], title: &str) -> anyhow::Result<()> {
+    let series: Vec<Series<f64>> = results
+        .iter()
+        .map(|r| {
+            Series::new(
+                r.mode.name(),
+                r.steps
+                    .iter()
+                    .flat_map(|s| s.group_completion.iter().copied())
+                    .collect(),
+            )
+        })
+        .collect();
+    plot::cdf(
+        &dir.join("group_completion_cdf.svg"),
+        title,
+        "seconds after rollout start",
+        &series,
+    )
+}
+
+/// Window of one step: from its rollout start to its train end.
+fn window(r: &RunResult, step: u64) -> Option<(f64, f64)> {
+    r.steps
+        .iter()
+        .find(|s| s.step == step)
+        .map(|s| (s.rollout_start, s.train_end))
+}
+
+fn overlaps(a: Ns, b: Ns, lo: f64, hi: f64) -> bool {
+    secs(b) >= lo && secs(a) <= hi
+}
+
+/// Gantt timeline of engines and trainer for one step of one run.
+pub fn plot_gantt(
+    path: &Path,
+    r: &RunResult,
+    rec: &Recording,
+    step: u64,
+    engines: usize,
+) -> anyhow::Result<()> {
+    let (lo, hi) = window(r, step).context("trace step not simulated")?;
+    let mut rows = Vec::new();
+    for e in 0..engines {
+        // Busy intervals: where the engine held at least one request.
+        let mut spans = Vec::new();
+        let mut open: Option<Ns> = None;
+        for &(t, eng, held) in rec.held.iter().filter(|h| h.1 as usize == e) {
+            let _ = eng;
+            match (open, held) {
+                (None, h) if h > 0 => open = Some(t),
+                (Some(s), 0) => {
+                    spans.push((s, t));
+                    open = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(s) = open {
+            spans.push((s, s.max((hi * 1e9) as Ns)));
+        }
+        rows.push(GanttRow {
+            label: format!("engine {e}"),
+            spans: spans
+                .into_iter()
+                .filter(|&(a, b)| overlaps(a, b, lo, hi))
+                .map(|(a, b)| Span {
+                    start: secs(a).max(lo) - lo,
+                    end: secs(b).min(hi) - lo,
+                    color: 0,
+                })
+                .collect(),
+        });
+    }
+    let mut train = Vec::new();
+    for (s, label, a, b) in &rec.trainer {
+        if overlaps(*a, *b, lo, hi) {
+            let color = if label == "optimizer" {
+                2
+            } else if *s == step {
+                1
+            } else {
+                7
+            };
+            train.push(Span {
+                start: secs(*a).max(lo) - lo,
+                end: secs(*b).min(hi) - lo,
+                color,
+            });
+        }
+    }
+    rows.push(GanttRow {
+        label: "trainer".into(),
+        spans: train,
+    });
+    let syncs = rec
+        .syncs
+        .iter()
+        .filter(|&&(a, b)| overlaps(a, b, lo, hi))
+        .map(|&(a, b)| Span {
+            start: secs(a).max(lo) - lo,
+            end: secs(b).min(hi) - lo,
+            color: 3,
+        })
+        .collect();
+    rows.push(GanttRow {
+        label: "weight sync".into(),
+        spans: syncs,
+    });
+    let marks = rec
+        .completions
+        .iter()
+        .filter(|c| c.0 == step)
+        .map(|c| {
+            let t = secs(c.2) - lo;
+            Span {
+                start: t,
+                end: t + (hi - lo) * 0.002,
+                color: 4,
+            }
+        })
+        .collect();
+    rows.push(GanttRow {
+        label: "group ready".into(),
+        spans: marks,
+    });
+    let legend = vec![
+        (0, "engine busy".to_owned()),
+        (1, format!("micro-batch (step {step})")),
+        (7, "micro-batch (other step)".to_owned()),
+        (2, "optimizer".to_owned()),
+        (3, "weight sync".to_owned()),
+        (4, "group materialized".to_owned()),
+    ];
+    plot::gantt(
+        path,
+        &format!("{} {}/{} step {step}", r.mode, r.profile, r.setting),
+        "seconds after rollout start",
+        &rows,
+        &legend,
+    )
+}
+
+/// Chrome/Perfetto trace of one step of one run: engines (requests as async spans and a
+/// running-count counter), trainer (micro-batches, optimizer), weight sync, group completions.
+pub fn write_trace(
+    path: &Path,
+    r: &RunResult,
+    rec: &Recording,
+    step: u64,
+    engines: usize,
+) -> anyhow::Result<()> {
+    let (lo, hi) = window(r, step).context("trace step not simulated")?;
+    let us = |t: Ns| (secs(t) - lo) * 1e6;
+    let mut t = ChromeTrace::new();
+    t.process(1, "rollout engines");
+    for e in 0..engines {
+        t.thread(1, e as u32, &format!("engine {e}"));
+    }
+    t.process(2, "trainer");
+    t.thread(2, 0, "trainer");
+    t.thread(2, 1, "weight sync");
+    t.thread(2, 2, "groups");
+    for (i, q) in rec.requests.iter().enumerate() {
+        if overlaps(q.start, q.end, lo, hi) {
+            let name = format!("s{}/g{}/{}", q.step, q.group, q.sample);
+            let args = json!({"tokens": q.tokens, "outcome": if q.finished { "generated" } else { "aborted" }});
+            t.async_span(
+                &name,
+                "request",
+                1,
+                u32::from(q.engine),
+                i as u64,
+                us(q.start),
+                us(q.end),
+                args,
+            );
+        }
+    }
+    for &(time, e, held) in &rec.held {
+        if secs(time) >= lo && secs(time) <= hi {
+            t.counter(
+                &format!("held e{e}"),
+                1,
+                us(time),
+                &[("requests", f64::from(held))],
+            );
+        }
+    }
+    for (s, label, a, b) in &rec.trainer {
+        if overlaps(*a, *b, lo, hi) {
+            t.complete(
+                label,
+                "train",
+                2,
+                0,
+                us(*a),
+                us(*b) - us(*a),
+                json!({"step": s}),
+            );
+        }
+    }
+    for &(a, b) in &rec.syncs {
+        if overlaps(a, b, lo, hi) {
+            t.complete("weight sync", "sync", 2, 1, us(a), us(b) - us(a), json!({}));
+        }
+    }
+    for &(s, g, time) in &rec.completions {
+        if s == step {
+            t.instant(&format!("g{g} ready"), "group", 2, 2, us(time));
+        }
+    }
+    t.write(path)
+}
