@@ -245,7 +245,7 @@ fn grpo_step_errors_name_the_culprit() {
         ),
         (
             json!({"groups": [{"prompt": [1], "responses": [{"tokens": [2], "reward": 1.0}, {"tokens": [50], "reward": 0.0}]}]}),
-            "50",
+            "group 0 response 1: token 50 >= vocab_size 11",
         ),
         (
             json!({"groups": [{"prompt": [1], "responses": [{"tokens": [2], "reward": 1.0}]}]}),

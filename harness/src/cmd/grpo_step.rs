@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::ValueEnum;
 use rolloutpipe_backends::{
-    AdamW, Aggregation, Objective, StdMode, TrainBatch, TrainSequence, Weights, advantages,
-    normalizer, save_model_dir,
+    AdamW, Aggregation, ModelConfig, Objective, StdMode, TrainBatch, TrainSequence, Weights,
+    advantages, normalizer, save_model_dir,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -158,6 +158,35 @@ impl BatchFile {
             .with_context(|| format!("parsing batch file {}", path.display()))
     }
 
+    /// Checks token ids and lengths against the model, naming the group and response at fault
+    /// (the backend checks too, but only knows the flattened sequence index).
+    pub fn check_model(&self, cfg: &ModelConfig) -> anyhow::Result<()> {
+        for (g, group) in self.groups.iter().enumerate() {
+            if let Some(&t) = group.prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                bail!(
+                    "group {g} prompt: token {t} >= vocab_size {}",
+                    cfg.vocab_size
+                );
+            }
+            for (j, r) in group.responses.iter().enumerate() {
+                if let Some(&t) = r.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                    bail!(
+                        "group {g} response {j}: token {t} >= vocab_size {}",
+                        cfg.vocab_size
+                    );
+                }
+                let len = group.prompt.len() + r.tokens.len();
+                if len > cfg.max_position_embeddings {
+                    bail!(
+                        "group {g} response {j}: prompt + response is {len} tokens, more than max_position_embeddings {}",
+                        cfg.max_position_embeddings
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The training batch: advantages per group, per-token weights of `agg`. Checks the
     /// structure (non-empty groups and responses, finite rewards, log-prob lengths) and names
     /// the group and response at fault.
@@ -219,6 +248,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         &ModelSource::Dir(args.model.clone()),
         args.backend.threads,
     )?;
+    file.check_model(be.config())?;
     let obj = Objective::Grpo {
         eps_low: args.eps_low,
         eps_high: args.eps_high,
