@@ -195,7 +195,8 @@ pub trait PolicyBackend: Send {
     /// A copy of the current weights (for weight sync and saving).
     fn export_weights(&self) -> Result<Weights>;
     /// Replaces the weights (validated against the config). Refused while requests are active,
-    /// since their KV caches belong to the old weights (one weight version per rollout).
+    /// since their KV caches belong to the old weights (one weight version per rollout). The
+    /// optimizer state and gradient sums are kept: restoring a checkpoint restores them too.
     fn import_weights(&mut self, w: &Weights) -> Result<()>;
     /// Queues a request; it is prefilled at the next `decode_step`.
     fn add_request(&mut self, req: GenRequest) -> Result<()>;
