@@ -5,7 +5,8 @@
 //! (user + system, from `/proc/self/stat`) does not, and says how efficient the code itself is.
 //! Busy-waiting rayon workers count as CPU time, so parallel overhead is not hidden.
 //!
-//! Run: `cargo bench -p rolloutpipe-backends --no-default-features --bench cpu_time`.
+//! Run: `cargo bench -p rolloutpipe-backends --no-default-features --bench cpu_time [-- FILTER]`
+//! (FILTER: `matmul`, `generate` or `train` runs only those lines).
 
 use std::time::Instant;
 
@@ -47,6 +48,12 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // `cargo bench -- --list` probes every bench binary
     }
+    // cargo passes `--bench`; the first other argument filters the groups.
+    let filter = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with("--"))
+        .unwrap_or_default();
+    let on = |group: &str| group.contains(filter.as_str());
     for (n, din, dout) in [
         (1usize, 128usize, 384usize),
         (64, 128, 384),
@@ -59,6 +66,9 @@ fn main() {
         let w: Vec<f32> = (0..dout * din)
             .map(|i| ((i % 13) as f32 - 6.0) * 0.01)
             .collect();
+        if !on("matmul") {
+            continue;
+        }
         let mut y = vec![0.0f32; n * dout];
         let r = measure(1.0, || {
             matmul_fwd(&mut y, &x, &w, n, din, dout);
@@ -71,6 +81,9 @@ fn main() {
     for threads in [1usize, 2] {
         let mut be = CpuBackend::new(&cfg, &w, threads).expect("backend");
         for conc in [1usize, 16, 64] {
+            if !on("generate") {
+                continue;
+            }
             let mut next = 0u64;
             let r = measure(2.0, || {
                 for i in 0..conc {
@@ -100,6 +113,9 @@ fn main() {
                 tokens as f64
             });
             show(&format!("generate {conc:>2} req, {threads} thr"), "tok", r);
+        }
+        if !on("train") {
+            continue;
         }
         let batch = TrainBatch {
             sequences: (0..8)

@@ -557,12 +557,16 @@ pub fn attention_bwd<T: Float>(
             }
             // softmax backward: dS_j = P_j (dP_j − Σ P·dP), then through the scaled dot product
             let qr = i * qd + hh * hd..i * qd + (hh + 1) * hd;
+            let (qi, dqi) = (&q[qr.clone()], &mut dq[qr]);
             for j in 0..=last {
                 let ds = row[j] * (scratch[j] - pdp) * scale;
                 let kr = j * kd + kh * hd..j * kd + (kh + 1) * hd;
-                for t in 0..hd {
-                    dq[qr.start + t] += ds * k[kr.start + t];
-                    dk[kr.start + t] += ds * q[qr.start + t];
+                // zipped slices: no bounds checks in the loop, so it vectorises
+                for (g, kv) in dqi.iter_mut().zip(&k[kr.clone()]) {
+                    *g += ds * *kv;
+                }
+                for (g, qv) in dk[kr].iter_mut().zip(qi) {
+                    *g += ds * *qv;
                 }
             }
         }
