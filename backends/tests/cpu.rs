@@ -124,7 +124,7 @@ fn whole_grpo_loss_gradient_matches_finite_differences_f64() {
             .map(|&(p, r)| (rng.tokens(p, cfg.vocab_size), rng.tokens(r, cfg.vocab_size)))
             .collect();
         let pairs: Vec<(&[u32], &[u32])> = seqs.iter().map(|(p, r)| (&p[..], &r[..])).collect();
-        let current = model.logprobs(&pairs, 0.8, &mut acts);
+        let current = model.logprobs(&pairs, 0.8, &mut acts).unwrap();
         // Old log-probs 0.05 or 0.5 away from the current ones: ρ lands well inside or well
         // outside the clip range, away from the kinks a finite difference cannot see through.
         let mut batch = TrainBatch::default();

@@ -13,7 +13,7 @@ use crate::error::{BackendError, Result};
 use crate::optim::{self, AdamState};
 use crate::weights::Weights;
 use generate::Generator;
-use model::{Activations, Model, PackedBatch, check_sequence, check_tokens, validate_train_batch};
+use model::{Activations, Model, PackedBatch, check_tokens};
 
 /// Qwen3 on the CPU in f32: generation, log-probs and GRPO/SFT training.
 pub struct CpuBackend {
@@ -123,31 +123,14 @@ impl PolicyBackend for CpuBackend {
     }
 
     fn logprobs(&mut self, seqs: &[Sequence], temperature: f32) -> Result<Vec<Vec<f32>>> {
-        if seqs.is_empty() {
-            return Err(BackendError::EmptyBatch("no sequences to score".into()));
-        }
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(BackendError::invalid(
-                "temperature",
-                format!("{temperature} must be positive"),
-            ));
-        }
-        for (i, s) in seqs.iter().enumerate() {
-            check_sequence(
-                &self.model.cfg,
-                &s.prompt,
-                &s.response,
-                &format!("sequence {i}"),
-            )?;
-        }
+        // The model checks the sequences and temperature.
         let pairs: Vec<(&[u32], &[u32])> = seqs
             .iter()
             .map(|s| (&s.prompt[..], &s.response[..]))
             .collect();
         let (model, acts) = (&self.model, &mut self.acts);
-        Ok(self
-            .pool
-            .install(|| model.logprobs(&pairs, temperature as f64, acts)))
+        self.pool
+            .install(|| model.logprobs(&pairs, temperature as f64, acts))
     }
 
     fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
@@ -174,7 +157,6 @@ impl PolicyBackend for CpuBackend {
     }
 
     fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats> {
-        validate_train_batch(&self.model.cfg, batch, obj)?;
         let (model, acts, grads) = (&self.model, &mut self.acts, &mut self.grads);
         // A non-finite loss is refused before the backward, leaving the sums untouched.
         let stats = self

@@ -361,6 +361,10 @@ impl<T: Float> Model<T> {
 
     /// Forward pass over a packed batch; leaves the logits of `b.rows` in `a.logits` and keeps
     /// every activation the backward needs.
+    ///
+    /// # Panics
+    /// On token ids not below the vocabulary or positions not below `max_position_embeddings`;
+    /// [`Model::accumulate`], [`Model::logprobs`] and the backend check them first.
     pub fn forward(&self, b: &PackedBatch, a: &mut Activations<T>) {
         let c = &self.cfg;
         let (n, d, f, v) = (
@@ -508,6 +512,9 @@ impl<T: Float> Model<T> {
 
     /// Backward pass after [`Model::forward`] on the same batch: adds the gradient of the loss
     /// whose derivative with respect to `a.logits` is `dlogits` into `grads` (flat, same layout).
+    ///
+    /// # Panics
+    /// When `dlogits` or `grads` are shorter than the batch and layout require.
     pub fn backward(
         &self,
         b: &PackedBatch,
@@ -723,7 +730,7 @@ impl<T: Float> Model<T> {
         embedding_bwd(&mut grads[lay.embed..lay.embed + v * d], &a.dres, &b.ids, d);
     }
 
-    /// Forward and backward of `obj` on a validated micro-batch (see [`validate_train_batch`]),
+    /// Forward and backward of `obj` on a micro-batch (checked with [`validate_train_batch`]),
     /// adding the gradient of Σ weight·loss to `grads` (skipped when `None`). A non-finite loss
     /// is an error and skips the backward.
     pub fn accumulate(
@@ -733,6 +740,16 @@ impl<T: Float> Model<T> {
         a: &mut Activations<T>,
         grads: Option<&mut [T]>,
     ) -> Result<AccumStats> {
+        validate_train_batch(&self.cfg, batch, obj)?;
+        if let Some(g) = &grads
+            && g.len() != self.layout.total
+        {
+            return Err(BackendError::shape(
+                "gradient buffer",
+                self.layout.total,
+                g.len(),
+            ));
+        }
         let pairs: Vec<(&[u32], &[u32])> = batch
             .sequences
             .iter()
@@ -846,13 +863,25 @@ impl<T: Float> Model<T> {
         Ok(stats)
     }
 
-    /// Per response token log-probs at `temperature` of validated sequences.
+    /// Per response token log-probs at `temperature` (sequences and temperature are checked).
     pub fn logprobs(
         &self,
         seqs: &[(&[u32], &[u32])],
         temperature: f64,
         a: &mut Activations<T>,
-    ) -> Vec<Vec<f32>> {
+    ) -> Result<Vec<Vec<f32>>> {
+        if seqs.is_empty() {
+            return Err(BackendError::EmptyBatch("no sequences to score".into()));
+        }
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(BackendError::invalid(
+                "temperature",
+                format!("{temperature} must be positive"),
+            ));
+        }
+        for (i, (p, r)) in seqs.iter().enumerate() {
+            check_sequence(&self.cfg, p, r, &format!("sequence {i}"))?;
+        }
         let b = PackedBatch::scored(seqs);
         self.forward(&b, a);
         let m = b.rows.len();
@@ -877,7 +906,7 @@ impl<T: Float> Model<T> {
             );
             t += r.len();
         }
-        out
+        Ok(out)
     }
 }
 
