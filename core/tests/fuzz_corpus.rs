@@ -10,21 +10,28 @@ use std::path::Path;
 #[test]
 fn corpus_replays_without_a_broken_invariant() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/events");
+    let mut paths: Vec<_> = std::fs::read_dir(&dir)
+        .expect("fuzz/corpus/events exists")
+        .map(|e| e.expect("readable corpus entry").path())
+        .collect();
+    paths.sort();
+    let total = paths.len();
+    // Miri interprets ~1000x slower: one input shows the driver is sound there too.
+    paths.truncate(if cfg!(miri) { 1 } else { total });
     let mut n = 0;
-    for entry in std::fs::read_dir(&dir).expect("fuzz/corpus/events exists") {
-        let path = entry.expect("readable corpus entry").path();
+    for path in paths {
         let data = std::fs::read(&path).expect("readable corpus file");
         events::run(&data);
         n += 1;
     }
-    assert!(n >= 8, "corpus has only {n} inputs");
+    assert!(total >= 8 && n >= 1, "corpus has only {total} inputs");
 }
 
 #[test]
 fn seeded_random_inputs_keep_every_invariant() {
     // xorshift64*: deterministic inputs of varied length.
     let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let cases = if cfg!(miri) { 3 } else { 3000 };
+    let cases = if cfg!(miri) { 1 } else { 3000 };
     let mut total = events::Stats::default();
     for _ in 0..cases {
         x ^= x >> 12;

@@ -832,7 +832,7 @@ fn check(s: &Scheduler<'_>, m: &Model) -> Result<(), TestCaseError> {
 fn config() -> ProptestConfig {
     // Miri runs the same test at a few cases so the whole suite stays within minutes.
     ProptestConfig {
-        cases: if cfg!(miri) { 4 } else { 512 },
+        cases: if cfg!(miri) { 2 } else { 512 },
         failure_persistence: None,
         ..ProptestConfig::default()
     }
@@ -844,7 +844,7 @@ proptest! {
     #[test]
     fn scheduler_matches_the_reference_model(
         plans in prop::collection::vec(plan(), 1..4),
-        ops in prop::collection::vec(op(), 0..if cfg!(miri) { 40 } else { 300 }),
+        ops in prop::collection::vec(op(), 0..if cfg!(miri) { 25 } else { 300 }),
     ) {
         run_case(plans, ops)?;
     }

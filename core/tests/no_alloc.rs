@@ -58,7 +58,7 @@ static GLOBAL: Counting = Counting;
 
 #[test]
 fn whole_steps_of_4096_groups_do_not_allocate() {
-    const B: u32 = if cfg!(miri) { 64 } else { 4096 };
+    const B: u32 = if cfg!(miri) { 16 } else { 4096 };
     let mut groups = vec![GroupSlot::EMPTY; 2 * B as usize];
     let mut requests = vec![RequestSlot::EMPTY; 2 * B as usize * 16];
     let mut s = Scheduler::new(&mut groups, &mut requests);

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Proofs for rolloutpipe-core beyond `cargo test --workspace` (which already ran the unit tests,
+# the reference-model proptest, the fuzz-corpus replay and the no-alloc allocator test):
+#   1. the crate builds for a bare-metal target with only `core` (no `alloc`, no `std`);
+#   2. its tests run under Miri (undefined behaviour, leaks);
+#   3. a bounded cargo-fuzz run of the `events` target (skipped, with a note, when cargo-fuzz
+#      cannot be installed; the corpus replay has run either way).
+# Needs the nightly toolchain with rust-src and miri (scripts/setup.sh installs them).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+start=$SECONDS
+
+echo "== core: no_std build with only core (x86_64-unknown-none, -Z build-std=core)"
+rustup component add --toolchain nightly rust-src >/dev/null 2>&1 || true
+cargo +nightly build -p rolloutpipe-core --locked -Z build-std=core --target x86_64-unknown-none
+# The optional features must not pull in alloc or std either (type-checking is enough).
+cargo +nightly check -p rolloutpipe-core --locked -Z build-std=core --target x86_64-unknown-none \
+  --features serde,log,defmt
+
+echo "== core: tests under Miri"
+# Isolation off only so the corpus replay can list fuzz/corpus/events; the tests cut their case
+# counts under cfg(miri). Doctests are left to `cargo test` (they only repeat the API examples).
+MIRIFLAGS="-Zmiri-disable-isolation" cargo +nightly miri test -p rolloutpipe-core --locked --lib --tests
+
+echo "== core: fuzz (events target, bounded)"
+if ! command -v cargo-fuzz >/dev/null; then
+  timeout 300 cargo install cargo-fuzz --locked --quiet || echo "cargo-fuzz could not be installed"
+fi
+if command -v cargo-fuzz >/dev/null; then
+  # Fuzz from a copy so new inputs do not land in the checked-in corpus.
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  cp fuzz/corpus/events/* "$work"/
+  (cd fuzz && cargo +nightly fuzz run events "$work" -- -max_total_time="${CORE_FUZZ_SECONDS:-30}" -print_final_stats=1)
+else
+  echo "cargo-fuzz unavailable: relying on the corpus replay (core/tests/fuzz_corpus.rs)"
+fi
+echo "== core: proofs done in $((SECONDS - start)) s"
