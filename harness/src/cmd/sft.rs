@@ -34,13 +34,13 @@ pub struct Args {
     #[command(flatten)]
     pub task: TaskArgs,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 1000)]
     pub steps: usize,
     /// Problems per step.
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = 3e-3)]
+    /// Peak learning rate (1e-2 trains the small preset fastest on `add`; 3e-3 is ~3x slower).
+    #[arg(long, default_value_t = 1e-2)]
     pub lr: f64,
     /// Linear warm-up steps before the cosine decay (to 10% of the peak).
     #[arg(long, default_value_t = 20)]
