@@ -22,6 +22,10 @@ pub struct Cli {
 pub enum Command {
     /// Discrete-event simulation of a disaggregated cluster, driving the real scheduling core.
     Simulate(cmd::simulate::Args),
+    /// End-to-end RLVR training: rollout engines, verifiers and a trainer driven by the core.
+    Train(cmd::train::Args),
+    /// Runs sync and rolloutpipe on the same workload; measured vs simulated headline metrics.
+    Compare(cmd::compare::Args),
     /// Logits of one token sequence as JSON (sequence × vocab).
     Logits(cmd::logits::Args),
     /// One GRPO optimizer step on a JSON batch of groups (docs/batch-format.md).
@@ -40,6 +44,8 @@ pub fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let result = match cli.command {
         Command::Simulate(args) => cmd::simulate::run(args),
+        Command::Train(args) => cmd::train::run(args),
+        Command::Compare(args) => cmd::compare::run(args),
         Command::Logits(args) => cmd::logits::run(args),
         Command::GrpoStep(args) => cmd::grpo_step::run(args),
         Command::Sft(args) => cmd::sft::run(args),

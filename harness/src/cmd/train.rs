@@ -1,0 +1,105 @@
+//! `rolloutpipe train`: an end-to-end RLVR run (see `crate::train` and docs/training.md).
+use std::path::PathBuf;
+
+use anyhow::Context;
+
+use crate::train::{Mode, TrainConfig};
+
+/// Arguments of `train`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A TOML file (any subset of the default's sections and keys) layered over the embedded
+    /// default; with --resume, defaults to the run directory's resolved config.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Overrides one value: `section.key=value` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Backend of the engines and the trainer: cpu or wgpu (overrides run.backend).
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// Scheduling mode: sync, cgp, rolloutpipe or one-step-off (overrides run.mode).
+    #[arg(long)]
+    pub mode: Option<String>,
+    /// Run directory (overrides run.out).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Continue the run in this directory from its latest checkpoint.
+    #[arg(long, conflicts_with = "out")]
+    pub resume: Option<PathBuf>,
+    /// Print the resolved config and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+/// Resolves the config of `args` (default, file or resumed run's, then flags and --set).
+pub fn resolve(args: &Args) -> anyhow::Result<TrainConfig> {
+    let mut cfg = match (&args.config, &args.resume) {
+        (Some(p), _) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("reading config {}", p.display()))?;
+            TrainConfig::from_partial_toml(&text)
+                .with_context(|| format!("config {}", p.display()))?
+        }
+        (None, Some(dir)) => {
+            let p = dir.join("config.toml");
+            let text = std::fs::read_to_string(&p)
+                .with_context(|| format!("reading the run's config {}", p.display()))?;
+            TrainConfig::from_toml_str(&text).with_context(|| format!("config {}", p.display()))?
+        }
+        (None, None) => TrainConfig::default_config()?,
+    };
+    let mut sets = args.sets.clone();
+    if let Some(b) = &args.backend {
+        sets.push(format!("run.backend=\"{b}\""));
+    }
+    if let Some(m) = &args.mode {
+        Mode::parse(m)?;
+        sets.push(format!("run.mode=\"{m}\""));
+    }
+    cfg = cfg.with_overrides(&sets)?;
+    if let Some(dir) = args.resume.as_ref().or(args.out.as_ref()) {
+        cfg.run.out = dir.clone();
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Runs `train`.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let cfg = resolve(&args)?;
+    if args.print_config {
+        print!("{}", cfg.to_toml()?);
+        return Ok(());
+    }
+    pin_gemm_threads();
+    let out = cfg.run.out.clone();
+    let o = crate::train::run(&cfg, &out, args.resume.is_some())?;
+    let last = o.metrics.last();
+    println!(
+        "run {}: {} steps, held-out accuracy {}{:.3} -> {:.3}; last step: reward {:.3}, rollout-to-train-end {:.2}s, trainer waiting {:.2}",
+        out.display(),
+        o.metrics.len(),
+        o.accuracy_initial
+            .map(|a| format!("{a:.3} (before SFT) -> "))
+            .unwrap_or_default(),
+        o.accuracy_start,
+        o.accuracy_end,
+        last.map(|m| m.reward).unwrap_or(f64::NAN),
+        last.map(|m| m.rollout_to_train_end_s).unwrap_or(f64::NAN),
+        last.map(|m| m.trainer_wait_ratio).unwrap_or(f64::NAN),
+    );
+    Ok(())
+}
+
+/// Keeps matrixmultiply's GEMMs single-threaded unless the user chose otherwise: every engine
+/// and the trainer are already their own threads, and on a small machine extra GEMM threads
+/// only make the roles steal cores from each other.
+pub fn pin_gemm_threads() {
+    if std::env::var_os("MATMUL_NUM_THREADS").is_none() {
+        // SAFETY: called from the main thread before any worker thread of the run exists;
+        // nothing else in the process reads or writes the environment concurrently (logging
+        // is set up and does not touch it).
+        unsafe { std::env::set_var("MATMUL_NUM_THREADS", "1") };
+    }
+}

@@ -1,0 +1,574 @@
+//! The run configuration of `rolloutpipe train`: TOML with unknown keys rejected, the embedded
+//! default (`harness/configs/train/default.toml`) underneath, a user file and `--set
+//! section.key=value` overrides on top, then [`TrainConfig::validate`] refuses combinations that
+//! cannot work and says why.
+use std::path::PathBuf;
+
+use anyhow::{Context, bail, ensure};
+use rolloutpipe_backends::{Aggregation, ModelConfig, StdMode};
+use rolloutpipe_core::{AdmissionPolicy, DispatchPolicy, Plan, SubmitOrder};
+use serde::{Deserialize, Serialize};
+
+/// The embedded default run (SFT warm start, then GRPO on 2-digit addition).
+pub const DEFAULT_TOML: &str = include_str!("../../configs/train/default.toml");
+
+/// Everything one training run needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// What to run and where.
+    pub run: RunSection,
+    /// Which problems and verifier.
+    pub task: TaskSection,
+    /// The policy model.
+    pub model: ModelSection,
+    /// The supervised warm start.
+    pub sft: SftSection,
+    /// The GRPO objective, batch shape and optimizer.
+    pub rl: RlSection,
+    /// The rollout pool and scheduler parameters.
+    pub rollout: RolloutSection,
+    /// The trainer.
+    pub trainer: TrainerSection,
+    /// Test-only fault injection.
+    pub fault: FaultSection,
+}
+
+/// A scheduling mode (which core policies the run uses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// Slime's baseline: FIFO admission, the batch goes to the trainer once final.
+    Sync,
+    /// Complete-group pipelining: FIFO admission, each trainable group trains as it completes.
+    Cgp,
+    /// CGP plus frontier-group dispatch.
+    Rolloutpipe,
+    /// Rollout of step k+1 (weights `v_k`) overlaps training of step k: one version stale.
+    OneStepOff,
+}
+
+impl Mode {
+    /// The name used on the command line, in configs and in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Sync => "sync",
+            Mode::Cgp => "cgp",
+            Mode::Rolloutpipe => "rolloutpipe",
+            Mode::OneStepOff => "one-step-off",
+        }
+    }
+
+    /// Parses a command-line name.
+    pub fn parse(s: &str) -> anyhow::Result<Self> {
+        Ok(match s {
+            "sync" => Mode::Sync,
+            "cgp" => Mode::Cgp,
+            "rolloutpipe" => Mode::Rolloutpipe,
+            "one-step-off" => Mode::OneStepOff,
+            _ => bail!("unknown mode {s:?}; valid: sync, cgp, rolloutpipe, one-step-off"),
+        })
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `[run]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSection {
+    /// Seed of every random draw (data, initial weights, sampling).
+    pub seed: u64,
+    /// RL steps (the run ends after step `steps - 1`).
+    pub steps: u32,
+    /// Scheduling mode.
+    pub mode: Mode,
+    /// `cpu` or `wgpu`.
+    pub backend: String,
+    /// Run directory.
+    pub out: PathBuf,
+    /// Save a checkpoint every this many steps (and always at the end); 0 = only at the end.
+    pub checkpoint_every: u32,
+    /// Evaluate held-out accuracy every this many steps (and at start and end); 0 = start and
+    /// end only.
+    pub eval_every: u32,
+    /// Held-out problems per evaluation.
+    pub eval_problems: u32,
+    /// Show the progress bar (off in tests).
+    pub progress: bool,
+}
+
+/// `[task]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskSection {
+    /// Built-in task (`add`, `mul`, `countdown`); with `jsonl`, the verifier's name.
+    pub name: String,
+    /// `add`/`mul`: digits per operand; `countdown`: how many numbers.
+    pub digits: u32,
+    /// A JSONL file of `{"prompt", "answer"}` problems to train on instead of generated ones
+    /// (empty = generate). Its held-out set is every `1000 / heldout_per_mille`-th line.
+    pub jsonl: PathBuf,
+    /// Share of problems held out for evaluation, per mille.
+    pub heldout_per_mille: u32,
+    /// Reward of a malformed response is minus this.
+    pub format_penalty: f32,
+}
+
+/// `[model]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// A Hugging Face model directory (`config.json`, `model.safetensors`, optionally
+    /// `tokenizer.json`) to start from; empty = a fresh model of the shape below.
+    pub dir: PathBuf,
+    /// Seed of the fresh model's initial weights.
+    pub init_seed: u64,
+    /// Residual width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+}
+
+/// `[sft]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SftSection {
+    /// Optimizer steps of supervised warm start (0 = none).
+    pub steps: u32,
+    /// Problems per SFT step.
+    pub batch: u32,
+    /// SFT learning rate.
+    pub lr: f64,
+}
+
+/// How `logπ_old` is obtained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OldLogprobs {
+    /// The trainer's own forward pass (exact only while the weights are still `v_k`, i.e. with
+    /// one optimizer step per rollout).
+    Recompute,
+    /// The log-probs the rollout engine returned with each token.
+    Rollout,
+}
+
+/// `[rl]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RlSection {
+    /// B: trainable groups per step.
+    pub batch_groups: u32,
+    /// G: responses per prompt.
+    pub group_size: u16,
+    /// m: groups per micro-batch.
+    pub micro_batch: u32,
+    /// Optimizer steps per rollout.
+    pub opt_steps: u32,
+    /// Response cap in tokens.
+    pub max_new_tokens: usize,
+    /// Sampling temperature (> 0: GRPO needs a stochastic policy).
+    pub temperature: f32,
+    /// Top-k (0 = off).
+    pub top_k: usize,
+    /// Top-p (1 = off).
+    pub top_p: f32,
+    /// RL learning rate.
+    pub lr: f64,
+    /// AdamW weight decay.
+    pub weight_decay: f64,
+    /// Global-norm clip (0 = off).
+    pub max_grad_norm: f64,
+    /// Lower clip range of the ratio.
+    pub eps_low: f64,
+    /// Upper clip range of the ratio.
+    pub eps_high: f64,
+    /// k3 KL weight against the RL starting weights (0 = no reference model).
+    pub beta: f64,
+    /// Advantage scaling: `sample`, `population` or `none`.
+    pub std: String,
+    /// Loss aggregation: `token_mean` or `seq_mean`.
+    pub aggregation: String,
+    /// Source of `logπ_old`.
+    pub old_logprobs: OldLogprobs,
+}
+
+/// `[rollout]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutSection {
+    /// E: rollout engine threads.
+    pub engines: u16,
+    /// S: requests each engine batches at once.
+    pub slots: u32,
+    /// Threads of each engine's backend.
+    pub threads_per_engine: usize,
+    /// Verifier threads.
+    pub verifiers: usize,
+    /// Attempts per request before its group is filtered.
+    pub max_attempts: u8,
+    /// Over-sampling cap: at most this times B prompts per step.
+    pub max_groups_factor: f64,
+    /// Prompts drawn per draw decision (Slime's over-sampling batch).
+    pub draw_batch: u32,
+    /// Groups kept in progress beyond B.
+    pub draw_ahead: u32,
+    /// Queue order of the baseline FIFO: `group_major`, `interleaved` or `shuffled`.
+    pub submit_order: String,
+    /// FGD: extra frontier groups.
+    pub frontier_width: u32,
+    /// FGD: expected share of groups filtered, in [0, 1).
+    pub expected_filter: f64,
+}
+
+/// `[trainer]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerSection {
+    /// Threads of the trainer's backend.
+    pub threads: usize,
+}
+
+/// `[fault]`: test-only switches.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultSection {
+    /// Engine 0 fails (loses every request it runs and stops) when it is handed its N-th
+    /// request; 0 = never.
+    pub fail_engine_at_request: u64,
+}
+
+impl TrainConfig {
+    /// The embedded default.
+    pub fn default_config() -> anyhow::Result<Self> {
+        Self::from_toml_str(DEFAULT_TOML).context("the embedded default config")
+    }
+
+    /// Parses a complete config.
+    pub fn from_toml_str(text: &str) -> anyhow::Result<Self> {
+        Ok(toml::from_str(text)?)
+    }
+
+    /// The default with `text` (any subset of sections and keys) merged over it.
+    pub fn from_partial_toml(text: &str) -> anyhow::Result<Self> {
+        let mut base: toml::Table = toml::from_str(DEFAULT_TOML)?;
+        let over: toml::Table = toml::from_str(text)?;
+        merge(&mut base, over);
+        Self::from_table(base)
+    }
+
+    fn from_table(t: toml::Table) -> anyhow::Result<Self> {
+        Ok(toml::Value::Table(t).try_into()?)
+    }
+
+    /// Applies `section.key=value` overrides (the value is TOML; a bare word is a string).
+    pub fn with_overrides(&self, sets: &[String]) -> anyhow::Result<Self> {
+        let mut t: toml::Table = toml::Value::try_from(self)?
+            .try_into()
+            .context("config to table")?;
+        for s in sets {
+            let (path, raw) = s
+                .split_once('=')
+                .with_context(|| format!("--set {s:?}: expected section.key=value"))?;
+            let (section, key) = path
+                .trim()
+                .split_once('.')
+                .with_context(|| format!("--set {s:?}: the key must be section.key"))?;
+            let value = parse_value(raw.trim());
+            let sec = t
+                .get_mut(section)
+                .and_then(|v| v.as_table_mut())
+                .with_context(|| format!("--set {s:?}: no section [{section}]"))?;
+            ensure!(
+                sec.contains_key(key),
+                "--set {s:?}: [{section}] has no key {key:?}"
+            );
+            sec.insert(key.to_owned(), value);
+        }
+        Self::from_table(t).context("applying --set overrides")
+    }
+
+    /// The resolved config as TOML (written into the run directory).
+    pub fn to_toml(&self) -> anyhow::Result<String> {
+        Ok(toml::to_string_pretty(self)?)
+    }
+
+    /// Refuses values and combinations that cannot work, saying why.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let (r, rl, ro) = (&self.run, &self.rl, &self.rollout);
+        ensure!(r.steps > 0, "run.steps must be at least 1");
+        ensure!(
+            r.backend == "cpu" || r.backend == "wgpu",
+            "run.backend {:?} is not one of cpu, wgpu",
+            r.backend
+        );
+        ensure!(
+            ro.engines >= 1,
+            "rollout.engines must be at least 1 (nothing would generate)"
+        );
+        ensure!(ro.slots >= 1, "rollout.slots must be at least 1");
+        ensure!(ro.verifiers >= 1, "rollout.verifiers must be at least 1");
+        ensure!(
+            rl.group_size >= 2,
+            "rl.group_size must be at least 2: GRPO advantages compare responses of one prompt"
+        );
+        ensure!(
+            rl.temperature.is_finite() && rl.temperature > 0.0,
+            "rl.temperature must be > 0: greedy rollouts make every group identical, so all would be filtered"
+        );
+        ensure!(
+            (0.0..=1.0).contains(&rl.top_p) && rl.top_p > 0.0,
+            "rl.top_p must be in (0, 1]"
+        );
+        ensure!(
+            rl.max_new_tokens >= 1,
+            "rl.max_new_tokens must be at least 1"
+        );
+        ensure!(
+            rl.eps_low >= 0.0 && rl.eps_high >= 0.0,
+            "rl.eps_low and rl.eps_high must be >= 0"
+        );
+        ensure!(rl.beta >= 0.0, "rl.beta must be >= 0");
+        self.std_mode()?;
+        self.aggregation()?;
+        ensure!(
+            !(rl.opt_steps > 1 && rl.old_logprobs == OldLogprobs::Recompute),
+            "rl.opt_steps = {} with rl.old_logprobs = \"recompute\": after the first optimizer step \
+             the trainer's weights are no longer v_k, so recomputed log-probs would not be the \
+             rollout policy's; set rl.old_logprobs = \"rollout\"",
+            rl.opt_steps
+        );
+        ensure!(
+            !(r.mode == Mode::OneStepOff && rl.old_logprobs == OldLogprobs::Recompute),
+            "run.mode = \"one-step-off\" with rl.old_logprobs = \"recompute\": the trainer holds \
+             v_(k+1) while it trains samples from v_k, so logπ_old must come from the rollout; \
+             set rl.old_logprobs = \"rollout\""
+        );
+        ensure!(
+            ro.max_groups_factor.is_finite() && ro.max_groups_factor >= 1.0,
+            "rollout.max_groups_factor must be >= 1 (a step must be able to draw B prompts)"
+        );
+        ensure!(
+            (0.0..1.0).contains(&ro.expected_filter),
+            "rollout.expected_filter must be in [0, 1)"
+        );
+        self.submit_order()?;
+        ensure!(
+            self.sft.steps == 0 || (self.sft.batch > 0 && self.sft.lr > 0.0),
+            "sft.batch and sft.lr must be positive when sft.steps > 0"
+        );
+        ensure!(
+            self.task.heldout_per_mille > 0 && self.task.heldout_per_mille < 1000,
+            "task.heldout_per_mille must be in 1..=999 (a held-out set and a training set are both needed)"
+        );
+        ensure!(r.eval_problems >= 1, "run.eval_problems must be at least 1");
+        ensure!(
+            self.trainer.threads >= 1 && ro.threads_per_engine >= 1,
+            "trainer.threads and rollout.threads_per_engine must be at least 1"
+        );
+        if self.fault.fail_engine_at_request > 0 {
+            ensure!(
+                ro.engines >= 2,
+                "fault.fail_engine_at_request needs rollout.engines >= 2: with one engine nothing is left to re-admit the failed requests"
+            );
+        }
+        self.plan()
+            .validate()
+            .map_err(|e| anyhow::anyhow!("rl/rollout settings: {e}"))?;
+        Ok(())
+    }
+
+    /// Advantage scaling.
+    pub fn std_mode(&self) -> anyhow::Result<StdMode> {
+        Ok(match self.rl.std.as_str() {
+            "sample" => StdMode::Sample,
+            "population" => StdMode::Population,
+            "none" => StdMode::None,
+            s => bail!("rl.std {s:?} is not one of sample, population, none"),
+        })
+    }
+
+    /// Loss aggregation.
+    pub fn aggregation(&self) -> anyhow::Result<Aggregation> {
+        Ok(match self.rl.aggregation.as_str() {
+            "token_mean" => Aggregation::TokenMean,
+            "seq_mean" => Aggregation::SeqMean,
+            s => bail!("rl.aggregation {s:?} is not one of token_mean, seq_mean"),
+        })
+    }
+
+    /// The baseline queue order.
+    pub fn submit_order(&self) -> anyhow::Result<SubmitOrder> {
+        Ok(match self.rollout.submit_order.as_str() {
+            "group_major" => SubmitOrder::GroupMajor,
+            "interleaved" => SubmitOrder::Interleaved,
+            "shuffled" => SubmitOrder::Shuffled {
+                seed: self.run.seed,
+            },
+            s => {
+                bail!("rollout.submit_order {s:?} is not one of group_major, interleaved, shuffled")
+            }
+        })
+    }
+
+    /// The core's per-step plan for this config's mode.
+    pub fn plan(&self) -> Plan {
+        let (rl, ro) = (&self.rl, &self.rollout);
+        let mut p = Plan::new(rl.batch_groups, rl.group_size);
+        p.micro_batch = rl.micro_batch;
+        p.opt_steps = rl.opt_steps;
+        p.slots = (ro.engines as u32).saturating_mul(ro.slots);
+        p.max_attempts = ro.max_attempts;
+        p.max_groups = ((rl.batch_groups as f64) * ro.max_groups_factor).floor() as u32;
+        p.draw_batch = ro.draw_batch;
+        p.draw_ahead = ro.draw_ahead;
+        let order = self.submit_order().unwrap_or_default();
+        p.admission = match self.run.mode {
+            Mode::Rolloutpipe => AdmissionPolicy::Frontier {
+                width: ro.frontier_width,
+                expected_filter_ppm: (ro.expected_filter * 1e6) as u32,
+                fallback: order,
+            },
+            _ => AdmissionPolicy::Fifo { order },
+        };
+        p.dispatch = match self.run.mode {
+            Mode::Cgp | Mode::Rolloutpipe => DispatchPolicy::Pipelined,
+            // One-step-off trains the whole batch during the next rollout, so it waits for it.
+            Mode::Sync | Mode::OneStepOff => DispatchPolicy::Sync,
+        };
+        p
+    }
+
+    /// The fresh model's shape (vocabulary from the tokenizer).
+    pub fn model_config(&self, vocab: usize) -> ModelConfig {
+        let m = &self.model;
+        ModelConfig {
+            vocab_size: vocab,
+            hidden_size: m.hidden_size,
+            intermediate_size: m.intermediate_size,
+            num_hidden_layers: m.layers,
+            num_attention_heads: m.heads,
+            num_key_value_heads: m.kv_heads,
+            head_dim: m.head_dim,
+            max_position_embeddings: 256,
+            ..ModelConfig::small()
+        }
+    }
+}
+
+fn parse_value(raw: &str) -> toml::Value {
+    // `toml` parses a value only as part of a document, so wrap it in one.
+    match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(raw.to_owned())),
+        Err(_) => toml::Value::String(raw.to_owned()),
+    }
+}
+
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_parses_and_validates() {
+        let c = TrainConfig::default_config().unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.run.mode, Mode::Rolloutpipe);
+        assert!(matches!(
+            c.plan().admission,
+            AdmissionPolicy::Frontier { .. }
+        ));
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let err = TrainConfig::from_partial_toml("[rl]\nbatch_grups = 3\n").unwrap_err();
+        assert!(format!("{err:#}").contains("batch_grups"), "{err:#}");
+        let c = TrainConfig::default_config().unwrap();
+        let err = c.with_overrides(&["rl.nope=1".into()]).unwrap_err();
+        assert!(err.to_string().contains("no key \"nope\""), "{err}");
+    }
+
+    #[test]
+    fn overrides_apply_typed_values() {
+        let c = TrainConfig::default_config().unwrap();
+        let c = c
+            .with_overrides(&[
+                "rl.batch_groups=4".into(),
+                "run.mode=sync".into(),
+                "rl.lr=0.01".into(),
+            ])
+            .unwrap();
+        assert_eq!(c.rl.batch_groups, 4);
+        assert_eq!(c.run.mode, Mode::Sync);
+        assert_eq!(c.rl.lr, 0.01);
+        assert_eq!(c.plan().dispatch, DispatchPolicy::Sync);
+        let err = c
+            .with_overrides(&["rl.batch_groups=abc".into()])
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("batch_groups"), "{err:#}");
+    }
+
+    #[test]
+    fn invalid_combinations_say_why() {
+        let c = TrainConfig::default_config().unwrap();
+        let bad = c.with_overrides(&["rl.opt_steps=2".into()]).unwrap();
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains("old_logprobs"), "{e}");
+        let bad = c.with_overrides(&["rl.micro_batch=3".into()]).unwrap();
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains("not divisible"), "{e}");
+        let bad = c.with_overrides(&["rl.temperature=0".into()]).unwrap();
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("temperature")
+        );
+        let bad = c
+            .with_overrides(&[
+                "rollout.engines=1".into(),
+                "fault.fail_engine_at_request=3".into(),
+            ])
+            .unwrap();
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("engines >= 2")
+        );
+        let bad = c.with_overrides(&["run.backend=cuda".into()]).unwrap();
+        assert!(bad.validate().unwrap_err().to_string().contains("cuda"));
+    }
+
+    #[test]
+    fn round_trips_through_toml() {
+        let c = TrainConfig::default_config().unwrap();
+        let back = TrainConfig::from_toml_str(&c.to_toml().unwrap()).unwrap();
+        assert_eq!(back, c);
+    }
+}

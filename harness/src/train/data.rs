@@ -1,0 +1,197 @@
+//! Problems of a run: the training stream (drawn in order, its position saved in checkpoints),
+//! the held-out set, the SFT warm start and held-out evaluation.
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, ensure};
+use rolloutpipe_backends::{
+    AdamW, Aggregation, GenRequest, Objective, PolicyBackend, RequestKey, SamplingParams,
+    TrainBatch, TrainSequence,
+};
+
+use super::config::TrainConfig;
+use crate::tasks::{
+    Problem, Split, Task, TaskOptions, Tokenizer, generate, load_jsonl, split_of, task_by_name,
+};
+
+/// Training problems drawn in a fixed order; `pos` is the data position of a checkpoint.
+pub struct DataSource {
+    problems: Vec<(Arc<Problem>, Arc<Vec<u32>>)>,
+    /// Prompts drawn so far (over all steps).
+    pub pos: u64,
+}
+
+impl DataSource {
+    /// The next problem and its prompt ids (the pool repeats in order once exhausted).
+    pub fn next(&mut self) -> (Arc<Problem>, Arc<Vec<u32>>) {
+        let i = (self.pos % self.problems.len() as u64) as usize;
+        self.pos += 1;
+        self.problems[i].clone()
+    }
+
+    /// Number of distinct problems.
+    pub fn len(&self) -> usize {
+        self.problems.len()
+    }
+
+    /// Whether the pool is empty (never, once built).
+    pub fn is_empty(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// The task, the training stream and the held-out set of a config.
+pub struct Problems {
+    /// The verifier and generator.
+    pub task: Arc<dyn Task>,
+    /// Training stream.
+    pub train: DataSource,
+    /// Held-out problems.
+    pub heldout: Vec<Problem>,
+    /// SFT problems (training split, their own stream).
+    pub sft: Vec<Problem>,
+}
+
+/// Size of the generated training pool: large enough that a run never repeats a prompt often,
+/// small enough to generate in milliseconds.
+const POOL: usize = 8192;
+
+/// Builds the task and its problem sets, checking every prompt against the tokenizer.
+pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Problems> {
+    let t = &cfg.task;
+    let opts = TaskOptions {
+        digits: (t.name != "countdown").then_some(t.digits),
+        numbers: (t.name == "countdown").then_some(t.digits as usize),
+        format_penalty: Some(t.format_penalty),
+        heldout_per_mille: Some(t.heldout_per_mille),
+    };
+    let task: Arc<dyn Task> = Arc::from(task_by_name(&t.name, &opts).context("task.name")?);
+    let seed = cfg.run.seed;
+    let (train, heldout, sft) = if t.jsonl.as_os_str().is_empty() {
+        let train = generate(task.as_ref(), seed, Split::Train, POOL)?;
+        let held = generate(
+            task.as_ref(),
+            seed,
+            Split::HeldOut,
+            cfg.run.eval_problems as usize,
+        )?;
+        let n_sft = (cfg.sft.steps as usize * cfg.sft.batch as usize).max(1);
+        // Another seed, same split function: different training problems, none held out.
+        let sft = generate(task.as_ref(), seed ^ 0x5F7_5EED, Split::Train, n_sft)?;
+        (train, held, sft)
+    } else {
+        let all = load_jsonl(&t.jsonl, task.as_ref())
+            .with_context(|| format!("task.jsonl {}", t.jsonl.display()))?;
+        let (mut train, mut held) = (Vec::new(), Vec::new());
+        for p in all {
+            match split_of(&task.problem_key(&p), t.heldout_per_mille) {
+                Split::Train => train.push(p),
+                Split::HeldOut => held.push(p),
+            }
+        }
+        ensure!(
+            !train.is_empty() && !held.is_empty(),
+            "task.jsonl {}: {} training and {} held-out problems; both splits need at least one",
+            t.jsonl.display(),
+            train.len(),
+            held.len()
+        );
+        held.truncate(cfg.run.eval_problems as usize);
+        (train.clone(), held, train)
+    };
+    let mut pool = Vec::with_capacity(train.len());
+    for p in train {
+        let ids = tok
+            .encode_prompt(&p.prompt)
+            .with_context(|| format!("tokenizing prompt {:?}", p.prompt))?;
+        pool.push((Arc::new(p), Arc::new(ids)));
+    }
+    Ok(Problems {
+        task,
+        train: DataSource {
+            problems: pool,
+            pos: 0,
+        },
+        heldout,
+        sft,
+    })
+}
+
+/// Supervised warm start: cross-entropy on `answer + eos` for `cfg.sft.steps` steps. Returns the
+/// mean loss of the last step.
+pub fn sft(
+    cfg: &TrainConfig,
+    backend: &mut dyn PolicyBackend,
+    tok: &dyn Tokenizer,
+    problems: &[Problem],
+) -> anyhow::Result<f64> {
+    let opt = AdamW {
+        lr: cfg.sft.lr,
+        weight_decay: 0.0,
+        ..AdamW::default()
+    };
+    let batch = cfg.sft.batch as usize;
+    let mut last = f64::NAN;
+    let mut it = problems.iter().cycle();
+    for _ in 0..cfg.sft.steps {
+        let mut b = TrainBatch::default();
+        for p in it.by_ref().take(batch) {
+            let prompt = tok.encode_prompt(&p.prompt)?;
+            let mut resp = tok.encode(&p.answer)?;
+            resp.extend(tok.eos_id());
+            b.sequences.push(TrainSequence::new(
+                prompt,
+                resp,
+                0.0,
+                Aggregation::TokenMean,
+            ));
+        }
+        backend.zero_grad();
+        let st = backend.accumulate(&b, &Objective::Sft)?;
+        let norm = b.response_tokens() as f64;
+        backend.optimizer_step(norm, &opt)?;
+        last = st.loss_sum / norm;
+    }
+    backend.zero_grad();
+    Ok(last)
+}
+
+/// Greedy accuracy on `problems` (all generated as one continuous batch).
+pub fn evaluate(
+    backend: &mut dyn PolicyBackend,
+    task: &dyn Task,
+    tok: &dyn Tokenizer,
+    problems: &[Problem],
+    max_new_tokens: usize,
+) -> anyhow::Result<f64> {
+    ensure!(!problems.is_empty(), "no held-out problems to evaluate");
+    for (i, p) in problems.iter().enumerate() {
+        let params = SamplingParams {
+            temperature: 0.0,
+            max_new_tokens,
+            stop_tokens: tok.eos_id().into_iter().collect(),
+            seed: i as u64,
+            ..SamplingParams::default()
+        };
+        backend.add_request(GenRequest {
+            id: RequestKey(i as u64),
+            prompt: tok.encode_prompt(&p.prompt)?,
+            params,
+        })?;
+    }
+    let mut correct = 0usize;
+    while backend.active_requests() > 0 {
+        for o in backend.decode_step()? {
+            let p = &problems[o.id.0 as usize];
+            if super::workers::score(task, tok, p, &o.tokens).1 {
+                correct += 1;
+            }
+        }
+    }
+    Ok(correct as f64 / problems.len() as f64)
+}
+
+/// Reads a text file, naming it in the error.
+pub fn read(path: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+}
