@@ -73,6 +73,8 @@ fn gemm(mode: u32, wid: vec3<u32>, tx: u32, ty: u32, lid: u32) {
     for (var i = 0u; i < 16u; i++) {
         acc[i] = 0.0;
     }
+    // Threads owning no output (first row or column past the edge) only help load tiles.
+    let live = row0 + ty < rows && col0 + tx < cols;
     for (var k0 = 0u; k0 < inner; k0 += TK) {
         for (var q = 0u; q < 4u; q++) {
             let e = lid + 256u * q;
@@ -92,7 +94,7 @@ fn gemm(mode: u32, wid: vec3<u32>, tx: u32, ty: u32, lid: u32) {
             b_tile[kk * T + c] = load_b(mode, k0 + kk, col0 + c);
         }
         workgroupBarrier();
-        for (var kk = 0u; kk < TK; kk++) {
+        for (var kk = 0u; kk < select(0u, TK, live); kk++) {
             var av: array<f32, 4>;
             var bv: array<f32, 4>;
             for (var i = 0u; i < 4u; i++) {

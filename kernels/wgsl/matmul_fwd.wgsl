@@ -37,6 +37,10 @@ fn matmul_fwd(
     for (var i = 0u; i < 16u; i++) {
         acc[i] = 0.0;
     }
+    // A thread whose first row or column is past the edge owns no output: it still helps
+    // load tiles (and meets every barrier) but skips the products. Decode steps have few
+    // rows, so most of a 64-row tile is idle there.
+    let live = row0 + ty < p.m && col0 + tx < p.n;
     for (var k0 = 0u; k0 < p.k; k0 += TK) {
         for (var q = 0u; q < 4u; q++) {
             let e = lid + 256u * q;
@@ -56,7 +60,7 @@ fn matmul_fwd(
             b_tile[kk * TN + r] = bv;
         }
         workgroupBarrier();
-        for (var kk = 0u; kk < TK; kk++) {
+        for (var kk = 0u; kk < select(0u, TK, live); kk++) {
             var av: array<f32, 4>;
             var bv: array<f32, 4>;
             for (var i = 0u; i < 4u; i++) {

@@ -12,7 +12,7 @@
 //   walk the kept prefix in that order to the first cumulative mass > u·(kept mass).
 // Sorting a 150k-entry row inside one workgroup is costly, so every "shortest prefix whose
 // count or mass satisfies a monotone predicate" is found by bisection instead: first on the
-// ordering key's bits (32 steps), then on the index among equal keys (20 steps); each step
+// ordering key's bits (32 steps), then on the index among equal keys (log2(vocab) steps); each step
 // is one pass over the row with a workgroup reduction. In token order only the index
 // bisection runs.
 // Where this can differ from the CPU: it sums in f64 in sequence, this kernel in f32 by a
@@ -37,7 +37,6 @@ struct Params {
 
 const WG: u32 = 256u;
 const NEG: f32 = -3.0e38;
-const IDX_BITS: u32 = 20u; // vocabularies up to 2^20 entries
 const ALL: u32 = 0xffffffffu;
 // Ordering modes: by f32 probability (truncated sampling), by token index (untruncated),
 // by logit (greedy: exact, where probabilities near the max could round to equal).
@@ -133,9 +132,11 @@ fn shortest(lid: u32, row: Row, kind: u32, thr: f32, kc: vec2<u32>) -> vec2<u32>
     }
     // Among keys equal to zc: the largest i such that those of index < i still fail pred;
     // element i is then the one whose inclusion satisfies it.
+    // Bits enough for any index below vocab: fewer passes for small vocabularies.
+    let bits = 32u - countLeadingZeros(p.vocab);
     var ic = 0u;
-    for (var b = 0u; b < IDX_BITS; b++) {
-        let cand = ic | (1u << (IDX_BITS - 1u - b));
+    for (var b = 0u; b < bits; b++) {
+        let cand = ic | (1u << (bits - 1u - b));
         var fails = false;
         if (cand <= p.vocab) {
             fails = !pred(kind, prefix(lid, row, vec2<u32>(zc, cand - 1u), kc), thr);

@@ -1,0 +1,349 @@
+//! Criterion benchmarks of the wgpu backend, on whatever adapter wgpu picks (lavapipe on a
+//! CPU-only machine; `WGPU_BACKEND` / `WGPU_ADAPTER_NAME` choose another).
+//!
+//! - `wgpu_<op>`: per-kernel throughput. Throughput is set in elements = floating-point
+//!   operations for the matrix products and attention (criterion's `Gelem/s` reads as
+//!   GFLOP/s) and in bytes moved for the memory-bound ops (GB/s). Each sample records a
+//!   batch of launches into one submission and waits for the device before the clock stops.
+//! - `wgpu_generate/{wgpu,cpu}/N`: generated tokens/s of the default small model with N
+//!   concurrent requests (16-token prompts, 32 new tokens, prefill included), the same
+//!   workload as `cpu_generate`, with the CPU backend measured in the same run.
+//! - `wgpu_train/{wgpu,cpu}`: tokens/s (prompt + response) of one GRPO optimizer step on
+//!   8 sequences of 16 + 48 tokens (forward, backward, AdamW), as `cpu_train`.
+//!
+//! Run: `cargo bench -p rolloutpipe-backends --features wgpu --bench wgpu`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use rolloutpipe_backends::wgpu::{Exec, Gpu, WgpuBackend, ops};
+use rolloutpipe_backends::*;
+
+fn gpu() -> Option<Arc<Gpu>> {
+    match Gpu::new() {
+        Ok(Some(g)) => {
+            let i = g.adapter_info();
+            eprintln!(
+                "wgpu adapter: {} ({:?}, {})",
+                i.name, i.backend, i.driver_info
+            );
+            Some(g)
+        }
+        Ok(None) => {
+            eprintln!("SKIP: no wgpu adapter; the wgpu benchmarks did not run");
+            None
+        }
+        Err(e) => {
+            eprintln!("SKIP: wgpu device creation failed: {e}");
+            None
+        }
+    }
+}
+
+fn data(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 31 + seed * 17) % 97) as f32 - 48.0) * 0.01)
+        .collect()
+}
+
+/// Times `iters` launches recorded by `launch`, submitted in batches of 32 (each submission
+/// waits for the device, so the clock includes all the GPU work).
+fn timed(ex: &mut Exec, iters: u64, mut launch: impl FnMut(&mut Exec)) -> Duration {
+    let t = Instant::now();
+    let mut left = iters;
+    while left > 0 {
+        let k = left.min(32);
+        for _ in 0..k {
+            launch(ex);
+        }
+        ex.submit().expect("submission");
+        left -= k;
+    }
+    t.elapsed()
+}
+
+fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
+    let mut ex = Exec::new(Arc::clone(g));
+    let mut grp = c.benchmark_group("wgpu_matmul");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    for (n, din, dout) in [
+        (64, 128, 384),
+        (512, 128, 384),
+        (512, 384, 128),
+        (1024, 1024, 1024),
+    ] {
+        let (x, w, y) = (
+            g.upload("x", &data(n * din, 1)),
+            g.upload("w", &data(dout * din, 2)),
+            g.buffer("y", n * dout),
+        );
+        grp.throughput(Throughput::Elements((2 * n * din * dout) as u64));
+        grp.bench_function(format!("{n}x{din}x{dout}"), |b| {
+            b.iter_custom(|it| {
+                timed(&mut ex, it, |ex| {
+                    ops::matmul_fwd(ex, &y, &x, &w, n, din, dout, false)
+                })
+            })
+        });
+    }
+    grp.finish();
+
+    let mut grp = c.benchmark_group("wgpu_matmul_bwd");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    for (n, din, dout) in [(512, 128, 384), (1024, 1024, 1024)] {
+        let (x, w, dy) = (
+            g.upload("x", &data(n * din, 1)),
+            g.upload("w", &data(dout * din, 2)),
+            g.upload("dy", &data(n * dout, 3)),
+        );
+        let (dx, dw) = (g.buffer("dx", n * din), g.buffer("dw", dout * din));
+        // dx and dw: two products of the forward's size.
+        grp.throughput(Throughput::Elements((4 * n * din * dout) as u64));
+        grp.bench_function(format!("{n}x{din}x{dout}"), |b| {
+            b.iter_custom(|it| {
+                timed(&mut ex, it, |ex| {
+                    ops::matmul_bwd(ex, Some((&dx, false)), &dw, &dy, &x, &w, n, din, dout)
+                })
+            })
+        });
+    }
+    grp.finish();
+
+    let mut grp = c.benchmark_group("wgpu_rmsnorm_fwd");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    let (rows, d) = (4096, 128);
+    let (x, w, out, rstd) = (
+        g.upload("x", &data(rows * d, 4)),
+        g.upload("w", &data(d, 5)),
+        g.buffer("out", rows * d),
+        g.buffer("rstd", rows),
+    );
+    // Reads x and writes out: 8 bytes per element.
+    grp.throughput(Throughput::Bytes((8 * rows * d) as u64));
+    grp.bench_function(format!("{rows}x{d}"), |b| {
+        b.iter_custom(|it| {
+            timed(&mut ex, it, |ex| {
+                ops::rmsnorm_fwd(ex, &out, &rstd, &x, &w, rows, d, 1e-6)
+            })
+        })
+    });
+    grp.finish();
+
+    let mut grp = c.benchmark_group("wgpu_attention_fwd");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    // 8 sequences of 64 tokens of the small model (4 heads, 2 kv heads, head_dim 32).
+    let (seqs, t, h, kvh, hd) = (8usize, 64usize, 4usize, 2usize, 32usize);
+    let n = seqs * t;
+    let (q, k, v) = (
+        g.upload("q", &data(n * h * hd, 6)),
+        g.upload("k", &data(n * kvh * hd, 7)),
+        g.upload("v", &data(n * kvh * hd, 8)),
+    );
+    let meta: Vec<u32> = (0..n)
+        .flat_map(|r| [(r / t * t) as u32, (r % t) as u32])
+        .collect();
+    let (qm, out, st) = (
+        g.upload("qmeta", &meta),
+        g.buffer("out", n * h * hd),
+        g.buffer("stats", 2 * n * h),
+    );
+    // Causal: t(t+1)/2 query-key pairs per sequence and head, 4·hd flops each (q·k and p·v).
+    grp.throughput(Throughput::Elements(
+        (seqs * h * t * (t + 1) / 2 * 4 * hd) as u64,
+    ));
+    grp.bench_function(format!("{seqs}x{t}_h{h}_hd{hd}"), |b| {
+        b.iter_custom(|it| {
+            timed(&mut ex, it, |ex| {
+                ops::attention_fwd(ex, &out, &st, &q, &k, &v, &qm, n, n, h, kvh, hd)
+            })
+        })
+    });
+    grp.finish();
+
+    let mut grp = c.benchmark_group("wgpu_logprob_fwd");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    for (rows, vocab) in [(512usize, 64usize), (64, 151_936)] {
+        let (z, tg) = (
+            g.upload("logits", &data(rows * vocab, 9)),
+            g.upload("targets", &vec![1u32; rows]),
+        );
+        let (lp, en) = (g.buffer("logp", rows), g.buffer("entropy", rows));
+        // Three passes over the logits.
+        grp.throughput(Throughput::Bytes((12 * rows * vocab) as u64));
+        grp.bench_function(format!("{rows}x{vocab}"), |b| {
+            b.iter_custom(|it| {
+                timed(&mut ex, it, |ex| {
+                    ops::logprob_fwd(ex, &lp, &en, &z, &tg, rows, vocab, 1.0)
+                })
+            })
+        });
+    }
+    grp.finish();
+
+    let mut grp = c.benchmark_group("wgpu_sample");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    for (rows, vocab, top_k) in [(64usize, 64usize, 0usize), (64, 64, 8), (16, 151_936, 50)] {
+        let z = g.upload("logits", &data(rows * vocab, 10));
+        let rowp: Vec<f32> = (0..rows)
+            .flat_map(|r| ops::sample_row(1.0, top_k, 1.0, (r as f64 + 0.5) / rows as f64))
+            .collect();
+        let (rp, tk, lp) = (
+            g.upload("rowp", &rowp),
+            g.buffer("tokens", rows),
+            g.buffer("logp", rows),
+        );
+        // Rows sampled per second (reported as elements).
+        grp.throughput(Throughput::Elements(rows as u64));
+        grp.bench_function(format!("{rows}x{vocab}_topk{top_k}"), |b| {
+            b.iter_custom(|it| {
+                timed(&mut ex, it, |ex| {
+                    ops::sample(ex, &tk, &lp, &z, &rp, rows, vocab)
+                })
+            })
+        });
+    }
+    grp.finish();
+
+    let mut grp = c.benchmark_group("wgpu_adamw_step");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    let nparam = 1 << 20;
+    let (p, gr, m, v) = (
+        g.upload("p", &data(nparam, 11)),
+        g.upload("g", &data(nparam, 12)),
+        g.buffer("m", nparam),
+        g.buffer("v", nparam),
+    );
+    let s = ops::AdamScalars::new(1.0, 1e-4, 0.9, 0.999, 1e-8, 0.01, 1);
+    // Reads p, g, m, v; writes p, m, v: 28 bytes per parameter.
+    grp.throughput(Throughput::Bytes((28 * nparam) as u64));
+    grp.bench_function("1M", |b| {
+        b.iter_custom(|it| {
+            timed(&mut ex, it, |ex| {
+                ops::adamw_step(ex, &p, &gr, &m, &v, nparam, s)
+            })
+        })
+    });
+    grp.finish();
+}
+
+fn small(g: &Arc<Gpu>) -> (Box<dyn PolicyBackend>, Box<dyn PolicyBackend>) {
+    let cfg = ModelConfig::small();
+    let w = Weights::random(&cfg, 0).expect("random weights");
+    let gpu = WgpuBackend::with_gpu(Arc::clone(g), &cfg, &w).expect("wgpu backend");
+    let cpu = CpuBackend::new(&cfg, &w, 0).expect("cpu backend");
+    (Box::new(gpu), Box::new(cpu))
+}
+
+fn generate(be: &mut dyn PolicyBackend, conc: usize, next: &mut u64) {
+    let (prompt_len, new) = (16usize, 32usize);
+    for i in 0..conc {
+        *next += 1;
+        let prompt = (0..prompt_len).map(|t| ((t * 7 + i) % 64) as u32).collect();
+        let params = SamplingParams {
+            max_new_tokens: new,
+            seed: *next,
+            ..Default::default()
+        };
+        be.add_request(GenRequest {
+            id: RequestKey(*next),
+            prompt,
+            params,
+        })
+        .expect("add");
+    }
+    let mut tokens = 0;
+    while be.active_requests() > 0 {
+        for o in be.decode_step().expect("step") {
+            tokens += o.tokens.len();
+        }
+    }
+    assert_eq!(tokens, conc * new);
+}
+
+fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
+    let (mut gpu, mut cpu) = small(g);
+    let mut grp = c.benchmark_group("wgpu_generate");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(4));
+    for conc in [1usize, 16, 64] {
+        grp.throughput(Throughput::Elements((conc * 32) as u64));
+        let mut next = 0;
+        grp.bench_function(BenchmarkId::new("wgpu", conc), |b| {
+            b.iter(|| generate(gpu.as_mut(), conc, &mut next))
+        });
+        grp.bench_function(BenchmarkId::new("cpu", conc), |b| {
+            b.iter(|| generate(cpu.as_mut(), conc, &mut next))
+        });
+    }
+    grp.finish();
+}
+
+fn bench_train(c: &mut Criterion, g: &Arc<Gpu>) {
+    let (mut gpu, mut cpu) = small(g);
+    let (seqs, prompt_len, resp_len) = (8usize, 16usize, 48usize);
+    let batch = TrainBatch {
+        sequences: (0..seqs)
+            .map(|s| {
+                let p = (0..prompt_len).map(|t| ((t * 5 + s) % 64) as u32).collect();
+                let r = (0..resp_len)
+                    .map(|t| ((t * 3 + 2 * s) % 64) as u32)
+                    .collect();
+                TrainSequence::new(
+                    p,
+                    r,
+                    if s % 2 == 0 { 1.0 } else { -1.0 },
+                    Aggregation::TokenMean,
+                )
+            })
+            .collect(),
+    };
+    let norm = normalizer(Aggregation::TokenMean, std::slice::from_ref(&batch));
+    let opt = AdamW {
+        lr: 1e-4,
+        ..Default::default()
+    };
+    let mut grp = c.benchmark_group("wgpu_train");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(4));
+    grp.throughput(Throughput::Elements(
+        (seqs * (prompt_len + resp_len)) as u64,
+    ));
+    for (name, be) in [("wgpu", &mut gpu), ("cpu", &mut cpu)] {
+        grp.bench_function(BenchmarkId::new(name, "grpo_step_8x64"), |b| {
+            b.iter(|| {
+                be.zero_grad();
+                be.accumulate(&batch, &Objective::default())
+                    .expect("accumulate");
+                be.optimizer_step(norm, &opt).expect("step")
+            })
+        });
+    }
+    grp.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    let Some(g) = gpu() else { return };
+    bench_ops(c, &g);
+    bench_generate(c, &g);
+    bench_train(c, &g);
+}
+
+criterion_group!(wgpu_benches, benches);
+criterion_main!(wgpu_benches);

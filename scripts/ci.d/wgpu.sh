@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The wgpu conformance suite on a real adapter: CI installs Mesa's lavapipe (scripts/setup.sh),
+# so here a missing adapter is a failure (ROLLOUTPIPE_REQUIRE_GPU=1) instead of the SKIP line
+# that `cargo test --workspace` prints on machines without one. The kernels' naga validation
+# needs no adapter and already ran in the workspace tests.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROLLOUTPIPE_REQUIRE_GPU=1 cargo test --locked -p rolloutpipe-backends --features wgpu --test conformance
