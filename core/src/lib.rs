@@ -8,8 +8,11 @@
 //!   locks or blocks. The same code drives a discrete-event simulator, a real trainer, and tests.
 //! - **Allocation-free.** Storage is provided by the caller ([`Scheduler::new`] over slices, as
 //!   smoltcp takes socket storage) or fixed at compile time ([`SchedulerStorage`]); a step of
-//!   65,536 groups × 16 samples fits. Per-event cost is O(1) in the number of groups (O(G) for
-//!   whole-group operations, O(frontier) for a frontier admission).
+//!   65,536 groups × 16 samples fits. Per-event cost is O(1) in the number of groups: O(G) for
+//!   whole-group operations (ending or extending a group), a frontier admission reads a
+//!   four-level bitset of groups with pending requests, and the frontier's bound is re-walked
+//!   (O(frontier)) only when a group completes or prompts are drawn. Measured: 50–80 ns per
+//!   request lifecycle from B = 64 to 65,536 groups (`benches/core.rs`).
 //! - **Panic-free and strict.** Every event validates fully first; an illegal one returns a small
 //!   `Copy` error and changes nothing. Duplicate, unknown, stale-attempt, other-step and
 //!   wrong-version completions are rejected (on-policy guard).
