@@ -4,7 +4,6 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rolloutpipe_core::{
     AdmissionPolicy, DispatchPolicy, GroupSlot, RequestSlot, Scheduler, SubmitOrder,
@@ -16,21 +15,25 @@ mod step;
 
 struct Counting;
 
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
 thread_local! {
-    // Const-initialized, so reading it never allocates (no lazy TLS registration).
+    // Const-initialized, so touching them never allocates (no lazy TLS registration). Both are
+    // per thread: tests run in parallel and must not see each other's allocations.
     static ARMED: Cell<bool> = const { Cell::new(false) };
+    static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
 }
 
 fn note() {
     if ARMED.with(Cell::get) {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        ALLOCATIONS.with(|n| n.set(n.get() + 1));
     }
 }
 
+fn allocations() -> usize {
+    ALLOCATIONS.with(Cell::get)
+}
+
 // SAFETY: every method forwards to the system allocator with the caller's arguments unchanged;
-// counting touches only an atomic and a const thread-local, neither of which allocates.
+// counting touches only const thread-locals, neither of which allocates.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         note();
@@ -85,7 +88,7 @@ fn whole_steps_of_4096_groups_do_not_allocate() {
         ),
     ];
     let mut runs = [step::StepRun::default(); 3];
-    ALLOCATIONS.store(0, Ordering::Relaxed);
+    ALLOCATIONS.with(|n| n.set(0));
     ARMED.with(|a| a.set(true));
     for (i, (admission, dispatch)) in policies.into_iter().enumerate() {
         let mut plan = step::plan(B);
@@ -94,7 +97,7 @@ fn whole_steps_of_4096_groups_do_not_allocate() {
         runs[i] = step::run_step(&mut s, i as u64, plan, 42 + i as u64);
     }
     ARMED.with(|a| a.set(false));
-    assert_eq!(ALLOCATIONS.load(Ordering::Relaxed), 0, "the core allocated");
+    assert_eq!(allocations(), 0, "the core allocated");
     for r in runs {
         assert_eq!(r.trained, B);
         // About a fifth of the completed groups are filtered and replaced.
@@ -105,5 +108,35 @@ fn whole_steps_of_4096_groups_do_not_allocate() {
     ARMED.with(|a| a.set(true));
     let v = std::hint::black_box(vec![1u8; 16]);
     ARMED.with(|a| a.set(false));
-    assert_eq!((v.len(), ALLOCATIONS.load(Ordering::Relaxed)), (16, 1));
+    assert_eq!((v.len(), allocations()), (16, 1));
+}
+
+#[test]
+#[cfg_attr(
+    miri,
+    ignore = "72 MB of storage and a million requests: minutes under Miri"
+)]
+fn a_step_of_65536_groups_x_16_fits_without_allocating() {
+    const B: u32 = 65_536;
+    // Storage for the over-sampling cap (2B prompts), sized once by the caller.
+    let mut groups = vec![GroupSlot::EMPTY; 2 * B as usize];
+    let mut requests = vec![RequestSlot::EMPTY; 2 * B as usize * 16];
+    let mut s = Scheduler::new(&mut groups, &mut requests);
+    let mut plan = step::plan(B);
+    plan.admission = AdmissionPolicy::Frontier {
+        width: 4,
+        expected_filter_ppm: 200_000,
+        fallback: SubmitOrder::Interleaved,
+    };
+    ALLOCATIONS.with(|n| n.set(0));
+    ARMED.with(|a| a.set(true));
+    let run = step::run_step(&mut s, 0, plan, 11);
+    ARMED.with(|a| a.set(false));
+    assert_eq!(allocations(), 0, "the core allocated");
+    assert_eq!(run.trained, B);
+    assert!(
+        run.requests >= (B as u64 + run.filtered as u64) * 16,
+        "{run:?}"
+    );
+    assert_eq!(s.audit(), Ok(()));
 }
