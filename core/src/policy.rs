@@ -387,3 +387,92 @@ impl Admit for AdmissionPolicy {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use std::vec;
+    use std::vec::Vec;
+
+    use super::*;
+    use crate::storage::{GroupSlot, RequestSlot};
+    use crate::types::{PolicyVersion, StepId, SubmitOrder, Tick};
+
+    fn frontier_plan(b: u32, m: u32, width: u32) -> Plan {
+        let mut p = Plan::new(b, 2);
+        p.micro_batch = m;
+        p.admission = AdmissionPolicy::Frontier {
+            width,
+            expected_filter_ppm: 0,
+            fallback: SubmitOrder::GroupMajor,
+        };
+        p
+    }
+
+    #[test]
+    fn frontier_membership_agrees_between_cache_and_walk() {
+        let (mut g, mut r) = (vec![GroupSlot::EMPTY; 16], vec![RequestSlot::EMPTY; 64]);
+        let mut s = Scheduler::new(&mut g, &mut r);
+        s.begin_step(Tick(0), StepId(0), PolicyVersion(0), frontier_plan(8, 4, 1))
+            .unwrap();
+        s.on_prompts_drawn(Tick(0), 8).unwrap();
+        // Before any admission the cache is dirty: the walk answers.
+        let walked: Vec<bool> = (0..8)
+            .map(|g| s.view().in_frontier_for(GroupId(g), 1, 0))
+            .collect();
+        assert_eq!(walked, [true, true, true, true, true, false, false, false]);
+        s.poll_admit(Tick(0)).unwrap(); // refreshes the cache
+        assert!(!s.frontier_dirty);
+        let cached: Vec<bool> = (0..8)
+            .map(|g| s.view().in_frontier_for(GroupId(g), 1, 0))
+            .collect();
+        assert_eq!(cached, walked);
+        // Other parameters than the plan's always walk.
+        assert_eq!(s.view().frontier_len_for(0, 0), 4);
+        assert!(s.view().in_frontier_for(GroupId(3), 0, 0));
+        assert!(!s.view().in_frontier_for(GroupId(4), 0, 0));
+        // Unknown groups are never in the frontier.
+        assert!(!s.view().in_frontier_for(GroupId(99), 100, 0));
+    }
+
+    #[test]
+    fn frontier_skips_groups_that_left_the_incomplete_list() {
+        let (mut g, mut r) = (vec![GroupSlot::EMPTY; 16], vec![RequestSlot::EMPTY; 64]);
+        let mut s = Scheduler::new(&mut g, &mut r);
+        s.begin_step(Tick(0), StepId(0), PolicyVersion(0), frontier_plan(8, 2, 0))
+            .unwrap();
+        s.on_prompts_drawn(Tick(0), 4).unwrap();
+        let a = [
+            s.poll_admit(Tick(0)).unwrap().request,
+            s.poll_admit(Tick(0)).unwrap().request,
+        ];
+        // Group 0 filtered (zero variance): the frontier moves on to groups 1 and 2.
+        for x in a {
+            s.on_request_finished(Tick(1), x, PolicyVersion(0), 1, 1.0)
+                .unwrap();
+        }
+        let f: Vec<u32> = s.view().frontier().map(|g| g.0).collect();
+        assert_eq!(f, [1, 2]);
+        assert_eq!(s.view().first_pending_group(), Some(GroupId(1)));
+        let next = s.poll_admit(Tick(1)).unwrap().request;
+        assert_eq!((next.group, next.sample), (GroupId(1), 0));
+        assert_eq!(s.audit(), Ok(()));
+    }
+
+    #[test]
+    fn fifo_ignores_the_frontier() {
+        let (mut g, mut r) = (vec![GroupSlot::EMPTY; 16], vec![RequestSlot::EMPTY; 64]);
+        let mut s = Scheduler::new(&mut g, &mut r);
+        let mut p = frontier_plan(4, 1, 0);
+        p.admission = AdmissionPolicy::Fifo {
+            order: SubmitOrder::Interleaved,
+        };
+        s.begin_step(Tick(0), StepId(0), PolicyVersion(0), p)
+            .unwrap();
+        s.on_prompts_drawn(Tick(0), 3).unwrap();
+        let order: Vec<(u32, u16)> = core::iter::from_fn(|| s.poll_admit(Tick(0)))
+            .map(|a| (a.request.group.0, a.request.sample))
+            .collect();
+        assert_eq!(order, [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]);
+    }
+}
