@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 
 use crate::plot::{self, Series};
-use crate::sim::config::{Mode, SimConfig};
+use crate::sim::config::{Mode, SimConfig, SubmitOrderConfig};
 use crate::sim::report;
 use crate::sim::{RunResult, Simulated, simulate};
 
@@ -278,69 +278,91 @@ fn sweeps(cfg: &SimConfig, out: &Path, threads: usize, base: &[RunResult]) -> an
         .filter(|r| r.mode == Mode::Sync)
         .cloned()
         .collect();
-    // Frontier width: RolloutPipe only (the other modes do not use it), per setting.
+    // Frontier width: RolloutPipe only (the other modes do not use it), per setting. Under a
+    // group-major baseline order FIFO already admits the frontier first, so the sweep also runs
+    // with the interleaved order, where admission order matters.
     let widths = [0u32, 1, 2, 4, 8, 16, 64];
-    let mut csv = String::from("width,profile,setting,r2t_s,r2t_cut,wait_ratio\n");
-    let mut per_setting: Vec<Series<(f64, f64)>> = cfg
-        .run
-        .settings
-        .iter()
-        .map(|s| Series::new(format!("rolloutpipe {s}"), Vec::new()))
-        .collect();
-    let mut cgp_line: Vec<Series<(f64, f64)>> = cfg
-        .run
-        .settings
-        .iter()
-        .map(|s| Series::new(format!("cgp {s}"), Vec::new()))
-        .collect();
-    for &w in &widths {
+    let mut csv =
+        String::from("submit_order,width,profile,setting,mode,r2t_s,r2t_cut,wait_ratio\n");
+    let mut lines_fw: Vec<Series<(f64, f64)>> = Vec::new();
+    let mut orders = vec![cfg.scheduler.submit_order];
+    if cfg.scheduler.submit_order != SubmitOrderConfig::Interleaved {
+        orders.push(SubmitOrderConfig::Interleaved);
+    }
+    for order in orders {
+        let oname = format!("{order:?}").to_lowercase();
         let mut c = cfg.clone();
-        c.scheduler.frontier_width = w;
-        c.run.modes = vec![Mode::Rolloutpipe];
+        c.scheduler.submit_order = order;
+        c.run.modes = vec![Mode::Cgp];
         let mut work = jobs_of(&c, None);
-        work.retain(|j| j.mode == Mode::Rolloutpipe);
-        let res: Vec<RunResult> = run_all(&c, &work, threads)?
+        work.retain(|j| j.mode == Mode::Cgp);
+        let cgp: Vec<RunResult> = run_all(&c, &work, threads)?
             .into_iter()
             .map(|s| s.result)
             .collect();
-        for r in &res {
-            let s = sync
+        let mut rp_lines: Vec<Series<(f64, f64)>> = cfg
+            .run
+            .settings
+            .iter()
+            .map(|s| Series::new(format!("rolloutpipe {s} {oname}"), Vec::new()))
+            .collect();
+        let mut cgp_lines: Vec<Series<(f64, f64)>> = cfg
+            .run
+            .settings
+            .iter()
+            .map(|s| Series::new(format!("cgp {s} {oname}"), Vec::new()))
+            .collect();
+        for &w in &widths {
+            c.scheduler.frontier_width = w;
+            c.run.modes = vec![Mode::Rolloutpipe];
+            let mut work = jobs_of(&c, None);
+            work.retain(|j| j.mode == Mode::Rolloutpipe);
+            let res: Vec<RunResult> = run_all(&c, &work, threads)?
+                .into_iter()
+                .map(|s| s.result)
+                .collect();
+            for r in res
                 .iter()
-                .find(|s| s.profile == r.profile && s.setting == r.setting);
-            let cut = s.map_or(f64::NAN, |s| (s.mean_r2t() - r.mean_r2t()) / s.mean_r2t());
-            csv.push_str(&format!(
-                "{w},{},{},{:.4},{:.5},{:.5}\n",
-                r.profile,
-                r.setting,
-                r.mean_r2t(),
-                cut,
-                r.mean_wait_ratio()
-            ));
+                .chain(if w == 0 { cgp.iter() } else { [].iter() })
+            {
+                let s = sync
+                    .iter()
+                    .find(|s| s.profile == r.profile && s.setting == r.setting);
+                let cut = s.map_or(f64::NAN, |s| (s.mean_r2t() - r.mean_r2t()) / s.mean_r2t());
+                csv.push_str(&format!(
+                    "{oname},{w},{},{},{},{:.4},{:.5},{:.5}\n",
+                    r.profile,
+                    r.setting,
+                    r.mode,
+                    r.mean_r2t(),
+                    cut,
+                    r.mean_wait_ratio()
+                ));
+            }
+            for (i, s) in cfg.run.settings.iter().enumerate() {
+                let sel: Vec<RunResult> = res.iter().filter(|r| &r.setting == s).cloned().collect();
+                rp_lines[i].values.push((
+                    f64::from(w),
+                    100.0 * mean_cut(&sel, &sync, Mode::Rolloutpipe),
+                ));
+                let sel: Vec<RunResult> = cgp.iter().filter(|r| &r.setting == s).cloned().collect();
+                cgp_lines[i]
+                    .values
+                    .push((f64::from(w), 100.0 * mean_cut(&sel, &sync, Mode::Cgp)));
+            }
         }
-        for (i, s) in cfg.run.settings.iter().enumerate() {
-            let sel: Vec<RunResult> = res.iter().filter(|r| &r.setting == s).cloned().collect();
-            per_setting[i].values.push((
-                f64::from(w),
-                100.0 * mean_cut(&sel, &sync, Mode::Rolloutpipe),
-            ));
-            let cgp: Vec<RunResult> = base.iter().filter(|r| &r.setting == s).cloned().collect();
-            cgp_line[i]
-                .values
-                .push((f64::from(w), 100.0 * mean_cut(&cgp, &sync, Mode::Cgp)));
+        lines_fw.extend(rp_lines);
+        if order == SubmitOrderConfig::Interleaved {
+            lines_fw.extend(cgp_lines);
         }
     }
     std::fs::write(out.join("sweep_frontier.csv"), csv).context("writing sweep_frontier.csv")?;
-    per_setting.extend(
-        cgp_line
-            .into_iter()
-            .filter(|s| !s.values.iter().any(|v| v.1.is_nan())),
-    );
     plot::lines(
         &out.join("sweep_frontier.svg"),
         "Frontier width: r2t cut vs sync (mean over profiles)",
         "frontier width (extra groups)",
         "cut, percent",
-        &per_setting,
+        &lines_fw,
     )?;
 
     // Trainer pool: the training share of a sync step bounds any overlap.

@@ -261,6 +261,12 @@ pub fn gantt(
         .fold(f64::INFINITY, f64::min)
         .min(x_hi);
     let x_lo = if x_lo.is_finite() { x_lo } else { 0.0 };
+    // Empty room on the right keeps the legend off the spans.
+    let x_hi = if legend.is_empty() {
+        x_hi
+    } else {
+        x_hi + (x_hi - x_lo) * 0.3
+    };
     let n = rows.len();
     let height = (120 + 28 * n as u32).max(300);
     let root = root(path, (1000, height))?;
@@ -320,7 +326,7 @@ pub fn gantt(
             .configure_series_labels()
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK)
-            .position(SeriesLabelPosition::LowerRight)
+            .position(SeriesLabelPosition::UpperRight)
             .draw()
             .map_err(err(path))?;
     }

@@ -116,17 +116,24 @@ fn row(r: &RunResult, sync: Option<&RunResult>) -> Row {
 /// the trainer waits only for what it cannot overlap.
 fn ideal_row(sync: &RunResult) -> Row {
     let ideal = sync.mean_ideal();
-    let train = sync.mean_trainer_busy();
     let mut r = row(sync, Some(sync));
     r.mode = "ideal".into();
     r.r2t_s = ideal;
     r.period_s = f64::NAN;
-    // In the ideal schedule all training but the tail overlaps the rollout.
-    r.wait_ratio = if ideal > 0.0 {
-        ((ideal - train) / ideal).max(0.0)
-    } else {
-        f64::NAN
-    };
+    // In the ideal schedule the trainer waits only for what it cannot overlap; averaged per
+    // step like every other waiting ratio.
+    let ratios: Vec<f64> = sync
+        .steps
+        .iter()
+        .map(|s| {
+            if s.ideal() > 0.0 {
+                ((s.ideal() - s.trainer_busy) / s.ideal()).max(0.0)
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    r.wait_ratio = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
     r.r2t_cut = (sync.mean_r2t() - ideal) / sync.mean_r2t();
     r.wait_cut = (sync.mean_wait_ratio() - r.wait_ratio) / sync.mean_wait_ratio();
     r.period_cut = f64::NAN;
