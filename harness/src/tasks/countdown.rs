@@ -279,22 +279,17 @@ impl CountdownTask {
         let mut order: Vec<usize> = (0..nums.len()).collect();
         order.shuffle(rng);
         let k = rng.random_range(2..=nums.len());
-        // Items are (value, expression, is_atomic); atomic ones need no parentheses.
-        let mut items: Vec<(i64, String, bool)> = order[..k]
+        // Items are (value, expression, precedence of its top operator: 3 for a number, 2 for
+        // `*` `/`, 1 for `+` `-`). Parentheses go only where precedence needs them, so SFT
+        // targets are as short as a person would write them.
+        let mut items: Vec<(i64, String, u8)> = order[..k]
             .iter()
-            .map(|&i| (nums[i], nums[i].to_string(), true))
+            .map(|&i| (nums[i], nums[i].to_string(), 3))
             .collect();
         while items.len() > 1 {
             let a = items.swap_remove(rng.random_range(0..items.len()));
             let b = items.swap_remove(rng.random_range(0..items.len()));
             let (a, b) = if a.0 >= b.0 { (a, b) } else { (b, a) };
-            let wrap = |e: &(i64, String, bool)| {
-                if e.2 {
-                    e.1.clone()
-                } else {
-                    format!("({})", e.1)
-                }
-            };
             // Keep values positive and modest, divisions exact: the solutions stay readable.
             let mut ops = vec!['+'];
             if a.0 > b.0 {
@@ -307,13 +302,27 @@ impl CountdownTask {
                 ops.push('/');
             }
             let op = ops[rng.random_range(0..ops.len())];
-            let v = match op {
-                '+' => a.0 + b.0,
-                '-' => a.0 - b.0,
-                '*' => a.0 * b.0,
-                _ => a.0 / b.0,
+            let (v, prec) = match op {
+                '+' => (a.0 + b.0, 1),
+                '-' => (a.0 - b.0, 1),
+                '*' => (a.0 * b.0, 2),
+                _ => (a.0 / b.0, 2),
             };
-            items.push((v, format!("{}{op}{}", wrap(&a), wrap(&b)), false));
+            // The left operand needs parentheses below the operator's precedence; the right one
+            // also at equal precedence under `-` and `/` (a-(b+c), a/(b*c)).
+            let paren = |e: &(i64, String, u8), strict: bool| {
+                if e.2 < prec || (strict && e.2 == prec) {
+                    format!("({})", e.1)
+                } else {
+                    e.1.clone()
+                }
+            };
+            let expr = format!(
+                "{}{op}{}",
+                paren(&a, false),
+                paren(&b, op == '-' || op == '/')
+            );
+            items.push((v, expr, prec));
         }
         let (v, e, _) = items.pop()?;
         (1..=MAX_TARGET)
