@@ -82,8 +82,8 @@ kernels! {
     RmsnormFwd => "rmsnorm_fwd", ["rmsnorm_fwd"], 4, [64, 1, 1];
     /// RMSNorm backward: `dx` per row, `dw` per column.
     RmsnormBwd => "rmsnorm_bwd", ["rmsnorm_bwd", "rmsnorm_bwd_dw"], 6, [64, 1, 1];
-    /// `y = x·Wᵀ`, tiled 64x64 per 16x16 workgroup.
-    MatmulFwd => "matmul_fwd", ["matmul_fwd"], 3, [16, 16, 1];
+    /// `y = x·Wᵀ`, tiled 64x64 per 16x16 workgroup; a row-strip variant for ≤ 8 rows.
+    MatmulFwd => "matmul_fwd", ["matmul_fwd", "matmul_fwd_rows"], 3, [16, 16, 1];
     /// `dx = dy·W` and `dW += dyᵀ·x`, same tiling.
     MatmulBwd => "matmul_bwd", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, [16, 16, 1];
     /// Rotate-half RoPE in place from cos/sin tables.

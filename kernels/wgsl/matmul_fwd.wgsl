@@ -3,6 +3,10 @@
 // a 4x4 block (rows ty + 16a, columns tx + 16b, so stores of a warp are contiguous); K is
 // walked in steps of 16 with both operand tiles staged in workgroup memory, read along K
 // where global memory is contiguous.
+// Entry matmul_fwd_rows serves products with at most 8 rows (decode steps), where a 64-row
+// tile would be mostly idle: a workgroup computes 256 columns for all rows, staging x's rows
+// through workgroup memory 256 values of K at a time, so it needs two barriers per 256 of K
+// instead of two per 16.
 
 struct Params {
     m: u32,
@@ -86,6 +90,57 @@ fn matmul_fwd(
                 } else {
                     y[o] = acc[i * 4u + j];
                 }
+            }
+        }
+    }
+}
+
+const ROWS_MAX: u32 = 8u;
+const GK: u32 = 256u;
+var<workgroup> x_rows: array<f32, 2048>; // ROWS_MAX * GK
+
+@compute @workgroup_size(16, 16)
+fn matmul_fwd_rows(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let c = wid.x * 256u + lid;
+    let m = min(p.m, ROWS_MAX);
+    var acc: array<f32, 8>;
+    for (var r = 0u; r < ROWS_MAX; r++) {
+        acc[r] = 0.0;
+    }
+    for (var k0 = 0u; k0 < p.k; k0 += GK) {
+        for (var q = 0u; q < ROWS_MAX; q++) {
+            let e = lid + 256u * q;
+            let r = e / GK;
+            let kk = k0 + e % GK;
+            var xv = 0.0;
+            if (r < m && kk < p.k) {
+                xv = x[r * p.k + kk];
+            }
+            x_rows[e] = xv;
+        }
+        workgroupBarrier();
+        if (c < p.n) {
+            let len = min(GK, p.k - k0);
+            let wb = c * p.k + k0;
+            for (var kk = 0u; kk < len; kk++) {
+                let wv = w[wb + kk];
+                for (var r = 0u; r < ROWS_MAX; r++) {
+                    acc[r] = fma(x_rows[r * GK + kk], wv, acc[r]);
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    if (c < p.n) {
+        for (var r = 0u; r < m; r++) {
+            let o = r * p.n + c;
+            if (p.accumulate != 0u) {
+                y[o] += acc[r];
+            } else {
+                y[o] = acc[r];
             }
         }
     }

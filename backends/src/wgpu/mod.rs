@@ -37,6 +37,7 @@ use crate::api::*;
 use crate::config::ModelConfig;
 use crate::cpu::model::{Layout, check_sequence, check_tokens, validate_train_batch};
 use crate::error::{BackendError, Result};
+use crate::optim::AdamState;
 use crate::weights::Weights;
 use generate::Generator;
 use model::{
@@ -128,6 +129,51 @@ impl WgpuBackend {
     /// AdamW steps taken so far.
     pub fn optimizer_steps(&self) -> u64 {
         self.opt_step
+    }
+
+    /// The optimizer state (moments read back from the device, and the step count), in the
+    /// CPU backend's flat layout, e.g. for checkpoints.
+    pub fn optimizer_state(&self) -> Result<AdamState> {
+        if self.opt_step == 0 {
+            return Ok(AdamState::default());
+        }
+        let mut ex = Exec::new(Arc::clone(&self.gpu));
+        let m = self.model.read_flat(&mut ex, &self.opt_m)?;
+        let v = self.model.read_flat(&mut ex, &self.opt_v)?;
+        Ok(AdamState {
+            m,
+            v,
+            step: self.opt_step,
+        })
+    }
+
+    /// Restores a state saved by [`WgpuBackend::optimizer_state`] or the CPU backend's (empty
+    /// moments mean a fresh optimizer).
+    pub fn set_optimizer_state(&mut self, st: AdamState) -> Result<()> {
+        let n = self.model.layout.total;
+        if st.m.is_empty() && st.v.is_empty() {
+            for b in self.opt_m.iter().chain(&self.opt_v) {
+                self.ex.clear(b);
+            }
+            self.ex.submit()?;
+            self.opt_step = 0;
+            return Ok(());
+        }
+        if st.m.len() != n || st.v.len() != n {
+            return Err(BackendError::shape(
+                "optimizer state",
+                n,
+                st.m.len().max(st.v.len()),
+            ));
+        }
+        for (i, e) in self.model.layout.entries.iter().enumerate() {
+            self.gpu
+                .write(&self.opt_m[i], &st.m[e.offset..e.offset + e.len]);
+            self.gpu
+                .write(&self.opt_v[i], &st.v[e.offset..e.offset + e.len]);
+        }
+        self.opt_step = st.step;
+        self.gpu.check()
     }
 
     /// Records the sum of squares of every gradient tensor into `norm_total`.

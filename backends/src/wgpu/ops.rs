@@ -110,8 +110,15 @@ pub fn matmul_fwd(
     accumulate: bool,
 ) {
     let p = Params::new().u(n).u(dout).u(din).u(accumulate as usize);
-    ex.dispatch(Kernel::MatmulFwd, 0, &[x, w, y], p, tiles(dout, n));
+    if n <= MATMUL_ROWS_MAX {
+        ex.dispatch(Kernel::MatmulFwd, 1, &[x, w, y], p, linear(dout, 256));
+    } else {
+        ex.dispatch(Kernel::MatmulFwd, 0, &[x, w, y], p, tiles(dout, n));
+    }
 }
+
+/// Products with at most this many rows (decode steps) use `matmul_fwd_rows`.
+pub const MATMUL_ROWS_MAX: usize = 8;
 
 /// Backward of [`matmul_fwd`]: `dx (+)= dy·w` when `dx` is given (`(buffer, accumulate)`),
 /// and `dw += dyᵀ·x`.
