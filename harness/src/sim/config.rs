@@ -326,13 +326,12 @@ impl SimConfig {
             non_negative(&key("sigma"), p.sigma)?;
             positive(&key("beta_k"), p.beta_k)?;
             positive(&key("wrong_length_factor"), p.wrong_length_factor)?;
-            for (field, v) in [("runaway", p.runaway)] {
-                ensure!(
-                    (0.0..1.0).contains(&v),
-                    "{} must be in [0, 1), got {v}",
-                    key(field)
-                );
-            }
+            ensure!(
+                (0.0..1.0).contains(&p.runaway),
+                "{} must be in [0, 1), got {}",
+                key("runaway"),
+                p.runaway
+            );
             for (field, v) in [("acc_start", p.acc_start), ("acc_late", p.acc_late)] {
                 ensure!(
                     v > 0.0 && v < 1.0,

@@ -585,13 +585,11 @@ impl<'c> Sim<'c> {
                 self.dirty[e] = true;
             }
         }
-        loop {
-            let Some(e) = (0..self.engines.len())
-                .filter(|&e| self.engines[e].can_admit(self.prompt_tokens))
-                .min_by_key(|&e| (self.engines[e].held(), e))
-            else {
-                break;
-            };
+        // The router: the least-loaded engine that can take a request, lowest index on ties.
+        while let Some(e) = (0..self.engines.len())
+            .filter(|&e| self.engines[e].can_admit(self.prompt_tokens))
+            .min_by_key(|&e| (self.engines[e].held(), e))
+        {
             let Some(adm) = sched.poll_admit(tick(self.now)) else {
                 break;
             };
