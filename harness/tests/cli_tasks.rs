@@ -170,3 +170,60 @@ fn sft_rejects_bad_options() {
     assert!(err.contains("--steps"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn eval_uses_the_model_dirs_tokenizer_json() {
+    use rolloutpipe_backends::{ModelConfig, Weights, save_model_dir};
+    let dir = tempdir("hf-tok");
+    let model = dir.join("m");
+    let cfg = ModelConfig::tiny();
+    save_model_dir(&model, &cfg, &Weights::random(&cfg, 1).unwrap()).unwrap();
+    let data = dir.join("p.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"ONE PLUS TWO IS\", \"answer\": \"3\"}\n",
+    )
+    .unwrap();
+
+    // Without tokenizer.json the 52-id character tokenizer applies, which this 11-id model
+    // cannot use: a clear error instead of out-of-range ids later.
+    let err = run_err(
+        bin()
+            .args(["eval", "--task", "add", "--model"])
+            .arg(&model)
+            .arg("--data")
+            .arg(&data),
+    );
+    assert!(
+        err.contains("52 ids") && err.contains("vocab_size is 11"),
+        "{err}"
+    );
+
+    let words = ["</s>", "[UNK]", "ONE", "PLUS", "TWO", "IS", "1", "2", "3"];
+    let vocab: serde_json::Map<String, Value> = words
+        .iter()
+        .enumerate()
+        .map(|(i, w)| ((*w).to_owned(), Value::from(i)))
+        .collect();
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 0, "content": "</s>", "single_word": false, "lstrip": false,
+                          "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    std::fs::write(model.join("tokenizer.json"), tok.to_string()).unwrap();
+    let out = run_ok(
+        bin()
+            .args(["eval", "--task", "add", "--max-tokens", "3", "--model"])
+            .arg(&model)
+            .arg("--data")
+            .arg(&data),
+    );
+    let ev: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ev["n"], 1);
+    assert_eq!(ev["examples"][0]["prompt"], "ONE PLUS TWO IS");
+    // At most 3 tokens were generated (fewer when </s> came first).
+    assert!(ev["mean_tokens"].as_f64().unwrap() <= 3.0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

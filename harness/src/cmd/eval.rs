@@ -144,9 +144,21 @@ pub fn evaluate(
     let mut reward_sum = 0.0f64;
     let mut token_sum = 0usize;
     for (p, out) in problems.iter().zip(&outs) {
-        let text = response_text(tok, out)?;
-        let verdict = verifier.verify(p, &text);
-        reward_sum += f64::from(verifier.reward(p, &text));
+        // A model whose vocabulary is wider than its tokenizer's (HF pads vocabularies) can emit
+        // ids with no text: that response is malformed, not a reason to abort the evaluation.
+        let (text, verdict, reward) = match response_text(tok, out) {
+            Ok(text) => {
+                let v = verifier.verify(p, &text);
+                let r = verifier.reward(p, &text);
+                (text, v, r)
+            }
+            Err(e) => (
+                String::new(),
+                Verdict::Malformed(e.to_string()),
+                -verifier.format_penalty(),
+            ),
+        };
+        reward_sum += f64::from(reward);
         token_sum += out.tokens.len();
         match &verdict {
             Verdict::Correct => report.correct += 1,

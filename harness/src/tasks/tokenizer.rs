@@ -330,6 +330,31 @@ mod tests {
     }
 
     #[test]
+    fn hf_bpe_applies_merges_in_rank_order() {
+        let dir = tempdir("bpe");
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 6, "content": "</s>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Fuse"},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                      "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": {"1": 0, "2": 1, "+": 2, "12": 3, "12+": 4, "=": 5, "</s>": 6},
+                      "merges": [["1", "2"], ["12", "+"]]}
+        });
+        std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+        let t = HfTokenizer::from_path(&dir).unwrap();
+        // "12+" merges fully; the second "12" stops at rank 0 because "12=" is no merge.
+        assert_eq!(t.encode("12+12=").unwrap(), vec![4, 3, 5]);
+        assert_eq!(t.encode("21").unwrap(), vec![1, 0]);
+        assert_eq!(t.decode(&[4, 3, 5, 6]).unwrap(), "12+12=");
+        assert_eq!((t.eos_id(), t.vocab_size()), (Some(6), 7));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn hf_bad_file_is_an_error() {
         let dir = tempdir("bad");
         std::fs::write(dir.join("tokenizer.json"), "{\"model\": 3}").unwrap();
