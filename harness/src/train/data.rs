@@ -125,7 +125,7 @@ pub fn sft(
     tok: &dyn Tokenizer,
     problems: &[Problem],
 ) -> anyhow::Result<f64> {
-    let opt = AdamW {
+    let mut opt = AdamW {
         lr: cfg.sft.lr,
         weight_decay: 0.0,
         ..AdamW::default()
@@ -133,7 +133,9 @@ pub fn sft(
     let batch = cfg.sft.batch as usize;
     let mut last = f64::NAN;
     let mut it = problems.iter().cycle();
-    for _ in 0..cfg.sft.steps {
+    let steps = cfg.sft.steps as usize;
+    for step in 0..steps {
+        opt.lr = sft_lr(step, steps, cfg.sft.lr);
         let mut b = TrainBatch::default();
         for p in it.by_ref().take(batch) {
             let prompt = tok.encode_prompt(&p.prompt)?;
@@ -154,6 +156,18 @@ pub fn sft(
     }
     backend.zero_grad();
     Ok(last)
+}
+
+/// Linear warm-up over the first 20 steps, then cosine decay to 10% of the peak: a constant
+/// high rate leaves the small model oscillating around a worse loss.
+fn sft_lr(step: usize, steps: usize, peak: f64) -> f64 {
+    const WARMUP: usize = 20;
+    if step < WARMUP.min(steps / 2) {
+        return peak * (step + 1) as f64 / WARMUP.min(steps / 2).max(1) as f64;
+    }
+    let start = WARMUP.min(steps / 2);
+    let t = (step - start) as f64 / (steps - start).max(1) as f64;
+    peak * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * t).cos()))
 }
 
 /// Greedy accuracy on `problems` (all generated as one continuous batch).
@@ -194,4 +208,21 @@ pub fn evaluate(
 /// Reads a text file, naming it in the error.
 pub fn read(path: &Path) -> anyhow::Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sft_schedule_warms_up_then_decays_to_a_tenth() {
+        let peak = 1e-2;
+        assert!((sft_lr(0, 100, peak) - peak / 20.0).abs() < 1e-15);
+        assert!((sft_lr(19, 100, peak) - peak).abs() < 1e-15);
+        assert!((sft_lr(20, 100, peak) - peak).abs() < 1e-15);
+        let end = sft_lr(99, 100, peak);
+        assert!(end > 0.1 * peak && end < 0.11 * peak, "{end}");
+        // Short runs still warm up over half of their steps.
+        assert!((sft_lr(1, 4, peak) - peak).abs() < 1e-15);
+    }
 }
