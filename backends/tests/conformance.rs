@@ -1148,10 +1148,18 @@ macro_rules! backend_suite {
                             ..Default::default()
                         },
                     };
-                    let reqs: Vec<GenRequest> = (0..10u64)
+                    let reqs: Vec<GenRequest> = (0..20u64)
                         .map(|i| GenRequest {
                             id: RequestKey(i),
-                            prompt: rand_ids(&mut rng, 2 + (i % 5) as usize, v),
+                            prompt: rand_ids(
+                                &mut rng,
+                                if i == 19 && cfg.max_position_embeddings >= 128 {
+                                    70
+                                } else {
+                                    2 + (i % 5) as usize
+                                },
+                                v,
+                            ),
                             params: SamplingParams {
                                 max_new_tokens: 6 + (i % 4) as usize * 3,
                                 seed: 1000 + i,
@@ -1159,7 +1167,9 @@ macro_rules! backend_suite {
                             },
                         })
                         .collect();
-                    // Continuous batching: 6 join, 2 steps run, 4 more join and one leaves.
+                    // Continuous batching: 6 join, 2 steps run, 14 more join and one leaves. The
+                    // 17th request doubles the KV cache's slots and the long last prompt
+                    // lengthens every slot while requests are mid-generation (cache re-layout).
                     let run = |b: &mut dyn PolicyBackend| {
                         let mut done = Vec::new();
                         for r in &reqs[..6] {

@@ -158,7 +158,7 @@ pub struct Generator {
     active: Vec<Active>,
     free_slots: Vec<usize>,
     slots: usize,
-    /// Rows per slot (the model's position limit).
+    /// Positions per slot (the longest request so far, rounded up).
     slot_rows: usize,
     /// Per layer `[slots·slot_rows, kv_dim]`.
     kcache: Vec<Buffer>,
@@ -190,8 +190,21 @@ impl Generator {
         if self.active.iter().any(|a| a.id == req.id) {
             return Err(BackendError::DuplicateRequest(req.id));
         }
-        if self.free_slots.is_empty() {
-            self.grow(gpu, ex, c)?;
+        // The cache never holds a request's last sampled token.
+        let need = req.prompt.len() + req.params.max_new_tokens;
+        let rows = if need > self.slot_rows {
+            need.next_power_of_two()
+                .clamp(64, c.max_position_embeddings.max(need))
+        } else {
+            self.slot_rows
+        };
+        let slots = if self.free_slots.is_empty() {
+            (self.slots * 2).max(16)
+        } else {
+            self.slots
+        };
+        if rows != self.slot_rows || slots != self.slots {
+            self.resize(gpu, ex, c, slots, rows)?;
         }
         let slot = self
             .free_slots
@@ -210,35 +223,60 @@ impl Generator {
         Ok(())
     }
 
-    /// Doubles the number of cache slots (16 at first), keeping cached contents.
-    fn grow(&mut self, gpu: &Gpu, ex: &mut Exec, c: &ModelConfig) -> Result<()> {
-        let old = self.slots;
-        let new = (old * 2).max(16);
-        self.slot_rows = c.max_position_embeddings;
+    /// Re-lays the KV cache out as `slots` slots of `rows` positions each (both at least
+    /// the current ones), copying every active request's cached rows to its slot's new place.
+    /// Slots start sized for the longest request seen (not the model's position limit, which
+    /// can be 40k), and grow when a longer one arrives.
+    fn resize(
+        &mut self,
+        gpu: &Gpu,
+        ex: &mut Exec,
+        c: &ModelConfig,
+        slots: usize,
+        rows: usize,
+    ) -> Result<()> {
         let kd = c.kv_dim();
-        let len = new * self.slot_rows * kd;
+        let len = slots * rows * kd;
         let max = gpu.device().limits().max_storage_buffer_binding_size as usize / 4;
         if len > max {
             return Err(BackendError::Device(format!(
-                "KV cache of {new} slots × {} positions needs {} values per layer, the device binds at most {max}",
-                self.slot_rows, len
+                "KV cache of {slots} slots × {rows} positions needs {len} values per layer, the device binds at most {max}"
             )));
         }
         let mk = |name: &str, l: usize| gpu.buffer(&format!("layer {l} {name} cache"), len);
         let kc: Vec<Buffer> = (0..c.num_hidden_layers).map(|l| mk("k", l)).collect();
         let vc: Vec<Buffer> = (0..c.num_hidden_layers).map(|l| mk("v", l)).collect();
-        let used = (old * self.slot_rows * kd * 4) as u64;
-        for l in 0..self.kcache.len() {
-            ex.copy(&self.kcache[l], 0, &kc[l], 0, used);
-            ex.copy(&self.vcache[l], 0, &vc[l], 0, used);
+        let row_bytes = (kd * 4) as u64;
+        for a in &self.active {
+            let (src, dst) = (
+                (a.slot * self.slot_rows) as u64 * row_bytes,
+                (a.slot * rows) as u64 * row_bytes,
+            );
+            for l in 0..self.kcache.len() {
+                ex.copy(
+                    &self.kcache[l],
+                    src,
+                    &kc[l],
+                    dst,
+                    a.cached as u64 * row_bytes,
+                );
+                ex.copy(
+                    &self.vcache[l],
+                    src,
+                    &vc[l],
+                    dst,
+                    a.cached as u64 * row_bytes,
+                );
+            }
         }
         ex.submit()?;
         self.kcache = kc;
         self.vcache = vc;
         ex.forget_bind_groups();
         // Lower slots are handed out first (pop from the end).
-        self.free_slots.extend((old..new).rev());
-        self.slots = new;
+        self.free_slots.extend((self.slots..slots).rev());
+        self.slots = slots;
+        self.slot_rows = rows;
         Ok(())
     }
 
