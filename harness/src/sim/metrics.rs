@@ -161,6 +161,16 @@ impl RunResult {
         mean(self.steps.iter().map(StepMetrics::ideal))
     }
 
+    /// Mean rollout idle time between steps: from a step's batch being final to the next
+    /// step's rollout start (training tail and weight sync for on-policy modes), s.
+    pub fn mean_rollout_idle(&self) -> f64 {
+        mean(
+            self.steps
+                .windows(2)
+                .map(|w| w[1].rollout_start - w[0].rollout_end),
+        )
+    }
+
     /// Mean staleness in versions.
     pub fn mean_staleness(&self) -> f64 {
         mean(self.steps.iter().map(|s| s.staleness as f64))

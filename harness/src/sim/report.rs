@@ -44,6 +44,8 @@ pub struct Row {
     pub tok_per_s: f64,
     /// Mean slot occupancy during rollout.
     pub occupancy: f64,
+    /// Mean rollout idle time between steps (training tail and weight sync), s.
+    pub rollout_idle_s: f64,
     /// Prompts drawn (all steps).
     pub drawn: u64,
     /// Groups trained.
@@ -102,6 +104,7 @@ fn row(r: &RunResult, sync: Option<&RunResult>) -> Row {
         overlap_eff,
         tok_per_s: r.mean_throughput(),
         occupancy: r.mean_occupancy(),
+        rollout_idle_s: r.mean_rollout_idle(),
         drawn,
         trained,
         filtered,
@@ -120,6 +123,7 @@ fn ideal_row(sync: &RunResult) -> Row {
     r.mode = "ideal".into();
     r.r2t_s = ideal;
     r.period_s = f64::NAN;
+    r.rollout_idle_s = f64::NAN;
     // In the ideal schedule the trainer waits only for what it cannot overlap; averaged per
     // step like every other waiting ratio.
     let ratios: Vec<f64> = sync
@@ -198,6 +202,7 @@ pub fn table_text(rows: &[Row]) -> String {
         "train s",
         "tok/s",
         "occ",
+        "idle s",
         "filtered",
         "aborted",
         "stale",
@@ -230,6 +235,7 @@ pub fn table_text(rows: &[Row]) -> String {
             num(r.train_s, 1),
             format!("{:.0}", r.tok_per_s),
             num(r.occupancy, 2),
+            num(r.rollout_idle_s, 1),
             r.filtered.to_string(),
             r.aborted.to_string(),
             num(r.staleness, 1),
@@ -266,7 +272,7 @@ pub fn table_text(rows: &[Row]) -> String {
 /// The table as CSV (one row per line, the fields of [`Row`]).
 pub fn table_csv(rows: &[Row]) -> String {
     let mut out = String::from(
-        "profile,setting,mode,r2t_s,period_s,rollout_s,train_s,wait_ratio,r2t_cut,wait_cut,period_cut,overlap_eff,tok_per_s,occupancy,drawn,trained,filtered,aborted,aborted_requests,staleness,retractions\n",
+        "profile,setting,mode,r2t_s,period_s,rollout_s,train_s,wait_ratio,r2t_cut,wait_cut,period_cut,overlap_eff,tok_per_s,occupancy,rollout_idle_s,drawn,trained,filtered,aborted,aborted_requests,staleness,retractions\n",
     );
     for r in rows {
         let f = |x: f64| {
@@ -278,7 +284,7 @@ pub fn table_csv(rows: &[Row]) -> String {
         };
         let _ = writeln!(
             out,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
             r.profile,
             r.setting,
             r.mode,
@@ -293,6 +299,7 @@ pub fn table_csv(rows: &[Row]) -> String {
             f(r.overlap_eff),
             f(r.tok_per_s),
             f(r.occupancy),
+            f(r.rollout_idle_s),
             r.drawn,
             r.trained,
             r.filtered,
@@ -633,4 +640,52 @@ pub fn write_trace(
         }
     }
     t.write(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::config::SimConfig;
+    use crate::sim::simulate;
+
+    fn results() -> Vec<RunResult> {
+        let cfg = SimConfig::load(&[], &["run.steps=2".into()]).unwrap();
+        [Mode::Sync, Mode::Cgp, Mode::OneStepOff]
+            .into_iter()
+            .map(|m| simulate(&cfg, "gsm8k", "R1", m, false).unwrap().result)
+            .collect()
+    }
+
+    #[test]
+    fn rows_put_the_ideal_after_sync_and_cut_against_it() {
+        let rows = rows(&results());
+        let modes: Vec<&str> = rows.iter().map(|r| r.mode.as_str()).collect();
+        assert_eq!(modes, ["sync", "ideal", "cgp", "one-step-off"]);
+        let (sync, ideal, cgp) = (&rows[0], &rows[1], &rows[2]);
+        assert!((cgp.r2t_cut - (sync.r2t_s - cgp.r2t_s) / sync.r2t_s).abs() < 1e-12);
+        // CGP lies between sync and the ideal bound.
+        assert!(ideal.r2t_s <= cgp.r2t_s && cgp.r2t_s < sync.r2t_s);
+        assert!(cgp.overlap_eff > 0.0 && cgp.overlap_eff <= 1.0 + 1e-9);
+        assert_eq!(
+            rows[3].staleness, 0.5,
+            "step 0 fresh, step 1 one version stale"
+        );
+    }
+
+    #[test]
+    fn text_and_csv_have_one_cell_per_column() {
+        let rows = rows(&results());
+        let text = table_text(&rows);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines.len(),
+            rows.len() + 2,
+            "header, rule, one line per row"
+        );
+        let csv = table_csv(&rows);
+        let header_cols = csv.lines().next().unwrap().split(',').count();
+        for line in csv.lines() {
+            assert_eq!(line.split(',').count(), header_cols, "{line}");
+        }
+    }
 }
