@@ -121,3 +121,8 @@ pub use types::{
     AdmissionPolicy, DispatchPolicy, EngineId, GroupId, Plan, PlanError, PolicyVersion, RequestId,
     RequestRef, StepId, SubmitOrder, Tick,
 };
+
+/// The workspace README's Rust examples, compiled and run as doctests of this crate.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
