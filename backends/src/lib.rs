@@ -32,9 +32,6 @@ pub mod weights;
 
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
-// The CUDA backend is not written yet; enable with its module.
-// #[cfg(feature = "cuda")]
-// pub mod cuda;
 
 pub use api::*;
 pub use config::ModelConfig;
