@@ -377,10 +377,12 @@ fn render(rows: &[Row], modes: &[Mode], outcomes: &[(Mode, RunOutcome)]) -> Stri
             if let Some(b) = b {
                 let _ = writeln!(
                     s,
-                    "{source}: {} vs {base}: rollout-to-train-end {:+.1}%, trainer waiting ratio {:+.1}%, overlap efficiency {:.2}",
+                    "{source}: {} vs {base}: rollout-to-train-end {:+.1}% (medians {:+.1}%), trainer waiting ratio {:+.1}% (medians {:+.1}%), overlap efficiency {:.2}",
                     r.mode,
                     100.0 * (r.r2t.mean / b.r2t.mean - 1.0),
+                    100.0 * (r.r2t.median / b.r2t.median - 1.0),
                     100.0 * (r.wait.mean / b.wait.mean - 1.0),
+                    100.0 * (r.wait.median / b.wait.median - 1.0),
                     (b.r2t.mean - r.r2t.mean) / (b.r2t.mean - b.ideal.mean),
                 );
             }

@@ -23,7 +23,7 @@ pub struct DataSource {
 
 impl DataSource {
     /// The next problem and its prompt ids (the pool repeats in order once exhausted).
-    pub fn next(&mut self) -> (Arc<Problem>, Arc<Vec<u32>>) {
+    pub fn draw(&mut self) -> (Arc<Problem>, Arc<Vec<u32>>) {
         let i = (self.pos % self.problems.len() as u64) as usize;
         self.pos += 1;
         self.problems[i].clone()

@@ -957,7 +957,7 @@ impl Ctx<'_> {
             state.engine_version = engine_version.0;
             let ckpt_now = is_last
                 || (cfg.run.checkpoint_every > 0 && (k + 1) % cfg.run.checkpoint_every as u64 == 0);
-            if ckpt_now && k + 1 <= steps {
+            if ckpt_now && k < steps {
                 state.pending = pending
                     .iter()
                     .map(|(gs, e)| (gs.iter().map(save_group).collect(), *e))
@@ -1023,7 +1023,7 @@ impl Ctx<'_> {
                 .on_prompts_drawn(now, n)
                 .map_err(|e| anyhow::anyhow!("draw: {e}"))?;
             for i in 0..n {
-                let (problem, prompt) = self.data.next();
+                let (problem, prompt) = self.data.draw();
                 self.measured.prompt_tokens.push(prompt.len() as u32);
                 ro.groups.insert(
                     GroupId(first.0 + i),
@@ -1050,14 +1050,11 @@ impl Ctx<'_> {
             }
         }
         let s = self.cfg.rollout.slots;
-        loop {
-            // The core picks the request; the harness only picks the least loaded live engine.
-            let Some(e) = (0..self.engines.len())
-                .filter(|&i| self.engines[i].live && self.engines[i].running < s)
-                .min_by_key(|&i| self.engines[i].running)
-            else {
-                break;
-            };
+        // The core picks the request; the harness only picks the least loaded live engine.
+        while let Some(e) = (0..self.engines.len())
+            .filter(|&i| self.engines[i].live && self.engines[i].running < s)
+            .min_by_key(|&i| self.engines[i].running)
+        {
             let Some(a) = sched.poll_admit(now) else {
                 break;
             };

@@ -24,7 +24,7 @@ use crate::tasks::{Problem, Task, Tokenizer};
 /// (wgpu) do not yet, so their checkpoints hold weights only and say so.
 pub enum TrainerBackend {
     /// The CPU reference.
-    Cpu(CpuBackend),
+    Cpu(Box<CpuBackend>),
     /// Any other backend.
     Other(Box<dyn PolicyBackend>),
 }
@@ -33,7 +33,7 @@ impl TrainerBackend {
     /// The backend through the common interface.
     pub fn as_dyn(&mut self) -> &mut dyn PolicyBackend {
         match self {
-            TrainerBackend::Cpu(b) => b,
+            TrainerBackend::Cpu(b) => b.as_mut(),
             TrainerBackend::Other(b) => b.as_mut(),
         }
     }
@@ -66,7 +66,9 @@ pub fn make_backend(
     threads: usize,
 ) -> anyhow::Result<TrainerBackend> {
     match name {
-        "cpu" => Ok(TrainerBackend::Cpu(CpuBackend::new(cfg, w, threads)?)),
+        "cpu" => Ok(TrainerBackend::Cpu(Box::new(CpuBackend::new(
+            cfg, w, threads,
+        )?))),
         "wgpu" => make_wgpu(cfg, w),
         other => anyhow::bail!("unknown backend {other:?}; valid: cpu, wgpu"),
     }
