@@ -930,15 +930,25 @@ impl Ctx<'_> {
                 m.elapsed_s = started.elapsed().as_secs_f64();
                 writeln!(metrics_file, "{}", serde_json::to_string(m)?)?;
                 metrics_file.flush()?;
-                tracing::info!(
-                    step = m.step,
-                    reward = format_args!("{:.3}", m.reward),
-                    acc = format_args!("{:.3}", m.train_accuracy),
-                    heldout = ?m.heldout_accuracy,
-                    r2t = format_args!("{:.2}s", m.rollout_to_train_end_s),
-                    wait = format_args!("{:.2}", m.trainer_wait_ratio),
-                    "step"
-                );
+                // With the progress bar on, per-step lines would tear it; they go to debug.
+                macro_rules! step_line {
+                    ($lvl:ident) => {
+                        tracing::$lvl!(
+                            step = m.step,
+                            reward = format_args!("{:.3}", m.reward),
+                            acc = format_args!("{:.3}", m.train_accuracy),
+                            heldout = ?m.heldout_accuracy,
+                            r2t = format_args!("{:.2}s", m.rollout_to_train_end_s),
+                            wait = format_args!("{:.2}", m.trainer_wait_ratio),
+                            "step"
+                        )
+                    };
+                }
+                if cfg.run.progress {
+                    bar.suspend(|| step_line!(debug));
+                } else {
+                    step_line!(info);
+                }
                 bar.set_message(format!(
                     "reward {:.2} acc {:.2}{}",
                     m.reward,
