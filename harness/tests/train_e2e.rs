@@ -127,6 +127,7 @@ fn every_mode_runs_end_to_end_and_stays_on_policy() {
             "learning_curves.svg",
             "step_times.svg",
             "checkpoints/latest",
+            "final/model.safetensors",
         ] {
             assert!(o.dir.join(f).exists(), "{mode}: {f} missing");
         }
@@ -243,5 +244,23 @@ fn bad_inputs_are_clear_errors() {
         w.run.backend = "wgpu".into();
         let err = run(&w, &dir("no-wgpu"), false).unwrap_err();
         assert!(format!("{err:#}").contains("not built"), "{err:#}");
+    }
+}
+
+#[test]
+fn one_step_off_resumes_with_its_untrained_batch() {
+    // The checkpoint of a one-step-off run holds the rolled-out batch that has not trained yet;
+    // a resumed run trains it first and ends where the uninterrupted run does.
+    let extra = "rl.micro_batch=4";
+    let full = go(&tiny(Mode::OneStepOff, 3, extra), "oso-full");
+    let d = dir("oso-part");
+    run(&tiny(Mode::OneStepOff, 2, extra), &d, false).unwrap();
+    let resumed = run(&tiny(Mode::OneStepOff, 3, extra), &d, true).unwrap();
+    let (max, _) = max_diff(&full.weights, &resumed.weights);
+    assert!(max <= 1e-6, "resumed one-step-off run differs by {max:e}");
+    let all = rolloutpipe_harness::train::read_metrics(&d).unwrap();
+    assert_eq!(all.iter().map(|m| m.step).collect::<Vec<_>>(), [0, 1, 2]);
+    for r in &resumed.trained {
+        assert_eq!(r.version + 1, r.step.max(1), "{r:?}");
     }
 }

@@ -662,7 +662,13 @@ impl Ctx<'_> {
         let mut sched = Scheduler::new(&mut gslots, &mut rslots);
         let one_off = cfg.run.mode == Mode::OneStepOff;
         let steps = cfg.run.steps as u64;
-        let mut metrics_file = open_metrics(out, state.next_step)?;
+        // One-step-off's checkpoint precedes the training of its pending batch, so that step's
+        // line (written by the stopped run's final drain) is redone too.
+        let redo_from = state
+            .pending_step
+            .unwrap_or(state.next_step)
+            .min(state.next_step);
+        let mut metrics_file = open_metrics(out, redo_from)?;
         let bar = progress_bar(cfg, steps, state.next_step);
         let mut metrics = Vec::new();
         let mut counters = Vec::new();
@@ -979,6 +985,9 @@ impl Ctx<'_> {
         }
         bar.finish_and_clear();
         let w = weights.context("no step ran")?;
+        // The final weights as a model directory (for one-step-off they are past the last
+        // checkpoint, which precedes the final drain so that a resume continues the schedule).
+        save_model_dir(&out.join("final"), &self.model_cfg, &w)?;
         Ok((metrics, counters, w, acc_end))
     }
 
