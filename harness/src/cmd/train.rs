@@ -103,3 +103,59 @@ pub fn pin_gemm_threads() {
         unsafe { std::env::set_var("MATMUL_NUM_THREADS", "1") };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> Args {
+        Args {
+            config: None,
+            sets: Vec::new(),
+            backend: None,
+            mode: None,
+            out: None,
+            resume: None,
+            print_config: false,
+        }
+    }
+
+    #[test]
+    fn flags_override_the_default_and_bad_values_say_why() {
+        let mut a = args();
+        a.mode = Some("sync".into());
+        a.out = Some(PathBuf::from("/tmp/x"));
+        a.sets = vec!["rl.batch_groups=4".into()];
+        let c = resolve(&a).unwrap();
+        assert_eq!((c.run.mode, c.rl.batch_groups), (Mode::Sync, 4));
+        assert_eq!(c.run.out, PathBuf::from("/tmp/x"));
+        a.mode = Some("async".into());
+        assert!(
+            resolve(&a)
+                .unwrap_err()
+                .to_string()
+                .contains("unknown mode")
+        );
+        let mut a = args();
+        a.backend = Some("cuda".into());
+        assert!(resolve(&a).unwrap_err().to_string().contains("cuda"));
+    }
+
+    #[test]
+    fn resume_reads_the_run_directory_config() {
+        let dir = std::env::temp_dir().join(format!("rp-train-resolve-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = TrainConfig::default_config().unwrap();
+        c.rl.batch_groups = 4;
+        std::fs::write(dir.join("config.toml"), c.to_toml().unwrap()).unwrap();
+        let mut a = args();
+        a.resume = Some(dir.clone());
+        a.sets = vec!["run.steps=7".into()];
+        let r = resolve(&a).unwrap();
+        assert_eq!((r.rl.batch_groups, r.run.steps), (4, 7));
+        assert_eq!(r.run.out, dir);
+        let mut a = args();
+        a.resume = Some(dir.join("missing"));
+        assert!(format!("{:#}", resolve(&a).unwrap_err()).contains("config.toml"));
+    }
+}
