@@ -12,7 +12,7 @@ use crate::config::ModelConfig;
 pub use crate::cpu::ops::{GrpoCoefs, SamplingParams};
 use crate::error::Result;
 use crate::grpo::{Aggregation, token_weight};
-pub use crate::optim::{AdamW, OptStats};
+pub use crate::optim::{AdamState, AdamW, OptStats};
 use crate::weights::Weights;
 
 /// Identifies one generation request within an engine (the caller maps its own request identity,
@@ -222,4 +222,10 @@ pub trait PolicyBackend: Send {
     fn optimizer_step(&mut self, normalizer: f64, opt: &AdamW) -> Result<OptStats>;
     /// The raw gradient sums under the parameters' names (before normalising and clipping).
     fn gradients(&self) -> Result<Weights>;
+    /// The AdamW moments and step count, in the flat parameter layout every backend shares, for
+    /// checkpoints (a fresh optimizer has empty moments).
+    fn export_optimizer_state(&self) -> Result<AdamState>;
+    /// Restores a state from any backend's [`PolicyBackend::export_optimizer_state`] (empty
+    /// moments mean a fresh optimizer); a state of another model's size is a shape error.
+    fn import_optimizer_state(&mut self, state: AdamState) -> Result<()>;
 }

@@ -185,4 +185,12 @@ impl PolicyBackend for CpuBackend {
     fn gradients(&self) -> Result<Weights> {
         Ok(self.model.layout.to_weights(&self.grads))
     }
+
+    fn export_optimizer_state(&self) -> Result<AdamState> {
+        Ok(self.optimizer_state().clone())
+    }
+
+    fn import_optimizer_state(&mut self, state: AdamState) -> Result<()> {
+        self.set_optimizer_state(state)
+    }
 }

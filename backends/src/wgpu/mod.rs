@@ -522,6 +522,14 @@ impl PolicyBackend for WgpuBackend {
         let flat = self.model.read_flat(&mut ex, &self.model.grads)?;
         Ok(self.model.layout.to_weights(&flat))
     }
+
+    fn export_optimizer_state(&self) -> Result<AdamState> {
+        self.optimizer_state()
+    }
+
+    fn import_optimizer_state(&mut self, state: AdamState) -> Result<()> {
+        self.set_optimizer_state(state)
+    }
 }
 
 impl WgpuBackend {

@@ -20,41 +20,24 @@ use rolloutpipe_core::{GroupId, PolicyVersion, RequestId};
 
 use crate::tasks::{Problem, Task, Tokenizer};
 
-/// A backend the trainer can checkpoint: the CPU reference exposes its AdamW moments, others
-/// (wgpu) do not yet, so their checkpoints hold weights only and say so.
-pub enum TrainerBackend {
-    /// The CPU reference.
-    Cpu(Box<CpuBackend>),
-    /// Any other backend.
-    Other(Box<dyn PolicyBackend>),
-}
+/// The trainer's backend: any [`PolicyBackend`]; its AdamW moments travel with checkpoints
+/// through the trait's `export_optimizer_state` / `import_optimizer_state`.
+pub struct TrainerBackend(Box<dyn PolicyBackend>);
 
 impl TrainerBackend {
     /// The backend through the common interface.
     pub fn as_dyn(&mut self) -> &mut dyn PolicyBackend {
-        match self {
-            TrainerBackend::Cpu(b) => b.as_mut(),
-            TrainerBackend::Other(b) => b.as_mut(),
-        }
+        self.0.as_mut()
     }
 
-    /// The AdamW moments, when the backend exposes them.
-    pub fn optimizer_state(&self) -> Option<AdamState> {
-        match self {
-            TrainerBackend::Cpu(b) => Some(b.optimizer_state().clone()),
-            TrainerBackend::Other(_) => None,
-        }
+    /// The AdamW moments, for a checkpoint.
+    pub fn optimizer_state(&self) -> anyhow::Result<AdamState> {
+        Ok(self.0.export_optimizer_state()?)
     }
 
-    /// Restores AdamW moments.
+    /// Restores AdamW moments from a checkpoint.
     pub fn set_optimizer_state(&mut self, st: AdamState) -> anyhow::Result<()> {
-        match self {
-            TrainerBackend::Cpu(b) => Ok(b.set_optimizer_state(st)?),
-            TrainerBackend::Other(b) => anyhow::bail!(
-                "the {} backend cannot restore optimizer state; resume with run.backend = \"cpu\"",
-                b.name()
-            ),
-        }
+        Ok(self.0.import_optimizer_state(st)?)
     }
 }
 
@@ -66,9 +49,7 @@ pub fn make_backend(
     threads: usize,
 ) -> anyhow::Result<TrainerBackend> {
     match name {
-        "cpu" => Ok(TrainerBackend::Cpu(Box::new(CpuBackend::new(
-            cfg, w, threads,
-        )?))),
+        "cpu" => Ok(TrainerBackend(Box::new(CpuBackend::new(cfg, w, threads)?))),
         "wgpu" => make_wgpu(cfg, w),
         other => anyhow::bail!("unknown backend {other:?}; valid: cpu, wgpu"),
     }
@@ -79,7 +60,7 @@ fn make_wgpu(cfg: &ModelConfig, w: &Weights) -> anyhow::Result<TrainerBackend> {
     use anyhow::Context;
     let b = rolloutpipe_backends::wgpu::WgpuBackend::new(cfg, w)
         .context("starting the wgpu backend (is there a GPU adapter?)")?;
-    Ok(TrainerBackend::Other(Box::new(b)))
+    Ok(TrainerBackend(Box::new(b)))
 }
 
 #[cfg(not(feature = "wgpu"))]
@@ -489,8 +470,12 @@ pub fn trainer_thread(
                     }
                 }
             }
-            TrainCmd::Export => match backend.as_dyn().export_weights() {
-                Ok(w) => TrainerReply::Exported(Arc::new(w), backend.optimizer_state()),
+            TrainCmd::Export => match backend
+                .as_dyn()
+                .export_weights()
+                .and_then(|w| Ok((w, backend.0.export_optimizer_state()?)))
+            {
+                Ok((w, adam)) => TrainerReply::Exported(Arc::new(w), Some(adam)),
                 Err(e) => {
                     let _ = events.send(Event::Fatal(format!("trainer export: {e}")));
                     return;
