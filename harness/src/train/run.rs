@@ -574,10 +574,21 @@ impl Ctx<'_> {
         }
     }
 
+    /// The error for a worker whose channel closed: the worker's own fatal message when it
+    /// sent one before stopping, so the cause is not lost behind "stopped".
+    fn worker_stopped(&self, who: &str) -> anyhow::Error {
+        for ev in self.events.try_iter() {
+            if let Event::Fatal(msg) = ev {
+                return anyhow::anyhow!("{who} stopped: {msg}");
+            }
+        }
+        anyhow::anyhow!("{who} stopped without reporting an error")
+    }
+
     fn send_trainer(&self, cmd: TrainCmd) -> anyhow::Result<()> {
         self.trainer
             .send(cmd)
-            .map_err(|_| anyhow::anyhow!("the trainer thread stopped"))
+            .map_err(|_| self.worker_stopped("the trainer thread"))
     }
 
     /// Exports the trainer's weights (and moments).
@@ -1086,7 +1097,7 @@ impl Ctx<'_> {
                 params: self.sampling(a.request),
             };
             if self.engines[e].tx.send(cmd).is_err() {
-                bail!("rollout engine {e} stopped");
+                return Err(self.worker_stopped(&format!("rollout engine {e}")));
             }
             self.engines[e].running += 1;
             ro.inflight.insert(a.request, (e as u16, Instant::now()));
