@@ -69,12 +69,13 @@ pub struct Generator {
     s: Scratch,
 }
 
-/// 53-bit uniform in [0, 1).
-fn uniform(rng: &mut ChaCha8Rng) -> f64 {
+/// 53-bit uniform in [0, 1): one draw per sampled token (the wgpu backend uses the same).
+pub(crate) fn uniform(rng: &mut ChaCha8Rng) -> f64 {
     (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
-fn validate_request(cfg: &ModelConfig, req: &GenRequest) -> Result<()> {
+/// Checks a generation request (every backend refuses the same requests the same way).
+pub(crate) fn validate_request(cfg: &ModelConfig, req: &GenRequest) -> Result<()> {
     let p = &req.params;
     let what = format!("request {}", req.id);
     if req.prompt.is_empty() {

@@ -14,7 +14,7 @@
 //! `sample` kernel's notes and the conformance suite.
 
 use rand_chacha::ChaCha8Rng;
-use rand_chacha::rand_core::{Rng, SeedableRng};
+use rand_chacha::rand_core::SeedableRng;
 use wgpu::Buffer;
 
 use super::gpu::{Exec, Gpu};
@@ -22,54 +22,11 @@ use super::model::DeviceModel;
 use super::ops;
 use crate::api::{FinishReason, GenOutput, GenRequest, RequestKey, SamplingParams};
 use crate::config::ModelConfig;
-use crate::cpu::model::check_tokens;
 use crate::error::{BackendError, Result};
 
-/// 53-bit uniform in [0, 1), the CPU reference's draw.
-fn uniform(rng: &mut ChaCha8Rng) -> f64 {
-    (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-}
-
-/// The CPU reference's request checks (same rules, same errors).
-fn validate_request(cfg: &ModelConfig, req: &GenRequest) -> Result<()> {
-    let p = &req.params;
-    let what = format!("request {}", req.id);
-    if req.prompt.is_empty() {
-        return Err(BackendError::EmptyBatch(format!("{what}: empty prompt")));
-    }
-    check_tokens(cfg, &req.prompt, &format!("{what} prompt"))?;
-    check_tokens(cfg, &p.stop_tokens, &format!("{what} stop_tokens"))?;
-    if !(p.temperature.is_finite() && p.temperature >= 0.0) {
-        return Err(BackendError::invalid(
-            "temperature",
-            format!("{} is not finite and ≥ 0", p.temperature),
-        ));
-    }
-    if !(p.top_p.is_finite() && p.top_p > 0.0 && p.top_p <= 1.0) {
-        return Err(BackendError::invalid(
-            "top_p",
-            format!("{} is not in (0, 1]", p.top_p),
-        ));
-    }
-    if p.max_new_tokens == 0 {
-        return Err(BackendError::invalid(
-            "max_new_tokens",
-            "must be at least 1",
-        ));
-    }
-    let total = req.prompt.len() + p.max_new_tokens;
-    if total > cfg.max_position_embeddings {
-        return Err(BackendError::shape(
-            format!("{what} prompt + max_new_tokens"),
-            format!(
-                "at most max_position_embeddings = {}",
-                cfg.max_position_embeddings
-            ),
-            total,
-        ));
-    }
-    Ok(())
-}
+// The CPU reference's draw and request checks, shared so both backends sample the same
+// stream and refuse the same requests with the same errors.
+use crate::cpu::generate::{uniform, validate_request};
 
 #[derive(Debug)]
 struct Active {
