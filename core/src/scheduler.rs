@@ -539,13 +539,17 @@ impl<'a> Scheduler<'a> {
     ///
     /// The group's requests stay contiguous in storage: if other groups were drawn after it,
     /// its records move to the end of the used storage (O(target)), so storage is consumed
-    /// by `target + extra`.
+    /// by `target + extra`. Storage for the `max_groups − drawn` prompts the step may still draw
+    /// stays reserved (until the batch is final or the data exhausted), so an extension never
+    /// makes a draw that `poll_draw` asked for fail.
     ///
     /// ```
     /// use rolloutpipe_core::{ExtendError, GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
     /// let mut storage = SchedulerStorage::<4, 8>::new();
     /// let mut s = storage.scheduler();
-    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+    /// let mut plan = Plan::new(2, 2);
+    /// plan.max_groups = 2; // no over-sampling: nothing to reserve once both prompts are drawn
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), plan).unwrap();
     /// s.on_prompts_drawn(Tick(0), 2).unwrap();
     /// s.extend_group(Tick(0), GroupId(0), 2).unwrap();
     /// assert_eq!(s.group(GroupId(0)).unwrap().target, 4);
@@ -582,7 +586,15 @@ impl<'a> Scheduler<'a> {
         } else {
             new_target as u64
         };
-        if self.req_used as u64 + needed > self.req_cap as u64 {
+        // Request storage for the prompts this step may still draw stays reserved, so that a
+        // draw `poll_draw` asks for is always accepted (extensions cannot starve over-sampling).
+        let reserved = if self.is_final || self.exhausted {
+            0
+        } else {
+            self.plan.max_groups.saturating_sub(self.counters.drawn) as u64
+                * self.plan.group_size as u64
+        };
+        if self.req_used as u64 + needed + reserved > self.req_cap as u64 {
             return Err(ExtendError::RequestsFull { extra });
         }
         let g = group.0;

@@ -475,6 +475,7 @@ impl Model {
             return Err(());
         }
         let req_used = self.req_used;
+        let drawn = self.groups.len();
         let grp = self.groups.get_mut(g as usize).ok_or(())?;
         if !grp.state.is_incomplete() || extra == 0 {
             return Err(());
@@ -486,7 +487,14 @@ impl Model {
         } else {
             target + extra as u32
         };
-        if (req_used + needed) as usize > RCAP {
+        // Storage for the prompts the step may still draw stays reserved.
+        let p = self.plan.ok_or(())?;
+        let reserved = if self.is_final || self.exhausted {
+            0
+        } else {
+            (p.max_groups as usize).saturating_sub(drawn) * p.group_size as usize
+        };
+        if (req_used + needed) as usize + reserved > RCAP {
             return Err(());
         }
         if !at_tail {

@@ -31,7 +31,10 @@ if command -v cargo-fuzz >/dev/null; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   cp fuzz/corpus/events/* "$work"/
-  (cd fuzz && cargo +nightly fuzz run events "$work" -- -max_total_time="${CORE_FUZZ_SECONDS:-30}" -print_final_stats=1)
+  # A fixed seed and run count keep CI reproducible: a crash here fails the same way on rerun
+  # (its input lands in fuzz/artifacts/events/; add it to the corpus with the fix).
+  (cd fuzz && cargo +nightly fuzz run events "$work" -- -seed="${CORE_FUZZ_SEED:-1}" \
+    -runs="${CORE_FUZZ_RUNS:-30000}" -max_total_time=180 -print_final_stats=1)
 else
   echo "cargo-fuzz unavailable: relying on the corpus replay (core/tests/fuzz_corpus.rs)"
 fi
