@@ -2,8 +2,7 @@
 //! model and on the golden fixture, and their JSON is checked against the backend API and
 //! against PyTorch's numbers.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
 use rolloutpipe_backends::{
     Aggregation, CpuBackend, ModelConfig, Objective, PolicyBackend, StdMode, TrainBatch,
@@ -11,37 +10,8 @@ use rolloutpipe_backends::{
 };
 use serde_json::{Value, json};
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_rolloutpipe"))
-}
-
-fn tempdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("rolloutpipe-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn run_ok(cmd: &mut Command) -> Output {
-    let out = cmd.output().expect("binary runs");
-    assert!(
-        out.status.success(),
-        "command failed: {}\nstderr: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn run_err(cmd: &mut Command) -> String {
-    let out = cmd.output().expect("binary runs");
-    assert!(
-        !out.status.success(),
-        "command should fail: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+mod support;
+use support::cli::{bin, run_err, run_ok, tempdir};
 
 fn tiny_model(dir: &Path) -> (ModelConfig, Weights) {
     let cfg = ModelConfig::tiny();

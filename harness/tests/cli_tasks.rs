@@ -1,43 +1,11 @@
 //! `sft` and `eval` run end to end on the tiny preset (seconds), checking their outputs and
 //! their error messages.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
-
 use rolloutpipe_backends::load_model_dir;
 use serde_json::Value;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_rolloutpipe"))
-}
-
-fn tempdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("rolloutpipe-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn run_ok(cmd: &mut Command) -> Output {
-    let out = cmd.output().expect("binary runs");
-    assert!(
-        out.status.success(),
-        "command failed: {}\nstderr: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn run_err(cmd: &mut Command) -> String {
-    let out = cmd.output().expect("binary runs");
-    assert!(
-        !out.status.success(),
-        "command should fail: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+mod support;
+use support::cli::{bin, run_err, run_ok, tempdir};
 
 #[test]
 fn sft_lowers_the_loss_and_eval_reads_its_model() {

@@ -74,6 +74,23 @@ pub(crate) fn uniform(rng: &mut ChaCha8Rng) -> f64 {
     (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
+/// Whether a request ends after emitting `tok` as its `generated`-th token: a stop token ends
+/// it (and is kept), else reaching `max_new_tokens` does. Shared by every backend so that
+/// requests end alike.
+pub(crate) fn finish_reason(
+    params: &SamplingParams,
+    tok: u32,
+    generated: usize,
+) -> Option<FinishReason> {
+    if params.stop_tokens.contains(&tok) {
+        Some(FinishReason::Stop)
+    } else if generated >= params.max_new_tokens {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
+}
+
 /// Checks a generation request (every backend refuses the same requests the same way).
 pub(crate) fn validate_request(cfg: &ModelConfig, req: &GenRequest) -> Result<()> {
     let p = &req.params;
@@ -291,13 +308,7 @@ impl Generator {
             a.cached += len;
             a.tokens.push(tok);
             a.logprobs.push(lp);
-            let finish = if a.params.stop_tokens.contains(&tok) {
-                Some(FinishReason::Stop)
-            } else if a.tokens.len() >= a.params.max_new_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
+            let finish = finish_reason(&a.params, tok, a.tokens.len());
             match finish {
                 Some(finish) => {
                     let a = self.active.remove(i);

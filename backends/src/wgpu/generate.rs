@@ -20,13 +20,13 @@ use wgpu::Buffer;
 use super::gpu::{Exec, Gpu};
 use super::model::DeviceModel;
 use super::ops;
-use crate::api::{FinishReason, GenOutput, GenRequest, RequestKey, SamplingParams};
+use crate::api::{GenOutput, GenRequest, RequestKey, SamplingParams};
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
 
 // The CPU reference's draw and request checks, shared so both backends sample the same
 // stream and refuse the same requests with the same errors.
-use crate::cpu::generate::{uniform, validate_request};
+use crate::cpu::generate::{finish_reason, uniform, validate_request};
 
 #[derive(Debug)]
 struct Active {
@@ -370,13 +370,7 @@ impl Generator {
             a.cached += len;
             a.tokens.push(tok);
             a.logprobs.push(lp);
-            let finish = if a.params.stop_tokens.contains(&tok) {
-                Some(FinishReason::Stop)
-            } else if a.tokens.len() >= a.params.max_new_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
+            let finish = finish_reason(&a.params, tok, a.tokens.len());
             match finish {
                 Some(finish) => {
                     let a = self.active.remove(i);

@@ -1,0 +1,2 @@
+//! Shared helpers of the harness's integration tests.
+pub mod cli;
