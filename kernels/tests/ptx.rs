@@ -1,9 +1,9 @@
 //! The PTX sources without a GPU or `ptxas`: every `.ptx` file in `kernels/ptx/` is listed by
-//! the `Kernel` enum, its `.entry` functions are the enum's `ptx_entry_points` (each
-//! carrying the op's name), its header comment documents the algorithm, the launch layout, the
-//! WGSL twin, the arguments and why it is deterministic, it targets PTX ISA 8.0 / sm_80, and
-//! the committed resource report (`resources.toml`, checked against `ptxas` by
-//! `scripts/ci.d/ptx.sh`) covers exactly these entries for both architectures.
+//! the `Kernel` enum; its `.entry` functions are the enum's `ptx_entry_points` (each carrying
+//! the op's name); its header comment documents the algorithm, the launch layout, the WGSL
+//! twin, the arguments and why it is deterministic; it targets PTX ISA 8.0 / sm_80; no kernel
+//! uses atomics; and the committed resource report (`resources.toml`, checked against
+//! `ptxas` by `scripts/ci.d/ptx.sh`) covers exactly these entries for both architectures.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -140,4 +140,27 @@ fn resource_report_covers_exactly_the_entries() {
         in_report, expected,
         "run scripts/ci.d/ptx.sh --write after adding entries"
     );
+}
+
+/// Batch-invariant decoding and run-to-run identical training need fixed reduction orders:
+/// no kernel may use atomics (`atom.*`) or reduction-to-memory (`red.*`) instructions.
+#[test]
+fn no_kernel_uses_atomics() {
+    for &k in Kernel::ALL {
+        for (n, line) in k.ptx().lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("").trim_start();
+            // Strip a guard predicate such as `@%p1 `.
+            let instr = match code.strip_prefix('@') {
+                Some(rest) => rest.split_once(' ').map_or("", |(_, i)| i.trim_start()),
+                None => code,
+            };
+            assert!(
+                !(instr.starts_with("atom.") || instr.starts_with("red.")),
+                "{}:{}: atomic instruction `{}`",
+                k.name(),
+                n + 1,
+                instr
+            );
+        }
+    }
 }
