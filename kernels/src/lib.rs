@@ -107,7 +107,7 @@ kernels! {
     /// `y = x·Wᵀ`, tiled 64x64 per 16x16 workgroup; a row-strip variant for ≤ 8 rows.
     MatmulFwd => "matmul_fwd", ["matmul_fwd", "matmul_fwd_rows"], 3, [16, 16, 1], ["matmul_fwd", "matmul_fwd_f32", "matmul_fwd_cast"];
     /// `dx = dy·W` and `dW += dyᵀ·x`, same tiling.
-    MatmulBwd => "matmul_bwd", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, [16, 16, 1], ["matmul_bwd_dx", "matmul_bwd_dw", "matmul_bwd_f32"];
+    MatmulBwd => "matmul_bwd", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, [16, 16, 1], ["matmul_bwd_dx", "matmul_bwd_dw"];
     /// Rotate-half RoPE in place from cos/sin tables.
     RopeFwd => "rope_fwd", ["rope_fwd"], 4, [256, 1, 1], ["rope_fwd"];
     /// Transposed rotation of a gradient, in place.
