@@ -10,7 +10,15 @@ NVCC_VERSION=12.9.86
 VENV=.venv-ptx
 start=$(date +%s)
 if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
+  if ! python3 -m venv "$VENV" 2>/dev/null; then
+    # Debian ships venv separately; install it the way scripts/setup.sh installs packages.
+    rm -rf "$VENV"
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+    fi
+    python3 -m venv "$VENV"
+  fi
 fi
 if ! "$VENV/bin/python" -m pip show nvidia-cuda-nvcc-cu12 2>/dev/null | grep -qx "Version: $NVCC_VERSION"; then
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "nvidia-cuda-nvcc-cu12==$NVCC_VERSION"

@@ -18,7 +18,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PTX_DIR = ROOT / "kernels" / "ptx"
@@ -61,6 +60,24 @@ def assemble(ptxas, path, arch):
     return path, arch, kernels, out
 
 
+def load_report(path):
+    """The report's own subset of TOML: `[arch.entry]` sections of `key = integer` lines
+    (parsed here so that any Python 3 works, tomllib needs 3.11)."""
+    report, cur = {}, None
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            cur = report.setdefault(line[1:-1], {})
+            continue
+        key, sep, value = (part.strip() for part in line.partition("="))
+        if cur is None or not sep or not value.isdigit():
+            sys.exit(f"{path.name}:{n}: expected `[arch.entry]` or `key = integer`, got {raw!r}")
+        cur[key] = int(value)
+    return report
+
+
 def main():
     if len(sys.argv) < 2:
         sys.exit("usage: ptx_resources.py PTXAS [--write]")
@@ -76,8 +93,7 @@ def main():
                 continue
             for name, res in kernels.items():
                 measured[f"{arch}.{name}"] = res
-    committed = tomllib.loads(REPORT.read_text()) if REPORT.exists() else {}
-    flat = {f"{a}.{k}": v for a, ks in committed.items() for k, v in ks.items()}
+    flat = load_report(REPORT) if REPORT.exists() else {}
     if write and not errors:
         lines = ["# Resources of every PTX entry as ptxas -v reports them (registers per thread,",
                  "# static shared memory in bytes, spill/local/stack bytes), per architecture.",
