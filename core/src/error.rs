@@ -178,6 +178,32 @@ pub enum ExtendError {
     },
 }
 
+/// Why `set_slots` refused.
+///
+/// ```
+/// use rolloutpipe_core::SlotsError;
+/// assert_eq!(SlotsError::ZeroSlots.to_string(), "zero rollout slots");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum SlotsError {
+    /// No step is running.
+    NoActiveStep,
+    /// Zero slots: nothing could ever be admitted again.
+    ZeroSlots,
+}
+
+impl fmt::Display for SlotsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SlotsError::NoActiveStep => "no step is running",
+            SlotsError::ZeroSlots => "zero rollout slots",
+        })
+    }
+}
+
+impl core::error::Error for SlotsError {}
+
 /// Why a choice made by a caller-supplied admission policy was refused.
 ///
 /// ```

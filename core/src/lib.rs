@@ -41,10 +41,21 @@
 //!    [`poll_abort`](Scheduler::poll_abort) → abort → [`on_abort_acked`](Scheduler::on_abort_acked);
 //!    [`poll_dispatch`](Scheduler::poll_dispatch) → give the group to the trainer;
 //!    [`poll_micro_batch`](Scheduler::poll_micro_batch) → train it →
-//!    [`on_micro_batch_consumed`](Scheduler::on_micro_batch_consumed), and
-//!    [`on_optimizer_step_done`](Scheduler::on_optimizer_step_done) when it says an optimizer
-//!    step is due.
+//!    [`on_micro_batch_consumed`](Scheduler::on_micro_batch_consumed);
+//!    [`poll_optimizer_step`](Scheduler::poll_optimizer_step) → apply it →
+//!    [`on_optimizer_step_done`](Scheduler::on_optimizer_step_done).
+//!    Events that do not burn an attempt: [`on_admission_refused`](Scheduler::on_admission_refused)
+//!    and [`on_request_preempted`](Scheduler::on_request_preempted) (preempted or migrated);
+//!    [`set_slots`](Scheduler::set_slots) when engines come or go.
 //! 3. [`poll_step_done`](Scheduler::poll_step_done) returns the [`StepSummary`]; begin the next.
+//!
+//! **Liveness.** The polls alone say everything the driver must do: a driver that answers every
+//! decision (and whose engines eventually finish, fail or ack what they were given) reaches
+//! `poll_step_done` without consulting any other accessor. Two contracts make that true:
+//! `begin_step` refuses request storage smaller than `max_groups × G`, so every draw `poll_draw`
+//! asks for is accepted; and an optimizer step that becomes due without a micro-batch (a batch
+//! that turns final and short after its last micro-batch was consumed) is still announced by
+//! `poll_optimizer_step`. `tests/liveness.rs` and the state-machine test check this.
 //!
 //! Rewards stay in the core until the next step begins: read them with
 //! [`Scheduler::group_rewards`] when a group is dispatched to compute its advantages.
@@ -83,9 +94,10 @@
 //!         trained.push(d.group);
 //!     }
 //!     while s.poll_micro_batch(now).is_some() {
-//!         if s.on_micro_batch_consumed(now)?.ends_optimizer_step {
-//!             s.on_optimizer_step_done(now)?;
-//!         }
+//!         s.on_micro_batch_consumed(now)?;
+//!     }
+//!     if s.poll_optimizer_step(now).is_some() {
+//!         s.on_optimizer_step_done(now)?;
 //!     }
 //! }
 //! let summary = s.poll_step_done().unwrap();
@@ -110,10 +122,13 @@ mod state;
 mod storage;
 mod types;
 
-pub use error::{AdmitError, BeginError, DrawError, ExtendError, RequestError, TrainError};
+pub use error::{
+    AdmitError, BeginError, DrawError, ExtendError, RequestError, SlotsError, TrainError,
+};
 pub use policy::{Admit, Incomplete, Queue, View};
 pub use scheduler::{
-    Admission, AuditError, Completion, Dispatch, Failure, GroupInfo, MicroBatch, Scheduler,
+    Admission, AuditError, Completion, Dispatch, Failure, GroupInfo, MicroBatch, OptimizerStep,
+    Scheduler,
 };
 pub use state::{Counters, FilterReason, GroupState, RequestState, StepPhase, StepSummary};
 pub use storage::{GroupSlot, RequestSlot, SchedulerStorage};

@@ -2,7 +2,9 @@
 //! through [`Scheduler::set_state`]; all request-slot bookkeeping through a handful of private
 //! helpers next to it.
 
-use crate::error::{AdmitError, BeginError, DrawError, ExtendError, RequestError, TrainError};
+use crate::error::{
+    AdmitError, BeginError, DrawError, ExtendError, RequestError, SlotsError, TrainError,
+};
 use crate::policy::{Admit, View};
 use crate::state::{Counters, FilterReason, GroupState, RequestState, StepPhase, StepSummary};
 use crate::storage::{GroupSlot, Link, List, NIL, RequestSlot};
@@ -74,10 +76,24 @@ pub struct MicroBatch {
     pub first_seq: u32,
     /// Groups in it (m, except a short batch's last micro-batch).
     pub len: u32,
-    /// Whether an optimizer step follows it, as far as known now. A batch that turns out short
-    /// later can make an already released micro-batch the last one; the value returned by
-    /// `on_micro_batch_consumed` (and `optimizer_step_due`) is authoritative.
+    /// Whether an optimizer step follows it, as far as known now (informative). A batch that
+    /// turns out short later can make an already consumed micro-batch the last one; only
+    /// `poll_optimizer_step` announces every optimizer step.
     pub ends_optimizer_step: bool,
+}
+
+/// An optimizer step the trainer must apply now (from `poll_optimizer_step`).
+///
+/// ```
+/// use rolloutpipe_core::OptimizerStep;
+/// assert_eq!(OptimizerStep { index: 1 }.index, 1);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct OptimizerStep {
+    /// Optimizer steps applied before this one in the current step (0, 1, …, k_opt − 1).
+    pub index: u32,
 }
 
 /// What a completion did.
@@ -96,8 +112,9 @@ pub enum Completion {
         /// The group's state after the event.
         group_state: GroupState,
     },
-    /// The request's group had ended (its abort was pending); the result is dropped, the slot
-    /// freed and `requests_discarded` counts it.
+    /// The request's group had ended (its abort was pending, or, for a reward, its response was
+    /// dropped); the result is discarded. A late completion frees its slot and
+    /// `requests_discarded` counts it; a late reward was counted in `requests_dropped` already.
     Discarded,
 }
 
@@ -243,6 +260,10 @@ pub struct Scheduler<'a> {
     mb_consumed: u32,
     trained_since_opt: u32,
     opt_done: u32,
+    /// The due optimizer step was handed out by `poll_optimizer_step`.
+    opt_announced: bool,
+    /// Slots in use when `set_slots` last shrank below them: the audit's cap until they drain.
+    slots_ceiling: u32,
     draw_outstanding: u32,
     exhausted: bool,
     pub(crate) is_final: bool,
@@ -311,6 +332,7 @@ impl<'a> Scheduler<'a> {
                 requests_failed: 0,
                 requests_aborted: 0,
                 requests_discarded: 0,
+                requests_requeued: 0,
                 requests_dropped: 0,
                 in_flight: 0,
             },
@@ -325,6 +347,8 @@ impl<'a> Scheduler<'a> {
             mb_consumed: 0,
             trained_since_opt: 0,
             opt_done: 0,
+            opt_announced: false,
+            slots_ceiling: 0,
             draw_outstanding: 0,
             exhausted: false,
             is_final: false,
@@ -373,7 +397,11 @@ impl<'a> Scheduler<'a> {
                 capacity: self.group_cap,
             }));
         }
-        let needed = plan.batch_groups as u64 * plan.group_size as u64;
+        // Every draw `poll_draw` may ask for must fit: over-sampling draws up to `max_groups`
+        // prompts of G samples. Refusing here, once, keeps `poll_draw` a promise (a refused draw
+        // would leave its reservation behind and the step stalled), where clamping the draws
+        // instead would silently over-sample less than the plan says.
+        let needed = plan.max_groups as u64 * plan.group_size as u64;
         if needed > self.req_cap as u64 {
             return Err(BeginError::Plan(PlanError::RequestCapacity {
                 needed,
@@ -431,6 +459,9 @@ impl<'a> Scheduler<'a> {
         }
         let g_size = self.plan.group_size as u32;
         let total = n as u64 * g_size as u64;
+        // Unreachable under begin_step's capacity contract (extensions keep the storage for
+        // the prompts still drawable reserved); kept so that a broken invariant is an error,
+        // not an out-of-bounds panic.
         if self.req_used as u64 + total > self.req_cap as u64 {
             return Err(DrawError::RequestsFull { requested: n });
         }
@@ -656,7 +687,7 @@ impl<'a> Scheduler<'a> {
                 Ok(Completion::Accepted { group_state: state })
             }
             RequestState::AbortPending | RequestState::AbortSent => {
-                self.end_aborting(idx, false, now);
+                self.end_aborting(idx, RequestState::Cancelled, now);
                 Ok(Completion::Discarded)
             }
             state => Err(RequestError::BadRequestState { state }),
@@ -696,7 +727,7 @@ impl<'a> Scheduler<'a> {
                 })
             }
             RequestState::AbortPending | RequestState::AbortSent => {
-                self.end_aborting(idx, false, now);
+                self.end_aborting(idx, RequestState::Dropped, now);
                 Ok(Completion::Discarded)
             }
             state => Err(RequestError::BadRequestState { state }),
@@ -705,29 +736,38 @@ impl<'a> Scheduler<'a> {
 
     /// The verifier's reward for a generated request. A non-finite reward filters the group at
     /// once; the group's last reward completes it (trainable, or filtered for zero variance).
+    /// A reward for a response whose group ended meanwhile (aborted, filtered, or the batch
+    /// filled) is `Discarded`, as a late completion is.
     ///
     /// ```
-    /// use rolloutpipe_core::{FilterReason, GroupState, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// use rolloutpipe_core::{Completion, FilterReason, GroupState, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
     /// let mut storage = SchedulerStorage::<4, 4>::new();
     /// let mut s = storage.scheduler();
     /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 1)).unwrap();
     /// s.on_prompts_drawn(Tick(0), 1).unwrap();
     /// let a = s.poll_admit(Tick(0)).unwrap();
     /// s.on_request_generated(Tick(1), a.request, PolicyVersion(0), 5).unwrap();
-    /// assert_eq!(s.on_reward(Tick(2), a.request, 1.0), Ok(GroupState::Filtered(FilterReason::ZeroVariance)));
+    /// assert_eq!(s.on_reward(Tick(2), a.request, 1.0),
+    ///     Ok(Completion::Accepted { group_state: GroupState::Filtered(FilterReason::ZeroVariance) }));
     /// ```
     pub fn on_reward(
         &mut self,
         now: Tick,
         id: RequestId,
         reward: f32,
-    ) -> Result<GroupState, RequestError> {
+    ) -> Result<Completion, RequestError> {
         let idx = self.lookup(id)?;
         match self.reqs[idx as usize].state {
             RequestState::Generated => {
-                let state = self.apply_reward(idx, reward, now);
+                let group_state = self.apply_reward(idx, reward, now);
                 self.after_event(now);
-                Ok(state)
+                Ok(Completion::Accepted { group_state })
+            }
+            RequestState::Dropped => {
+                // Counted when it was dropped; only the state moves on (a second reward is an
+                // error again).
+                self.reqs[idx as usize].state = RequestState::Cancelled;
+                Ok(Completion::Discarded)
             }
             state => Err(RequestError::BadRequestState { state }),
         }
@@ -787,7 +827,7 @@ impl<'a> Scheduler<'a> {
                 Ok(out)
             }
             RequestState::AbortPending | RequestState::AbortSent => {
-                self.end_aborting(idx, true, now);
+                self.end_aborting(idx, RequestState::Unused, now);
                 Ok(Failure::AbortAcked)
             }
             state => Err(RequestError::BadRequestState { state }),
@@ -809,11 +849,87 @@ impl<'a> Scheduler<'a> {
         let idx = self.lookup(id)?;
         match self.reqs[idx as usize].state {
             RequestState::AbortPending | RequestState::AbortSent => {
-                self.end_aborting(idx, true, now);
+                self.end_aborting(idx, RequestState::Unused, now);
                 Ok(())
             }
             state => Err(RequestError::BadRequestState { state }),
         }
+    }
+
+    /// The engine refused to start an admitted request (its queue is full, it is draining): the
+    /// request waits for a slot again, at the front of the queue, with the same attempt; no
+    /// attempt is burned. Lower the slot count with [`set_slots`](Self::set_slots) if the engine
+    /// has fewer slots than the plan thought. A request being aborted counts as acknowledged.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Failure, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// let a = s.poll_admit(Tick(0)).unwrap();
+    /// assert_eq!(s.on_admission_refused(Tick(1), a.request), Ok(Failure::Retried { attempt: 0 }));
+    /// assert_eq!(s.poll_admit(Tick(1)).unwrap().request, a.request);
+    /// ```
+    pub fn on_admission_refused(
+        &mut self,
+        now: Tick,
+        id: RequestId,
+    ) -> Result<Failure, RequestError> {
+        self.requeue(now, id)
+    }
+
+    /// A running request was preempted by its engine, or is being migrated to another engine
+    /// (JigsawRL-style): it waits for a slot again at the front of the queue, with the same
+    /// attempt, and no attempt is burned. Its old run must not complete (the caller stops it);
+    /// the re-admission hands out the same id. A request being aborted counts as acknowledged.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Failure, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// let mut plan = Plan::new(1, 2);
+    /// plan.max_attempts = 1;
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), plan).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// let a = s.poll_admit(Tick(0)).unwrap();
+    /// // With one attempt allowed, a failure would filter the group; a preemption does not.
+    /// assert_eq!(s.on_request_preempted(Tick(1), a.request), Ok(Failure::Retried { attempt: 0 }));
+    /// assert_eq!(s.counters().requests_requeued, 1);
+    /// ```
+    pub fn on_request_preempted(
+        &mut self,
+        now: Tick,
+        id: RequestId,
+    ) -> Result<Failure, RequestError> {
+        self.requeue(now, id)
+    }
+
+    /// Changes the number of rollout slots mid-step (an engine joined or left). Shrinking below
+    /// the slots in use evicts nothing: admission pauses until enough requests end.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, SlotsError, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// s.set_slots(Tick(0), 1).unwrap();
+    /// assert!(s.poll_admit(Tick(0)).is_some());
+    /// assert!(s.poll_admit(Tick(0)).is_none());
+    /// assert_eq!(s.set_slots(Tick(0), 0), Err(SlotsError::ZeroSlots));
+    /// ```
+    pub fn set_slots(&mut self, now: Tick, slots: u32) -> Result<(), SlotsError> {
+        let _ = now;
+        if self.phase != StepPhase::Active {
+            return Err(SlotsError::NoActiveStep);
+        }
+        if slots == 0 {
+            return Err(SlotsError::ZeroSlots);
+        }
+        self.plan.slots = slots;
+        self.slots_ceiling = self.counters.in_flight;
+        Ok(())
     }
 
     /// The trainer finished forward/backward on the oldest released micro-batch; its groups are
@@ -875,6 +991,7 @@ impl<'a> Scheduler<'a> {
         }
         self.trained_since_opt = 0;
         self.opt_done += 1;
+        self.opt_announced = false;
         self.after_event(now);
         Ok(())
     }
@@ -1078,6 +1195,41 @@ impl<'a> Scheduler<'a> {
         self.mb_released += 1;
         self.released_groups = end;
         Some(mb)
+    }
+
+    /// The optimizer step the trainer must apply now, once per due step: after the micro-batch
+    /// that completes `B / k_opt` groups, or once the batch is final and every trainable group
+    /// is trained (a short batch can make that true after its last micro-batch was consumed, so
+    /// only this poll, not `MicroBatch::ends_optimizer_step`, says so in every case). Apply it and
+    /// report [`on_optimizer_step_done`](Self::on_optimizer_step_done).
+    ///
+    /// ```
+    /// use rolloutpipe_core::{OptimizerStep, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// for r in [0.0, 1.0] {
+    ///     let a = s.poll_admit(Tick(0)).unwrap();
+    ///     s.on_request_finished(Tick(1), a.request, PolicyVersion(0), 5, r).unwrap();
+    /// }
+    /// s.poll_dispatch(Tick(1)).unwrap();
+    /// s.poll_micro_batch(Tick(1)).unwrap();
+    /// s.on_micro_batch_consumed(Tick(2)).unwrap();
+    /// assert_eq!(s.poll_optimizer_step(Tick(2)), Some(OptimizerStep { index: 0 }));
+    /// assert_eq!(s.poll_optimizer_step(Tick(2)), None); // handed out once
+    /// s.on_optimizer_step_done(Tick(3)).unwrap();
+    /// assert!(s.poll_step_done().is_some());
+    /// ```
+    pub fn poll_optimizer_step(&mut self, now: Tick) -> Option<OptimizerStep> {
+        let _ = now;
+        if self.phase != StepPhase::Active || self.opt_announced || !self.optimizer_step_due() {
+            return None;
+        }
+        self.opt_announced = true;
+        Some(OptimizerStep {
+            index: self.opt_done,
+        })
     }
 
     /// The next in-flight request to abort (its group ended: surplus once the batch filled, or
@@ -1387,7 +1539,7 @@ impl<'a> Scheduler<'a> {
         if self.phase == StepPhase::Idle {
             return Ok(());
         }
-        if self.counters.in_flight > self.plan.slots {
+        if self.counters.in_flight > self.plan.slots.max(self.slots_ceiling) {
             return bad(
                 "slots in use exceed capacity",
                 self.counters.in_flight as u64,
@@ -1489,6 +1641,7 @@ impl<'a> Scheduler<'a> {
         mine.requests_failed = 0;
         mine.requests_aborted = 0;
         mine.requests_discarded = 0;
+        mine.requests_requeued = 0;
         mine.requests_dropped = 0;
         if mine != c {
             return bad("per-state counts", 0);
@@ -1758,7 +1911,7 @@ impl<'a> Scheduler<'a> {
                     self.aborts.push_back(self.reqs, idx);
                 }
                 RequestState::Generated => {
-                    self.reqs[idx as usize].state = RequestState::Cancelled;
+                    self.reqs[idx as usize].state = RequestState::Dropped;
                     self.counters.requests_dropped += 1;
                 }
                 _ => {}
@@ -1798,13 +1951,44 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    /// A request being aborted stopped: acked (or failed) when `acked`, else it finished and its
-    /// result is discarded.
-    fn end_aborting(&mut self, idx: u32, acked: bool, now: Tick) {
+    /// Puts an admitted request back at the front of the queue without burning an attempt.
+    fn requeue(&mut self, now: Tick, id: RequestId) -> Result<Failure, RequestError> {
+        let idx = self.lookup(id)?;
+        match self.reqs[idx as usize].state {
+            RequestState::InFlight => {
+                let r = self.reqs[idx as usize];
+                let g = r.group;
+                self.counters.requests_requeued += 1;
+                self.counters.in_flight -= 1;
+                self.reqs[idx as usize].state = RequestState::Pending;
+                self.queue.push_front(self.reqs, idx);
+                if self.groups[g as usize].pending == 0 {
+                    self.mark_pending(g);
+                }
+                let gs = &mut self.groups[g as usize];
+                gs.in_flight -= 1;
+                gs.pending += 1;
+                gs.low = gs.low.min(r.sample);
+                self.after_event(now);
+                Ok(Failure::Retried { attempt: r.attempt })
+            }
+            RequestState::AbortPending | RequestState::AbortSent => {
+                self.end_aborting(idx, RequestState::Unused, now);
+                Ok(Failure::AbortAcked)
+            }
+            state => Err(RequestError::BadRequestState { state }),
+        }
+    }
+
+    /// A request being aborted stopped. `then` says how: `Unused` when the abort was acked (or
+    /// the request failed), `Cancelled` when it finished with its reward, `Dropped` when it
+    /// generated a response whose reward may still come; the result is discarded.
+    fn end_aborting(&mut self, idx: u32, then: RequestState, now: Tick) {
         if self.reqs[idx as usize].state == RequestState::AbortPending {
             self.aborts.remove(self.reqs, idx);
         }
-        self.reqs[idx as usize].state = RequestState::Cancelled;
+        let acked = then == RequestState::Unused;
+        self.reqs[idx as usize].state = if acked { RequestState::Cancelled } else { then };
         self.counters.in_flight -= 1;
         if acked {
             self.counters.requests_aborted += 1;
@@ -1927,7 +2111,7 @@ mod tests {
             assert_eq!(
                 s.begin_step(T, StepId(0), V, Plan::new(2, 8)),
                 Err(BeginError::Plan(PlanError::RequestCapacity {
-                    needed: 16,
+                    needed: 32,
                     capacity: 8
                 }))
             );
@@ -2077,9 +2261,19 @@ mod tests {
 
         #[test]
         fn draw_errors_change_nothing() {
+            // Storage for B x G but not max_groups x G is refused up front, so that no draw
+            // `poll_draw` asks for can fail for storage.
             let (mut g, mut r) = storage(8, 12);
             let mut p = plan(2, 4);
             p.max_groups = 4;
+            assert_eq!(
+                Scheduler::new(&mut g, &mut r).begin_step(T, StepId(1), V, p),
+                Err(BeginError::Plan(PlanError::RequestCapacity {
+                    needed: 16,
+                    capacity: 12
+                }))
+            );
+            let (mut g, mut r) = storage(8, 16);
             let mut s = begun(&mut g, &mut r, p);
             assert_eq!(s.on_prompts_drawn(T, 0), Err(DrawError::ZeroCount));
             assert_eq!(
@@ -2090,12 +2284,17 @@ mod tests {
                     max_groups: 4
                 })
             );
-            assert_eq!(
-                s.on_prompts_drawn(T, 4),
-                Err(DrawError::RequestsFull { requested: 4 })
-            );
             assert_eq!(s.counters().drawn, 0);
             s.on_prompts_drawn(T, 3).unwrap();
+            assert_eq!(
+                s.on_prompts_drawn(T, 2),
+                Err(DrawError::MaxGroups {
+                    drawn: 3,
+                    requested: 2,
+                    max_groups: 4
+                })
+            );
+            assert_eq!(s.counters().drawn, 3);
             s.audit().unwrap();
         }
 
@@ -2268,7 +2467,14 @@ mod tests {
                 s.view().group_state(GroupId(0)),
                 Some(GroupState::Filtered(FilterReason::AttemptsExhausted))
             );
-            // Its generated sibling's reward is no longer wanted.
+            // Its generated sibling's reward is no longer wanted: discarded, once.
+            assert_eq!(
+                s.request_state(GroupId(0), 1),
+                Some((RequestState::Dropped, 0))
+            );
+            let dropped = s.counters().requests_dropped;
+            assert_eq!(s.on_reward(T, b, 1.0), Ok(Completion::Discarded));
+            assert_eq!(s.counters().requests_dropped, dropped);
             assert_eq!(
                 s.on_reward(T, b, 1.0),
                 Err(RequestError::BadRequestState {
@@ -2384,9 +2590,16 @@ mod tests {
             assert_eq!(s.slots_in_use(), 0);
             assert_eq!(
                 s.on_reward(Tick(3), a[0], 0.0),
-                Ok(GroupState::Materializing)
+                Ok(Completion::Accepted {
+                    group_state: GroupState::Materializing
+                })
             );
-            assert_eq!(s.on_reward(Tick(4), a[1], 1.0), Ok(GroupState::Trainable));
+            assert_eq!(
+                s.on_reward(Tick(4), a[1], 1.0),
+                Ok(Completion::Accepted {
+                    group_state: GroupState::Trainable
+                })
+            );
             let info = s.group(GroupId(0)).unwrap();
             assert_eq!(
                 (
@@ -2428,7 +2641,12 @@ mod tests {
                 s.group_rewards(GroupId(0)).unwrap().collect::<Vec<_>>(),
                 [Some(1.0), None, None, None]
             );
-            assert_eq!(s.on_reward(T, a[1], 1.0), Ok(GroupState::Generating));
+            assert_eq!(
+                s.on_reward(T, a[1], 1.0),
+                Ok(Completion::Accepted {
+                    group_state: GroupState::Generating
+                })
+            );
             let rest = admit_all(&mut s);
             for x in rest {
                 finish(&mut s, x, if x.group == GroupId(0) { 0.0 } else { 1.0 });

@@ -154,7 +154,10 @@ pub enum RequestState {
     AbortPending,
     /// Abort handed out by `poll_abort`; waiting for the ack (or a late finish). Holds its slot.
     AbortSent,
-    /// Ended without a result (dropped while pending or generated, abort acked, or discarded).
+    /// Generated, but its group ended before the reward came: the reward, if it still comes, is
+    /// discarded (`on_reward` returns `Completion::Discarded`).
+    Dropped,
+    /// Ended without a result (dropped while pending, abort acked, or discarded).
     Cancelled,
 }
 
@@ -183,6 +186,7 @@ impl fmt::Display for RequestState {
             RequestState::Rewarded => "rewarded",
             RequestState::AbortPending => "abort-pending",
             RequestState::AbortSent => "abort-sent",
+            RequestState::Dropped => "dropped",
             RequestState::Cancelled => "cancelled",
         })
     }
@@ -236,6 +240,9 @@ pub struct Counters {
     pub requests_aborted: u64,
     /// Requests that finished after their group ended; their result was discarded.
     pub requests_discarded: u64,
+    /// Admitted requests handed back without burning an attempt (the engine refused the
+    /// admission, or preempted or migrated the request); they wait for a slot again.
+    pub requests_requeued: u64,
     /// Pending or generated requests dropped without running (or without a reward) because their
     /// group ended.
     pub requests_dropped: u64,
@@ -307,6 +314,7 @@ impl Counters {
                     + self.requests_failed
                     + self.requests_aborted
                     + self.requests_discarded
+                    + self.requests_requeued
                     + self.in_flight as u64
     }
 }

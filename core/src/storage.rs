@@ -262,6 +262,20 @@ impl List {
         self.len += 1;
     }
 
+    pub(crate) fn push_front<T: Linked>(&mut self, slots: &mut [T], i: u32) {
+        *slots[i as usize].link_mut() = Link {
+            prev: NIL,
+            next: self.head,
+        };
+        if self.head == NIL {
+            self.tail = i;
+        } else {
+            slots[self.head as usize].link_mut().prev = i;
+        }
+        self.head = i;
+        self.len += 1;
+    }
+
     pub(crate) fn remove<T: Linked>(&mut self, slots: &mut [T], i: u32) {
         let Link { prev, next } = slots[i as usize].link();
         if prev == NIL {

@@ -428,9 +428,10 @@ pub enum PlanError {
         /// Group slots available.
         capacity: u32,
     },
-    /// The caller's request storage is smaller than `batch_groups × group_size`.
+    /// The caller's request storage is smaller than `max_groups × group_size`: over-sampling
+    /// could then ask for a draw the storage refuses.
     RequestCapacity {
-        /// `batch_groups × group_size`.
+        /// `max_groups × group_size`.
         needed: u64,
         /// Request slots available.
         capacity: u32,
@@ -484,7 +485,7 @@ impl fmt::Display for PlanError {
             PlanError::RequestCapacity { needed, capacity } => {
                 write!(
                     f,
-                    "a batch needs {needed} request slots but {capacity} are provided"
+                    "over-sampling may need {needed} request slots but {capacity} are provided"
                 )
             }
         }

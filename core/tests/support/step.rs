@@ -60,12 +60,14 @@ pub fn run_step(s: &mut Scheduler<'_>, step: u64, plan: Plan, seed: u64) -> Step
         }
         while s.poll_dispatch(now).is_some() {}
         while s.poll_micro_batch(now).is_some() {
-            if s.on_micro_batch_consumed(now)
-                .expect("released micro-batch")
-                .ends_optimizer_step
-            {
+            s.on_micro_batch_consumed(now)
+                .expect("released micro-batch");
+            if s.poll_optimizer_step(now).is_some() {
                 s.on_optimizer_step_done(now).expect("optimizer step due");
             }
+        }
+        if s.poll_optimizer_step(now).is_some() {
+            s.on_optimizer_step_done(now).expect("optimizer step due");
         }
         if let Some(sum) = s.poll_step_done() {
             let c = sum.counters;

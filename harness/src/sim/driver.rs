@@ -476,7 +476,9 @@ impl<'c> Sim<'c> {
         }
         let g = r.id.group;
         match sched.on_reward(tick(self.now), r.id, r.reward) {
-            Ok(state) => {
+            // The group ended meanwhile (aborted as surplus or filtered): the reward is dropped.
+            Ok(Completion::Discarded) => {}
+            Ok(Completion::Accepted { group_state: state }) => {
                 let c = &mut self.ctxs[step as usize];
                 let gi = g.0 as usize;
                 if !c.completed[gi]

@@ -1216,7 +1216,9 @@ impl Ctx<'_> {
                     bail!("a reward for {rid}, which was not generated");
                 };
                 match sched.on_reward(now, rid, reward) {
-                    Ok(state) => {
+                    // The group ended meanwhile; its response is not trained on.
+                    Ok(rolloutpipe_core::Completion::Discarded) => {}
+                    Ok(rolloutpipe_core::Completion::Accepted { group_state: state }) => {
                         ro.rewards.0 += reward as f64;
                         ro.rewards.1 += 1;
                         ro.rewards.2 += correct as u64;
