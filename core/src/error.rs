@@ -66,6 +66,11 @@ pub enum DrawError {
         /// The refused count.
         requested: u32,
     },
+    /// The draw would exceed the plan's `sample_budget`.
+    SampleBudget {
+        /// The refused count.
+        requested: u32,
+    },
 }
 
 /// Why a request event (generated, reward, finished, failed, abort ack) was refused.
@@ -176,6 +181,11 @@ pub enum ExtendError {
         /// The refused extra.
         extra: u16,
     },
+    /// The extension would exceed the plan's `sample_budget`.
+    SampleBudget {
+        /// The refused extra.
+        extra: u16,
+    },
 }
 
 /// Why `set_slots` refused.
@@ -253,6 +263,12 @@ impl fmt::Display for DrawError {
             DrawError::RequestsFull { requested } => {
                 write!(f, "no request storage left for {requested} prompts")
             }
+            DrawError::SampleBudget { requested } => {
+                write!(
+                    f,
+                    "{requested} more prompts exceed the step's sample budget"
+                )
+            }
         }
     }
 }
@@ -308,6 +324,9 @@ impl fmt::Display for ExtendError {
             }
             ExtendError::RequestsFull { extra } => {
                 write!(f, "no request storage left for {extra} more samples")
+            }
+            ExtendError::SampleBudget { extra } => {
+                write!(f, "{extra} more samples exceed the step's sample budget")
             }
         }
     }

@@ -19,7 +19,8 @@
 //! - **One implementation, several policies.** Slime's baseline is `Fifo` + `Sync`; CGP is
 //!   `Pipelined` dispatch; RolloutPipe is `Frontier` + `Pipelined`. Admission policies are pure
 //!   functions of a read-only [`View`], so new ones implement [`Admit`] without touching the state
-//!   machine.
+//!   machine; allocation policies (how many samples a scored group gets: VIGOR, Pilot-Commit)
+//!   implement [`Allocate`] the same way, with [`FixedG`] (GRPO's fixed G) the default.
 //! - **Nothing lost silently.** [`Counters`] prove `drawn = trained + filtered + aborted + in
 //!   progress` after every event; [`Scheduler::audit`] re-derives every count from storage.
 //!
@@ -47,6 +48,9 @@
 //!    Events that do not burn an attempt: [`on_admission_refused`](Scheduler::on_admission_refused)
 //!    and [`on_request_preempted`](Scheduler::on_request_preempted) (preempted or migrated);
 //!    [`set_slots`](Scheduler::set_slots) when engines come or go.
+//!    With `Plan::hold_scored`, [`poll_allocation`](Scheduler::poll_allocation) (or
+//!    [`poll_allocation_with`](Scheduler::poll_allocation_with) and an [`Allocate`] policy)
+//!    decides each scored group: commit, extend by n, or skip.
 //! 3. [`poll_step_done`](Scheduler::poll_step_done) returns the [`StepSummary`]; begin the next.
 //!
 //! **Liveness.** The polls alone say everything the driver must do: a driver that answers every
@@ -115,6 +119,7 @@
 #![no_std]
 #![deny(unsafe_code, missing_docs)]
 
+mod allocate;
 mod error;
 mod policy;
 mod scheduler;
@@ -122,6 +127,7 @@ mod state;
 mod storage;
 mod types;
 
+pub use allocate::{Allocate, Allocated, Allocation, FixedG, RewardStats};
 pub use error::{
     AdmitError, BeginError, DrawError, ExtendError, RequestError, SlotsError, TrainError,
 };
@@ -130,7 +136,9 @@ pub use scheduler::{
     Admission, AuditError, Completion, Dispatch, Failure, GroupInfo, MicroBatch, OptimizerStep,
     Scheduler,
 };
-pub use state::{Counters, FilterReason, GroupState, RequestState, StepPhase, StepSummary};
+pub use state::{
+    Counters, FilterReason, GroupState, RequestState, SkipReason, StepPhase, StepSummary,
+};
 pub use storage::{GroupSlot, RequestSlot, SchedulerStorage};
 pub use types::{
     AdmissionPolicy, DispatchPolicy, EngineId, GroupId, Plan, PlanError, PolicyVersion, RequestId,

@@ -264,6 +264,12 @@ pub struct Scheduler<'a> {
     opt_announced: bool,
     /// Slots in use when `set_slots` last shrank below them: the audit's cap until they drain.
     slots_ceiling: u32,
+    /// Held groups (scored, awaiting an allocation decision), oldest first.
+    pub(crate) held_head: u32,
+    held_tail: u32,
+    held_len: u32,
+    /// Samples this step has created (drawn groups' and extensions'), for `sample_budget`.
+    pub(crate) samples_used: u64,
     draw_outstanding: u32,
     exhausted: bool,
     pub(crate) is_final: bool,
@@ -325,6 +331,7 @@ impl<'a> Scheduler<'a> {
                 filtered_zero_variance: 0,
                 filtered_non_finite: 0,
                 filtered_attempts: 0,
+                filtered_skipped: 0,
                 aborted: 0,
                 requests_admitted: 0,
                 requests_generated: 0,
@@ -349,6 +356,10 @@ impl<'a> Scheduler<'a> {
             opt_done: 0,
             opt_announced: false,
             slots_ceiling: 0,
+            held_head: NIL,
+            held_tail: NIL,
+            held_len: 0,
+            samples_used: 0,
             draw_outstanding: 0,
             exhausted: false,
             is_final: false,
@@ -421,6 +432,9 @@ impl<'a> Scheduler<'a> {
                 core::mem::take(&mut self.reqs),
             )
         };
+        // No group is incomplete yet: the frontier is "every incomplete group" of its length.
+        self.frontier_cache = (self.view().frontier_len(), NIL);
+        self.frontier_dirty = false;
         Ok(())
     }
 
@@ -457,6 +471,9 @@ impl<'a> Scheduler<'a> {
         if drawn as u64 + n as u64 > self.group_cap as u64 {
             return Err(DrawError::GroupsFull { requested: n });
         }
+        if n > self.budget_prompts() {
+            return Err(DrawError::SampleBudget { requested: n });
+        }
         let g_size = self.plan.group_size as u32;
         let total = n as u64 * g_size as u64;
         // Unreachable under begin_step's capacity contract (extensions keep the storage for
@@ -492,6 +509,7 @@ impl<'a> Scheduler<'a> {
         }
         self.req_used = base + n * g_size;
         let total = n * g_size;
+        self.samples_used += total as u64;
         match self.plan.admission.submit_order() {
             SubmitOrder::GroupMajor => {
                 for k in 0..total {
@@ -525,7 +543,7 @@ impl<'a> Scheduler<'a> {
             }
         }
         self.draw_outstanding = self.draw_outstanding.saturating_sub(n);
-        self.frontier_dirty = true;
+        self.frontier_on_append(drawn, n);
         Ok(GroupId(drawn))
     }
 
@@ -611,24 +629,11 @@ impl<'a> Scheduler<'a> {
                 extra,
             });
         };
-        let at_tail = slot.first + slot.target as u32 == self.req_used;
-        let needed = if at_tail {
-            extra as u64
-        } else {
-            new_target as u64
-        };
-        // Request storage for the prompts this step may still draw stays reserved, so that a
-        // draw `poll_draw` asks for is always accepted (extensions cannot starve over-sampling).
-        let reserved = if self.is_final || self.exhausted {
-            0
-        } else {
-            self.plan.max_groups.saturating_sub(self.counters.drawn) as u64
-                * self.plan.group_size as u64
-        };
-        if self.req_used as u64 + needed + reserved > self.req_cap as u64 {
-            return Err(ExtendError::RequestsFull { extra });
-        }
+        let at_tail = self.extension_room(group.0, extra)?;
         let g = group.0;
+        // A held group goes back to generating; its new samples get a fresh decision.
+        self.unhold(g);
+        self.samples_used += extra as u64;
         if !at_tail {
             self.relocate(g);
         }
@@ -654,6 +659,59 @@ impl<'a> Scheduler<'a> {
             self.set_state(g, GroupState::Generating);
         }
         Ok(())
+    }
+
+    /// Checks that `extra` more samples for incomplete group `g` fit the sample budget and the
+    /// request storage; returns whether the group's records are already at the storage's end.
+    fn extension_room(&self, g: u32, extra: u16) -> Result<bool, ExtendError> {
+        let slot = &self.groups[g as usize];
+        if self.plan.sample_budget != 0
+            && self.samples_used + extra as u64 > self.plan.sample_budget as u64
+        {
+            return Err(ExtendError::SampleBudget { extra });
+        }
+        let at_tail = slot.first + slot.target as u32 == self.req_used;
+        let needed = if at_tail {
+            extra as u64
+        } else {
+            slot.target as u64 + extra as u64
+        };
+        // Request storage for the prompts this step may still draw stays reserved, so that a
+        // draw `poll_draw` asks for is always accepted (extensions cannot starve over-sampling).
+        let reserved = if self.draws_closed() {
+            0
+        } else {
+            self.plan.max_groups.saturating_sub(self.counters.drawn) as u64
+                * self.plan.group_size as u64
+        };
+        if self.req_used as u64 + needed + reserved > self.req_cap as u64 {
+            return Err(ExtendError::RequestsFull { extra });
+        }
+        Ok(at_tail)
+    }
+
+    /// Whether `extra` more samples for incomplete group `g` fit (budget and storage).
+    pub(crate) fn extension_fits(&self, g: u32, extra: u16) -> bool {
+        self.groups[g as usize].target.checked_add(extra).is_some()
+            && self.extension_room(g, extra).is_ok()
+    }
+
+    /// Prompts the sample budget still allows (`u32::MAX` without a budget).
+    fn budget_prompts(&self) -> u32 {
+        if self.plan.sample_budget == 0 {
+            return u32::MAX;
+        }
+        let left = (self.plan.sample_budget as u64).saturating_sub(self.samples_used);
+        u32::try_from(left / self.plan.group_size as u64).unwrap_or(u32::MAX)
+    }
+
+    /// No more draws this step: the batch is final, the data exhausted, `max_groups` drawn, or
+    /// the sample budget has no room for another group.
+    fn draws_closed(&self) -> bool {
+        self.is_final
+            || self.exhausted
+            || self.counters.drawn >= self.plan.max_groups
+            || self.budget_prompts() == 0
     }
 
     /// Request `id` generated `tokens` tokens and its reward is known: `on_request_generated`
@@ -1045,10 +1103,6 @@ impl<'a> Scheduler<'a> {
         {
             return Ok(None);
         }
-        if self.frontier_dirty {
-            self.frontier_cache = self.view().walk_frontier(self.view().frontier_len());
-            self.frontier_dirty = false;
-        }
         let Some(choice) = policy.choose(&self.view()) else {
             return Ok(None);
         };
@@ -1115,7 +1169,8 @@ impl<'a> Scheduler<'a> {
             .max_groups
             .saturating_sub(c.drawn)
             .saturating_sub(self.draw_outstanding);
-        let n = self.plan.draw_batch.min(room);
+        let budget = self.budget_prompts().saturating_sub(self.draw_outstanding);
+        let n = self.plan.draw_batch.min(room).min(budget);
         if n == 0 {
             return None;
         }
@@ -1564,6 +1619,7 @@ impl<'a> Scheduler<'a> {
                 GroupState::Filtered(FilterReason::ZeroVariance) => c.filtered_zero_variance += 1,
                 GroupState::Filtered(FilterReason::NonFiniteReward) => c.filtered_non_finite += 1,
                 GroupState::Filtered(FilterReason::AttemptsExhausted) => c.filtered_attempts += 1,
+                GroupState::Filtered(FilterReason::Skipped(_)) => c.filtered_skipped += 1,
                 GroupState::Aborted => c.aborted += 1,
             }
             let (mut p, mut f, mut gen_, mut rew) = (0u16, 0u16, 0u16, 0u16);
@@ -1681,6 +1737,25 @@ impl<'a> Scheduler<'a> {
         if n != self.counters.incomplete() || self.incomplete.len != n {
             return bad("incomplete list length", n as u64);
         }
+        let mut held = 0u32;
+        let mut i = self.held_head;
+        while i != NIL {
+            let s = &self.groups[i as usize];
+            if !s.held || s.state != GroupState::Materializing || s.rewarded != s.target {
+                return bad("held group not fully scored", i as u64);
+            }
+            held += 1;
+            if held > self.held_len {
+                return bad("held list loops", i as u64);
+            }
+            i = s.hold_link.next;
+        }
+        let flagged = (0..self.counters.drawn)
+            .filter(|&g| self.groups[g as usize].held)
+            .count() as u32;
+        if held != self.held_len || flagged != held {
+            return bad("held list length", held as u64);
+        }
         if self.is_final && self.counters.incomplete() != 0 {
             return bad("incomplete groups after the batch is final", 0);
         }
@@ -1735,6 +1810,7 @@ impl<'a> Scheduler<'a> {
             GroupState::Filtered(FilterReason::ZeroVariance) => &mut c.filtered_zero_variance,
             GroupState::Filtered(FilterReason::NonFiniteReward) => &mut c.filtered_non_finite,
             GroupState::Filtered(FilterReason::AttemptsExhausted) => &mut c.filtered_attempts,
+            GroupState::Filtered(FilterReason::Skipped(_)) => &mut c.filtered_skipped,
             GroupState::Aborted => &mut c.aborted,
         }
     }
@@ -1884,20 +1960,73 @@ impl<'a> Scheduler<'a> {
         let d = x - gs.mean;
         gs.mean += d / n;
         gs.m2 += d * (x - gs.mean);
+        gs.min = gs.min.min(reward);
+        gs.max = gs.max.max(reward);
         if gs.rewarded == gs.target {
-            if gs.m2 / n <= ZERO_VARIANCE {
-                self.end_group(g, GroupState::Filtered(FilterReason::ZeroVariance), now);
+            if self.plan.hold_scored {
+                self.hold(g);
             } else {
-                self.end_group(g, GroupState::Trainable, now);
+                self.commit_scored(g, now);
             }
         }
         self.groups[g as usize].state
     }
 
+    /// Ends a fully scored group: trainable, or filtered for zero variance.
+    pub(crate) fn commit_scored(&mut self, g: u32, now: Tick) {
+        let gs = &self.groups[g as usize];
+        if gs.m2 / gs.rewarded as f64 <= ZERO_VARIANCE {
+            self.end_group(g, GroupState::Filtered(FilterReason::ZeroVariance), now);
+        } else {
+            self.end_group(g, GroupState::Trainable, now);
+        }
+    }
+
+    /// Appends a fully scored group to the held list (it stays `Materializing`).
+    fn hold(&mut self, g: u32) {
+        let tail = self.held_tail;
+        let gs = &mut self.groups[g as usize];
+        gs.held = true;
+        gs.hold_link = Link {
+            prev: tail,
+            next: NIL,
+        };
+        if tail == NIL {
+            self.held_head = g;
+        } else {
+            self.groups[tail as usize].hold_link.next = g;
+        }
+        self.held_tail = g;
+        self.held_len += 1;
+    }
+
+    /// Takes group `g` off the held list (if it is on it).
+    pub(crate) fn unhold(&mut self, g: u32) {
+        if !self.groups[g as usize].held {
+            return;
+        }
+        let Link { prev, next } = self.groups[g as usize].hold_link;
+        if prev == NIL {
+            self.held_head = next;
+        } else {
+            self.groups[prev as usize].hold_link.next = next;
+        }
+        if next == NIL {
+            self.held_tail = prev;
+        } else {
+            self.groups[next as usize].hold_link.prev = prev;
+        }
+        let gs = &mut self.groups[g as usize];
+        gs.held = false;
+        gs.hold_link = Link::NONE;
+        self.held_len -= 1;
+    }
+
     /// Takes an incomplete group out of the rollout: drops its pending and reward-pending
     /// requests, marks running ones for abort, and moves it to `end` (Trainable, Filtered or
     /// Aborted). A trainable group joins the trainer FIFO; the B-th one makes the batch final.
-    fn end_group(&mut self, g: u32, end: GroupState, now: Tick) {
+    pub(crate) fn end_group(&mut self, g: u32, end: GroupState, now: Tick) {
+        self.unhold(g);
         let s = self.groups[g as usize];
         for idx in s.first..s.first + s.target as u32 {
             match self.reqs[idx as usize].state {
@@ -1924,9 +2053,10 @@ impl<'a> Scheduler<'a> {
         gs.pending = 0;
         gs.in_flight = 0;
         gs.ended_at = Some(now);
+        self.frontier_on_remove(g);
         self.incomplete.remove(self.groups, g);
-        self.frontier_dirty = true;
         self.set_state(g, end);
+        self.frontier_resize();
         if end == GroupState::Trainable {
             if self.ready_tail == NIL {
                 self.ready_head = g;
@@ -1949,6 +2079,8 @@ impl<'a> Scheduler<'a> {
             let g = self.incomplete.head;
             self.end_group(g, GroupState::Aborted, now);
         }
+        // A short batch can turn final with no group left to end: the frontier empties here.
+        self.frontier_resize();
     }
 
     /// Puts an admitted request back at the front of the queue without burning an attempt.
@@ -2030,15 +2162,81 @@ impl<'a> Scheduler<'a> {
         self.req_used = new + n;
     }
 
+    // ----- the frontier cache, kept exact in O(1 + |change of its length|) per event ----------
+    //
+    // `frontier_cache = (n, last)`: the frontier is the first `n` incomplete groups in draw
+    // order and `last` the n-th of them, or NIL when fewer than `n` exist. Re-walking it from
+    // the head at every change cost O(n) per completion, O(B^2) per step under `Sync`, where n
+    // is the whole batch; these three updates move `last` only as far as the change requires.
+    // The audit compares the cache with a full walk after every event in the tests.
+
+    /// Group `g` is about to leave the incomplete list.
+    fn frontier_on_remove(&mut self, g: u32) {
+        let last = self.frontier_cache.1;
+        if last != NIL && g <= last {
+            // g's place goes to the first incomplete group after `last` (if g is `last`, its
+            // own successor).
+            self.frontier_cache.1 = self.groups[last as usize].link.next;
+        }
+    }
+
+    /// Groups `first .. first + count` were appended to the incomplete list.
+    fn frontier_on_append(&mut self, first: u32, count: u32) {
+        let (n, last) = self.frontier_cache;
+        if n == 0 || last != NIL {
+            return;
+        }
+        let before = self.incomplete.len - count;
+        if before + count >= n {
+            self.frontier_cache.1 = first + (n - before) - 1;
+        }
+    }
+
+    /// The frontier's length may have changed (the batch filled further, or became final).
+    fn frontier_resize(&mut self) {
+        let new = self.view().frontier_len();
+        let (n, mut last) = self.frontier_cache;
+        if new == n {
+            return;
+        }
+        if new == 0 {
+            self.frontier_cache = (0, NIL);
+            return;
+        }
+        if new < n {
+            let mut back = n - new;
+            if last == NIL {
+                // Fewer than n existed: count back from the tail.
+                let len = self.incomplete.len;
+                if len < new {
+                    self.frontier_cache = (new, NIL);
+                    return;
+                }
+                last = self.incomplete.tail;
+                back = len - new;
+            }
+            for _ in 0..back {
+                last = self.groups[last as usize].link.prev;
+            }
+        } else if n == 0 {
+            last = self.view().walk_frontier(new).1;
+        } else {
+            for _ in 0..new - n {
+                if last == NIL {
+                    break;
+                }
+                last = self.groups[last as usize].link.next;
+            }
+        }
+        self.frontier_cache = (new, last);
+    }
+
     /// Settles what an event may have made true: a short final batch, the end of the step.
-    fn after_event(&mut self, now: Tick) {
+    pub(crate) fn after_event(&mut self, now: Tick) {
         if self.phase != StepPhase::Active {
             return;
         }
-        if !self.is_final
-            && self.counters.incomplete() == 0
-            && (self.exhausted || self.counters.drawn >= self.plan.max_groups)
-        {
+        if !self.is_final && self.counters.incomplete() == 0 && self.draws_closed() {
             self.make_final(now, true);
         }
         if self.is_final

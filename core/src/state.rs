@@ -25,15 +25,47 @@ pub enum FilterReason {
     NonFiniteReward,
     /// A request failed `max_attempts` times.
     AttemptsExhausted,
+    /// An allocation policy skipped the held group.
+    Skipped(SkipReason),
+}
+
+/// Why an allocation policy skipped a group (Pilot-Commit's fates; `Other` for the rest).
+///
+/// ```
+/// use rolloutpipe_core::SkipReason;
+/// assert_eq!(SkipReason::TooEasy.to_string(), "too-easy");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum SkipReason {
+    /// The mean reward is above the policy's band (already solved).
+    TooEasy,
+    /// The mean reward is below the policy's band (deferred).
+    TooHard,
+    /// Another policy-specific reason.
+    Other,
+}
+
+impl fmt::Display for SkipReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SkipReason::TooEasy => "too-easy",
+            SkipReason::TooHard => "too-hard",
+            SkipReason::Other => "other",
+        })
+    }
 }
 
 impl fmt::Display for FilterReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            FilterReason::ZeroVariance => "zero-variance",
-            FilterReason::NonFiniteReward => "non-finite-reward",
-            FilterReason::AttemptsExhausted => "attempts-exhausted",
-        })
+        match self {
+            FilterReason::ZeroVariance => f.write_str("zero-variance"),
+            FilterReason::NonFiniteReward => f.write_str("non-finite-reward"),
+            FilterReason::AttemptsExhausted => f.write_str("attempts-exhausted"),
+            FilterReason::Skipped(r) => write!(f, "skipped-{r}"),
+        }
     }
 }
 
@@ -226,6 +258,8 @@ pub struct Counters {
     pub filtered_non_finite: u32,
     /// Groups filtered after a request exhausted its attempts.
     pub filtered_attempts: u32,
+    /// Groups skipped by an allocation policy.
+    pub filtered_skipped: u32,
     /// Groups aborted as surplus.
     pub aborted: u32,
     /// Requests admitted into a slot (each attempt counts).
@@ -259,7 +293,10 @@ impl Counters {
     /// assert_eq!(c.filtered(), 3);
     /// ```
     pub const fn filtered(&self) -> u32 {
-        self.filtered_zero_variance + self.filtered_non_finite + self.filtered_attempts
+        self.filtered_zero_variance
+            + self.filtered_non_finite
+            + self.filtered_attempts
+            + self.filtered_skipped
     }
 
     /// Groups not yet in a final state (queued, generating, materializing, trainable, dispatched).

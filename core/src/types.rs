@@ -266,6 +266,12 @@ pub struct Plan {
     pub admission: AdmissionPolicy,
     /// Dispatch policy.
     pub dispatch: DispatchPolicy,
+    /// Hold each fully scored group for an allocation decision (`poll_allocation`) instead of
+    /// committing it at once. Off: today's fixed-G behaviour, unchanged.
+    pub hold_scored: bool,
+    /// Most samples the step may create, drawn groups' and extensions' together (0 = no cap
+    /// beyond `max_groups × G` and the storage). At least `B × G` when set.
+    pub sample_budget: u32,
 }
 
 impl Plan {
@@ -292,6 +298,8 @@ impl Plan {
                 order: SubmitOrder::GroupMajor,
             },
             dispatch: DispatchPolicy::Pipelined,
+            hold_scored: false,
+            sample_budget: 0,
         }
     }
 
@@ -341,6 +349,13 @@ impl Plan {
         }
         if self.draw_batch == 0 {
             return Err(PlanError::ZeroDrawBatch);
+        }
+        let batch_samples = self.batch_groups as u64 * self.group_size as u64;
+        if self.sample_budget != 0 && (self.sample_budget as u64) < batch_samples {
+            return Err(PlanError::SampleBudgetBelowBatch {
+                sample_budget: self.sample_budget,
+                needed: batch_samples,
+            });
         }
         if let AdmissionPolicy::Frontier {
             expected_filter_ppm,
@@ -416,6 +431,13 @@ pub enum PlanError {
     },
     /// `draw_batch` is 0.
     ZeroDrawBatch,
+    /// `sample_budget` is set but below `batch_groups × group_size`.
+    SampleBudgetBelowBatch {
+        /// The budget.
+        sample_budget: u32,
+        /// `batch_groups × group_size`.
+        needed: u64,
+    },
     /// `expected_filter_ppm >= 1_000_000`: the frontier would be infinite.
     FilterRateTooHigh {
         /// The rate given.
@@ -473,6 +495,13 @@ impl fmt::Display for PlanError {
                 )
             }
             PlanError::ZeroDrawBatch => f.write_str("plan draws zero prompts at a time"),
+            PlanError::SampleBudgetBelowBatch {
+                sample_budget,
+                needed,
+            } => write!(
+                f,
+                "sample_budget {sample_budget} is below the batch's {needed} samples"
+            ),
             PlanError::FilterRateTooHigh { ppm } => {
                 write!(f, "expected filter rate {ppm} ppm must be below 1000000")
             }

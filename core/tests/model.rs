@@ -55,6 +55,9 @@ struct Model {
     is_final: bool,
     exhausted: bool,
     outstanding: u32,
+    /// Scored groups awaiting an allocation decision, oldest first.
+    held: Vec<u32>,
+    samples: u64,
 }
 
 /// The core's SplitMix64, re-stated: the shuffled submission order is defined by it.
@@ -83,6 +86,22 @@ impl Model {
         (0..self.groups.len() as u32)
             .filter(|&g| self.groups[g as usize].state.is_incomplete())
             .collect()
+    }
+
+    /// Prompts the sample budget still allows.
+    fn budget_prompts(&self) -> u32 {
+        let p = self.plan();
+        if p.sample_budget == 0 {
+            return u32::MAX;
+        }
+        ((p.sample_budget as u64).saturating_sub(self.samples) / p.group_size as u64) as u32
+    }
+
+    fn draws_closed(&self) -> bool {
+        self.is_final
+            || self.exhausted
+            || self.groups.len() as u32 >= self.plan().max_groups
+            || self.budget_prompts() == 0
     }
 
     fn begin(&mut self, step: u64, plan: Plan) -> Result<(), BeginError> {
@@ -143,6 +162,9 @@ impl Model {
         if drawn as usize + n as usize > GCAP {
             return Err(DrawError::GroupsFull { requested: n });
         }
+        if n > self.budget_prompts() {
+            return Err(DrawError::SampleBudget { requested: n });
+        }
         if (self.req_used + n * g_size) as usize > RCAP {
             return Err(DrawError::RequestsFull { requested: n });
         }
@@ -156,6 +178,7 @@ impl Model {
         }
         self.req_used += n * g_size;
         let total = n * g_size;
+        self.samples += total as u64;
         let at = |k: u32| (drawn + k / g_size, (k % g_size) as u16);
         match p.admission.submit_order() {
             SubmitOrder::GroupMajor => self.queue.extend((0..total).map(at)),
@@ -195,7 +218,8 @@ impl Model {
             .max_groups
             .saturating_sub(self.groups.len() as u32)
             .saturating_sub(self.outstanding);
-        let n = p.draw_batch.min(room);
+        let budget = self.budget_prompts().saturating_sub(self.outstanding);
+        let n = p.draw_batch.min(room).min(budget);
         if n == 0 {
             return None;
         }
@@ -314,6 +338,7 @@ impl Model {
                 _ => {}
             }
         }
+        self.held.retain(|&h| h != g);
         self.groups[g as usize].state = state;
         if state == GroupState::Trainable {
             self.ready.push(g);
@@ -333,14 +358,10 @@ impl Model {
     }
 
     fn after(&mut self) {
-        let p = self.plan();
         if !self.active {
             return;
         }
-        if !self.is_final
-            && self.incomplete().is_empty()
-            && (self.exhausted || self.groups.len() as u32 >= p.max_groups)
-        {
+        if !self.is_final && self.incomplete().is_empty() && self.draws_closed() {
             self.make_final();
         }
         if self.is_final && self.trained() == self.filled() && !self.opt_due() && self.slots == 0 {
@@ -376,6 +397,17 @@ impl Model {
         if !x.is_finite() {
             self.end(g, GroupState::Filtered(FilterReason::NonFiniteReward));
         } else if grp.reqs.iter().all(|r| r.0 == R::Rewarded) {
+            if self.plan().hold_scored {
+                self.held.push(g);
+            } else {
+                self.commit(g);
+            }
+        }
+    }
+
+    fn commit(&mut self, g: u32) {
+        let grp = &self.groups[g as usize];
+        {
             let n = grp.rewards.len() as f64;
             let mean = grp.rewards.iter().map(|&r| r as f64).sum::<f64>() / n;
             let var = grp
@@ -630,7 +662,7 @@ impl Model {
         let req_used = self.req_used;
         let drawn = self.groups.len();
         let p = self.plan();
-        let (is_final, exhausted) = (self.is_final, self.exhausted);
+        let (is_final, exhausted, samples) = (self.is_final, self.exhausted, self.samples);
         let grp = self
             .groups
             .get_mut(g as usize)
@@ -641,6 +673,9 @@ impl Model {
         if extra == 0 {
             return Err(ExtendError::ZeroExtra);
         }
+        if p.sample_budget != 0 && samples + extra as u64 > p.sample_budget as u64 {
+            return Err(ExtendError::SampleBudget { extra });
+        }
         let target = grp.reqs.len() as u32;
         let at_tail = grp.first + target == req_used;
         let needed = if at_tail {
@@ -649,7 +684,12 @@ impl Model {
             target + extra as u32
         };
         // Storage for the prompts the step may still draw stays reserved.
-        let reserved = if is_final || exhausted {
+        let closed = is_final
+            || exhausted
+            || drawn as u32 >= p.max_groups
+            || (p.sample_budget != 0
+                && (p.sample_budget as u64).saturating_sub(samples) < p.group_size as u64);
+        let reserved = if closed {
             0
         } else {
             (p.max_groups as usize).saturating_sub(drawn) * p.group_size as usize
@@ -671,7 +711,34 @@ impl Model {
         for s in target..target + extra as u32 {
             self.queue.push((g, s as u16));
         }
+        self.samples += extra as u64;
+        self.held.retain(|&h| h != g);
         Ok(())
+    }
+
+    /// The oldest held group, with `decision` applied (an extension that does not fit commits).
+    fn allocate(&mut self, decision: Allocation) -> Option<Allocated> {
+        if self.held.is_empty() {
+            return None;
+        }
+        let g = self.held.remove(0);
+        let applied = match decision {
+            Allocation::Extend(n) if n > 0 && self.extend(g, n).is_ok() => decision,
+            Allocation::Skip(r) => {
+                self.end(g, GroupState::Filtered(FilterReason::Skipped(r)));
+                decision
+            }
+            _ => {
+                self.commit(g);
+                Allocation::Commit
+            }
+        };
+        self.after();
+        Some(Allocated {
+            group: GroupId(g),
+            decided: decision,
+            applied,
+        })
     }
 }
 
@@ -696,6 +763,9 @@ enum Op {
     Exhaust,
     Extend(u32, u16),
     SetSlots(u32),
+    /// Decide the oldest held group: 0 commit, 1 extend by the count, 2 skip, 3 the
+    /// statistics-driven `UpTo4` policy.
+    Allocate(u8, u16),
     Replay(usize, u8),
     WrongVersion(usize),
     NextStep,
@@ -727,6 +797,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Exhaust),
         1 => (0u32..10, 0u16..3).prop_map(|(g, e)| Op::Extend(g, e)),
         1 => (0u32..5).prop_map(Op::SetSlots),
+        3 => (0u8..4, 0u16..3).prop_map(|(k, n)| Op::Allocate(k, n)),
         1 => (k.clone(), 0u8..6).prop_map(|(k, w)| Op::Replay(k, w)),
         1 => k.prop_map(Op::WrongVersion),
         1 => Just(Op::NextStep),
@@ -745,9 +816,14 @@ fn plan() -> impl Strategy<Value = Plan> {
     (
         (1u32..=6, 1u16..=4, 0usize..4, 0usize..4, 1u32..=8, 1u8..=3),
         (0u32..=6, 1u32..=4, 0u32..=2, 0u8..3, order(), any::<bool>()),
+        (any::<bool>(), prop_oneof![2 => Just(0u32), 1 => 1u32..=40]),
     )
         .prop_map(
-            |((b, g, oi, mi, slots, attempts), (extra, draw_batch, ahead, adm, order, sync))| {
+            |(
+                (b, g, oi, mi, slots, attempts),
+                (extra, draw_batch, ahead, adm, order, sync),
+                (hold, budget),
+            )| {
                 let mut p = Plan::new(b, g);
                 let opts: Vec<u32> = (1..=b).filter(|d| b % d == 0).collect();
                 p.opt_steps = opts[oi % opts.len()];
@@ -778,9 +854,32 @@ fn plan() -> impl Strategy<Value = Plan> {
                 } else {
                     DispatchPolicy::Pipelined
                 };
+                p.hold_scored = hold;
+                p.sample_budget = budget;
                 p
             },
         )
+}
+
+/// A policy that returns one fixed decision.
+struct Decide(Allocation);
+
+impl Allocate for Decide {
+    fn decide(&self, _: &View<'_, '_>, _: GroupId) -> Allocation {
+        self.0
+    }
+}
+
+/// Extends a held group by one sample until it has four rewards (reads the view's statistics).
+struct UpTo4;
+
+impl Allocate for UpTo4 {
+    fn decide(&self, v: &View<'_, '_>, g: GroupId) -> Allocation {
+        match v.reward_stats(g) {
+            Some(st) if st.count < 4 => Allocation::Extend(1),
+            _ => Allocation::Commit,
+        }
+    }
 }
 
 fn pick(list: &mut Vec<RequestId>, k: usize) -> Option<RequestId> {
@@ -927,6 +1026,27 @@ fn apply(
             prop_assert_eq!(s.extend_group(now, GroupId(g), e), m.extend(g, e));
         }
         Op::SetSlots(n) => prop_assert_eq!(s.set_slots(now, n), m.set_slots(n)),
+        Op::Allocate(kind, n) => {
+            let decision = match kind {
+                0 => Allocation::Commit,
+                1 => Allocation::Extend(n),
+                2 => Allocation::Skip(if n % 2 == 0 {
+                    SkipReason::TooEasy
+                } else {
+                    SkipReason::TooHard
+                }),
+                _ => match m.held.first() {
+                    Some(&g) if m.groups[g as usize].reqs.len() < 4 => Allocation::Extend(1),
+                    _ => Allocation::Commit,
+                },
+            };
+            let got = if kind == 3 {
+                s.poll_allocation_with(now, &UpTo4)
+            } else {
+                s.poll_allocation_with(now, &Decide(decision))
+            };
+            prop_assert_eq!(got, m.allocate(decision));
+        }
         Op::Replay(k, which) => {
             if !tr.history.is_empty() {
                 let id = tr.history[k % tr.history.len()];
@@ -1021,6 +1141,9 @@ fn drive_to_done(
             }};
         }
         run!(Op::PollDraw, &mut t)?;
+        while !m.held.is_empty() {
+            run!(Op::Allocate(3, 0), &mut t)?;
+        }
         for _ in 0..RCAP {
             run!(Op::Admit, &mut t)?;
         }

@@ -16,9 +16,9 @@
 use std::collections::HashSet;
 
 use rolloutpipe_core::{
-    AdmissionPolicy, Completion, Counters, DispatchPolicy, GroupId, GroupSlot, GroupState, Plan,
-    PolicyVersion, RequestId, RequestSlot, RequestState, Scheduler, StepId, StepPhase, StepSummary,
-    SubmitOrder, Tick,
+    AdmissionPolicy, Allocate, Allocation, Completion, Counters, DispatchPolicy, GroupId,
+    GroupSlot, GroupState, Plan, PolicyVersion, RequestId, RequestSlot, RequestState, Scheduler,
+    SkipReason, StepId, StepPhase, StepSummary, SubmitOrder, Tick, View,
 };
 
 /// Group slots given to the scheduler: small, so capacity errors are reachable.
@@ -91,7 +91,18 @@ fn plan(b: &mut Bytes<'_>) -> Plan {
     } else {
         DispatchPolicy::Sync
     };
+    p.hold_scored = b.pick(2) == 0;
+    p.sample_budget = [0, 0, 8, 16, 24, 40][b.pick(6)];
     p
+}
+
+/// Decides held groups from the input bytes (commit, extend, skip), ignoring the view.
+struct Scripted(Allocation);
+
+impl Allocate for Scripted {
+    fn decide(&self, _: &View<'_, '_>, _: GroupId) -> Allocation {
+        self.0
+    }
 }
 
 fn reward(b: &mut Bytes<'_>) -> f32 {
@@ -217,7 +228,7 @@ pub fn run(data: &[u8]) -> Stats {
         let version = PolicyVersion(step);
         let before = snapshot(&s);
         // Progress events are weighted up so inputs reach full batches, dispatch and training.
-        let op = match b.pick(44) {
+        let op = match b.pick(46) {
             0..=3 => 0,
             4 => 1,
             5..=10 => 2,
@@ -240,6 +251,7 @@ pub fn run(data: &[u8]) -> Stats {
             40 => 19,
             41 => 20,
             42 => 21,
+            43 | 44 => 22,
             _ => 17,
         };
         // `Err` results must leave the snapshot unchanged; `Ok` ones are checked by audit.
@@ -351,6 +363,23 @@ pub fn run(data: &[u8]) -> Stats {
                 None => false,
             },
             20 => s.set_slots(tick, b.pick(6) as u32).is_err(),
+            22 => {
+                let decision = match b.pick(4) {
+                    0 | 1 => Allocation::Commit,
+                    2 => Allocation::Extend(b.pick(4) as u16),
+                    _ => Allocation::Skip(SkipReason::TooEasy),
+                };
+                if let Some(a) = s.poll_allocation_with(tick, &Scripted(decision)) {
+                    assert_eq!(a.decided, decision);
+                    assert!(
+                        a.applied == decision || a.applied == Allocation::Commit,
+                        "applied {:?} for {:?}",
+                        a.applied,
+                        decision
+                    );
+                }
+                false
+            }
             21 => {
                 let _ = s.poll_optimizer_step(tick);
                 false
@@ -476,6 +505,7 @@ fn drive_to_done(s: &mut Scheduler<'_>, step: StepId, now: &mut u64) {
             s.on_prompts_drawn(tick, n)
                 .expect("a draw the core asked for must be accepted");
         }
+        while s.poll_allocation(tick).is_some() {}
         while let Some(a) = s.poll_admit(tick) {
             running.push(a.request);
         }
