@@ -15,6 +15,7 @@ use crate::types::{GroupId, PlanError, PolicyVersion, RequestRef, StepId};
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum BeginError {
     /// The current step is not done yet.
     StepInProgress {
@@ -40,6 +41,7 @@ pub enum BeginError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum DrawError {
     /// No step is running.
     NoActiveStep,
@@ -82,6 +84,7 @@ pub enum DrawError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum RequestError {
     /// No step has begun.
     NoActiveStep,
@@ -135,6 +138,7 @@ pub enum RequestError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum TrainError {
     /// No step is running.
     NoActiveStep,
@@ -154,6 +158,7 @@ pub enum TrainError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum ExtendError {
     /// No step is running.
     NoActiveStep,
@@ -196,6 +201,7 @@ pub enum ExtendError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum SlotsError {
     /// No step is running.
     NoActiveStep,
@@ -223,6 +229,7 @@ impl core::error::Error for SlotsError {}
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum AdmitError {
     /// The chosen request does not exist or is not waiting for a slot.
     NotPending {

@@ -121,6 +121,7 @@
 
 mod allocate;
 mod error;
+mod owned;
 mod policy;
 mod scheduler;
 mod state;
@@ -131,6 +132,7 @@ pub use allocate::{Allocate, Allocated, Allocation, FixedG, RewardStats};
 pub use error::{
     AdmitError, BeginError, DrawError, ExtendError, RequestError, SlotsError, TrainError,
 };
+pub use owned::{Attached, OwnedScheduler};
 pub use policy::{Admit, Incomplete, Queue, View};
 pub use scheduler::{
     Admission, AuditError, Completion, Dispatch, Failure, GroupInfo, MicroBatch, OptimizerStep,

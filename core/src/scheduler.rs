@@ -106,6 +106,7 @@ pub struct OptimizerStep {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum Completion {
     /// Recorded; the group is now in this state.
     Accepted {
@@ -127,6 +128,7 @@ pub enum Completion {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum Failure {
     /// Re-queued with this attempt number.
     Retried {
@@ -368,6 +370,56 @@ impl<'a> Scheduler<'a> {
             pending_l3: 0,
             frontier_cache: (0, NIL),
             frontier_dirty: true,
+        }
+    }
+
+    /// The same scheduler over other storage slices: for [`OwnedScheduler`](crate::OwnedScheduler),
+    /// which parks its state over empty slices between borrows. The caller guarantees the slices
+    /// are the ones the state was built on (or empty, to park it).
+    pub(crate) fn rebind<'b>(
+        self,
+        groups: &'b mut [GroupSlot],
+        reqs: &'b mut [RequestSlot],
+    ) -> Scheduler<'b> {
+        Scheduler {
+            groups,
+            reqs,
+            group_cap: self.group_cap,
+            req_cap: self.req_cap,
+            phase: self.phase,
+            step: self.step,
+            version: self.version,
+            plan: self.plan,
+            began_at: self.began_at,
+            final_at: self.final_at,
+            done_at: self.done_at,
+            req_used: self.req_used,
+            counters: self.counters,
+            incomplete: self.incomplete,
+            queue: self.queue,
+            aborts: self.aborts,
+            ready_head: self.ready_head,
+            ready_tail: self.ready_tail,
+            dispatched: self.dispatched,
+            released_groups: self.released_groups,
+            mb_released: self.mb_released,
+            mb_consumed: self.mb_consumed,
+            trained_since_opt: self.trained_since_opt,
+            opt_done: self.opt_done,
+            opt_announced: self.opt_announced,
+            slots_ceiling: self.slots_ceiling,
+            held_head: self.held_head,
+            held_tail: self.held_tail,
+            held_len: self.held_len,
+            samples_used: self.samples_used,
+            draw_outstanding: self.draw_outstanding,
+            exhausted: self.exhausted,
+            is_final: self.is_final,
+            short: self.short,
+            pending_l2: self.pending_l2,
+            pending_l3: self.pending_l3,
+            frontier_cache: self.frontier_cache,
+            frontier_dirty: self.frontier_dirty,
         }
     }
 
@@ -1074,6 +1126,69 @@ impl<'a> Scheduler<'a> {
         let policy = self.plan.admission;
         // The built-in policies only ever name pending requests.
         self.poll_admit_with(now, &policy).ok().flatten()
+    }
+
+    /// Fills `out` with admissions ([`poll_admit`](Self::poll_admit) until it says `None` or
+    /// `out` is full) and returns how many: one call across an FFI boundary for many slots.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 4)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// let first = s.poll_admit(Tick(0)).unwrap();
+    /// let mut buf = [first; 8];
+    /// assert_eq!(s.poll_admit_into(Tick(0), &mut buf), 3);
+    /// assert_eq!(buf[2].request.sample, 3);
+    /// ```
+    pub fn poll_admit_into(&mut self, now: Tick, out: &mut [Admission]) -> usize {
+        let mut n = 0;
+        while n < out.len() {
+            let Some(a) = self.poll_admit(now) else { break };
+            out[n] = a;
+            n += 1;
+        }
+        n
+    }
+
+    /// Fills `out` with aborts to send ([`poll_abort`](Self::poll_abort)); returns how many.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{RequestId, SchedulerStorage, Tick};
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// let mut buf = [RequestId::default(); 8];
+    /// assert_eq!(storage.scheduler().poll_abort_into(Tick(0), &mut buf), 0);
+    /// ```
+    pub fn poll_abort_into(&mut self, now: Tick, out: &mut [RequestId]) -> usize {
+        let mut n = 0;
+        while n < out.len() {
+            let Some(r) = self.poll_abort(now) else { break };
+            out[n] = r;
+            n += 1;
+        }
+        n
+    }
+
+    /// Fills `out` with groups for the trainer ([`poll_dispatch`](Self::poll_dispatch)); returns
+    /// how many.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{Dispatch, GroupId, SchedulerStorage, Tick};
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// let mut buf = [Dispatch { group: GroupId(0), seq: 0 }; 4];
+    /// assert_eq!(storage.scheduler().poll_dispatch_into(Tick(0), &mut buf), 0);
+    /// ```
+    pub fn poll_dispatch_into(&mut self, now: Tick, out: &mut [Dispatch]) -> usize {
+        let mut n = 0;
+        while n < out.len() {
+            let Some(d) = self.poll_dispatch(now) else {
+                break;
+            };
+            out[n] = d;
+            n += 1;
+        }
+        n
     }
 
     /// [`poll_admit`](Self::poll_admit) with a caller-supplied policy; a choice that is not a

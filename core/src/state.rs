@@ -17,6 +17,7 @@ use crate::types::{PolicyVersion, StepId, Tick};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum FilterReason {
     /// All rewards equal (population std ≤ 1e-6): the group's advantages are all zero.
     ZeroVariance,
@@ -86,6 +87,7 @@ impl fmt::Display for FilterReason {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum GroupState {
     /// Drawn; no request admitted yet.
     Queued,
@@ -171,6 +173,7 @@ impl fmt::Display for GroupState {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum RequestState {
     /// Not part of the current step.
     Unused,
@@ -365,6 +368,7 @@ impl Counters {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum StepPhase {
     /// No step begun yet.
     #[default]

@@ -142,6 +142,7 @@ impl fmt::Display for RequestId {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum SubmitOrder {
     /// All samples of group 0, then all of group 1, … (draw order, then sample order).
     #[default]
@@ -165,6 +166,7 @@ pub enum SubmitOrder {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum AdmissionPolicy {
     /// One FIFO queue in submission order (Slime + SGLang). Retries go to the back.
     Fifo {
@@ -219,6 +221,7 @@ impl AdmissionPolicy {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum DispatchPolicy {
     /// Complete-group pipelining (CGP): each trainable group goes to the trainer FIFO the moment
     /// it is materialized; a micro-batch is ready when `micro_batch` groups are queued.
@@ -395,6 +398,7 @@ impl Plan {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum PlanError {
     /// `batch_groups` is 0.
     ZeroBatch,

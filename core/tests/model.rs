@@ -200,6 +200,7 @@ impl Model {
                 }
                 self.queue.extend(perm.into_iter().map(at));
             }
+            other => unreachable!("the model does not know {other:?}"),
         }
         self.outstanding = self.outstanding.saturating_sub(n);
         Ok(GroupId(drawn))
@@ -245,6 +246,7 @@ impl Model {
         let need = match p.dispatch {
             DispatchPolicy::Pipelined => (p.micro_batch - filled % p.micro_batch).min(remaining),
             DispatchPolicy::Sync => remaining,
+            other => unreachable!("the model does not know {other:?}"),
         } as u64;
         let n = (need * 1_000_000).div_ceil(1_000_000 - ppm as u64) as usize + width as usize;
         self.incomplete().into_iter().take(n).collect()
@@ -268,6 +270,7 @@ impl Model {
                 .into_iter()
                 .find_map(|g| pending(self, g).map(|s| (g, s as u16)))
                 .unwrap_or(self.queue[0]),
+            other => unreachable!("the model does not know {other:?}"),
         };
         self.queue.retain(|&x| x != choice);
         let g = &mut self.groups[choice.0 as usize];

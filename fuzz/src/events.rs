@@ -16,9 +16,9 @@
 use std::collections::HashSet;
 
 use rolloutpipe_core::{
-    AdmissionPolicy, Allocate, Allocation, Completion, Counters, DispatchPolicy, GroupId,
-    GroupSlot, GroupState, Plan, PolicyVersion, RequestId, RequestSlot, RequestState, Scheduler,
-    SkipReason, StepId, StepPhase, StepSummary, SubmitOrder, Tick, View,
+    AdmissionPolicy, Allocate, Allocation, Counters, DispatchPolicy, GroupId, GroupSlot,
+    GroupState, Plan, PolicyVersion, RequestId, RequestSlot, RequestState, Scheduler, SkipReason,
+    StepId, StepPhase, StepSummary, SubmitOrder, Tick, View,
 };
 
 /// Group slots given to the scheduler: small, so capacity errors are reachable.
@@ -294,11 +294,11 @@ pub fn run(data: &[u8]) -> Stats {
             },
             4 => match take(&mut t.in_flight, &mut b) {
                 Some(r) => match s.on_request_generated(tick, r, version, b.u8() as u32) {
-                    Ok(Completion::Accepted { .. }) => {
+                    // Accepted, or discarded (its group ended): a reward may follow either way.
+                    Ok(_) => {
                         t.generated.push(r);
                         false
                     }
-                    Ok(Completion::Discarded) => false,
                     Err(_) => true,
                 },
                 None => false,
