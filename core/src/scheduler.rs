@@ -876,7 +876,7 @@ impl<'a> Scheduler<'a> {
             RequestState::Dropped => {
                 // Counted when it was dropped; only the state moves on (a second reward is an
                 // error again).
-                self.reqs[idx as usize].state = RequestState::Cancelled;
+                self.set_req(idx, RequestState::Cancelled);
                 Ok(Completion::Discarded)
             }
             state => Err(RequestError::BadRequestState { state }),
@@ -912,7 +912,7 @@ impl<'a> Scheduler<'a> {
                 self.counters.in_flight -= 1;
                 self.groups[g as usize].in_flight -= 1;
                 let out = if r.attempt as u32 + 1 >= self.plan.max_attempts as u32 {
-                    self.reqs[idx as usize].state = RequestState::Cancelled;
+                    self.set_req(idx, RequestState::Cancelled);
                     self.end_group(
                         g,
                         GroupState::Filtered(FilterReason::AttemptsExhausted),
@@ -921,9 +921,8 @@ impl<'a> Scheduler<'a> {
                     Failure::GroupFiltered
                 } else {
                     let attempt = r.attempt + 1;
-                    let rs = &mut self.reqs[idx as usize];
-                    rs.attempt = attempt;
-                    rs.state = RequestState::Pending;
+                    self.set_req(idx, RequestState::Pending);
+                    self.reqs[idx as usize].attempt = attempt;
                     self.queue.push_back(self.reqs, idx);
                     if self.groups[g as usize].pending == 0 {
                         self.mark_pending(g);
@@ -1225,8 +1224,8 @@ impl<'a> Scheduler<'a> {
             .pending_index(choice)
             .ok_or(AdmitError::NotPending { request: choice })?;
         self.queue.remove(self.reqs, idx);
-        let r = &mut self.reqs[idx as usize];
-        r.state = RequestState::InFlight;
+        self.set_req(idx, RequestState::InFlight);
+        let r = &self.reqs[idx as usize];
         let (g, sample, attempt) = (r.group, r.sample, r.attempt);
         let gs = &mut self.groups[g as usize];
         gs.pending -= 1;
@@ -1416,8 +1415,8 @@ impl<'a> Scheduler<'a> {
     pub fn poll_abort(&mut self, now: Tick) -> Option<RequestId> {
         let _ = now;
         let idx = self.aborts.pop_front(self.reqs)?;
-        let r = &mut self.reqs[idx as usize];
-        r.state = RequestState::AbortSent;
+        self.set_req(idx, RequestState::AbortSent);
+        let r = &self.reqs[idx as usize];
         Some(RequestId {
             step: self.step,
             group: GroupId(r.group),
@@ -1913,6 +1912,17 @@ impl<'a> Scheduler<'a> {
         self.groups[g as usize].state = new;
     }
 
+    /// Moves request slot `idx` to `new`: the one place an existing request changes state,
+    /// checked against [`RequestState::can_become`] in debug builds.
+    fn set_req(&mut self, idx: u32, new: RequestState) {
+        let old = self.reqs[idx as usize].state;
+        debug_assert!(
+            old.can_become(new),
+            "illegal request transition {old} => {new}"
+        );
+        self.reqs[idx as usize].state = new;
+    }
+
     fn count_mut(&mut self, s: GroupState) -> &mut u32 {
         let c = &mut self.counters;
         match s {
@@ -2040,8 +2050,8 @@ impl<'a> Scheduler<'a> {
 
     fn apply_generated(&mut self, idx: u32, tokens: u32, now: Tick) {
         let _ = now;
+        self.set_req(idx, RequestState::Generated);
         let r = &mut self.reqs[idx as usize];
-        r.state = RequestState::Generated;
         r.tokens = tokens;
         let g = r.group;
         self.counters.in_flight -= 1;
@@ -2057,8 +2067,8 @@ impl<'a> Scheduler<'a> {
 
     /// Records a reward of a `Generated` request; returns the group's new state.
     fn apply_reward(&mut self, idx: u32, reward: f32, now: Tick) -> GroupState {
+        self.set_req(idx, RequestState::Rewarded);
         let r = &mut self.reqs[idx as usize];
-        r.state = RequestState::Rewarded;
         r.reward = reward;
         let g = r.group;
         self.counters.requests_rewarded += 1;
@@ -2147,15 +2157,15 @@ impl<'a> Scheduler<'a> {
             match self.reqs[idx as usize].state {
                 RequestState::Pending => {
                     self.queue.remove(self.reqs, idx);
-                    self.reqs[idx as usize].state = RequestState::Cancelled;
+                    self.set_req(idx, RequestState::Cancelled);
                     self.counters.requests_dropped += 1;
                 }
                 RequestState::InFlight => {
-                    self.reqs[idx as usize].state = RequestState::AbortPending;
+                    self.set_req(idx, RequestState::AbortPending);
                     self.aborts.push_back(self.reqs, idx);
                 }
                 RequestState::Generated => {
-                    self.reqs[idx as usize].state = RequestState::Dropped;
+                    self.set_req(idx, RequestState::Dropped);
                     self.counters.requests_dropped += 1;
                 }
                 _ => {}
@@ -2207,7 +2217,7 @@ impl<'a> Scheduler<'a> {
                 let g = r.group;
                 self.counters.requests_requeued += 1;
                 self.counters.in_flight -= 1;
-                self.reqs[idx as usize].state = RequestState::Pending;
+                self.set_req(idx, RequestState::Pending);
                 self.queue.push_front(self.reqs, idx);
                 if self.groups[g as usize].pending == 0 {
                     self.mark_pending(g);
@@ -2235,7 +2245,7 @@ impl<'a> Scheduler<'a> {
             self.aborts.remove(self.reqs, idx);
         }
         let acked = then == RequestState::Unused;
-        self.reqs[idx as usize].state = if acked { RequestState::Cancelled } else { then };
+        self.set_req(idx, if acked { RequestState::Cancelled } else { then });
         self.counters.in_flight -= 1;
         if acked {
             self.counters.requests_aborted += 1;

@@ -197,6 +197,28 @@ pub enum RequestState {
 }
 
 impl RequestState {
+    /// The request transition table: whether a request may move from `self` to `to`. Every
+    /// change of an existing request goes through `Scheduler::set_req`, which checks this in
+    /// debug builds (a request is born `Pending` when its group is drawn or extended).
+    ///
+    /// ```
+    /// use rolloutpipe_core::RequestState;
+    /// assert!(RequestState::InFlight.can_become(RequestState::Generated));
+    /// assert!(!RequestState::Rewarded.can_become(RequestState::Pending));
+    /// ```
+    pub const fn can_become(self, to: RequestState) -> bool {
+        use RequestState::*;
+        matches!(
+            (self, to),
+            (Pending, InFlight | Cancelled)
+                | (InFlight, Generated | Pending | Cancelled | AbortPending)
+                | (Generated, Rewarded | Dropped)
+                | (AbortPending, AbortSent | Cancelled | Dropped)
+                | (AbortSent, Cancelled | Dropped)
+                | (Dropped, Cancelled)
+        )
+    }
+
     /// Whether the request occupies a rollout slot.
     ///
     /// ```
