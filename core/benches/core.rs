@@ -32,7 +32,9 @@ fn cpu_time(iters: u64, mut f: impl FnMut()) -> Duration {
         f();
     }
     match (cpu0, thread_cpu_ns()) {
-        (Some(a), Some(b)) => Duration::from_nanos(b - a),
+        // schedstat advances at scheduler ticks on some kernels: a short sample can read zero,
+        // which criterion rejects; wall time is the honest fallback for those.
+        (Some(a), Some(b)) if b > a => Duration::from_nanos(b - a),
         _ => wall0.elapsed(),
     }
 }
