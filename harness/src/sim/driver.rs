@@ -457,7 +457,7 @@ impl<'c> Sim<'c> {
             }
             // The request's group ended while it ran (an abort crossed the finish); the core
             // counted it and freed the slot.
-            Ok(Completion::Discarded) => self.reqs[key].status = ReqStatus::Done,
+            Ok(_) => self.reqs[key].status = ReqStatus::Done,
             Err(e) => bail!("{}: generated: {e}", r.id),
         }
         Ok(())
@@ -476,7 +476,7 @@ impl<'c> Sim<'c> {
         }
         let g = r.id.group;
         match sched.on_reward(tick(self.now), r.id, r.reward) {
-            Ok(state) => {
+            Ok(Completion::Accepted { group_state: state }) => {
                 let c = &mut self.ctxs[step as usize];
                 let gi = g.0 as usize;
                 if !c.completed[gi]
@@ -489,6 +489,8 @@ impl<'c> Sim<'c> {
                     }
                 }
             }
+            // Discarded: the group ended meanwhile (aborted as surplus or filtered).
+            Ok(_) => {}
             Err(e) => {
                 // A reward for a group that ended meanwhile (aborted as surplus) is refused by
                 // the core; anything else is a simulator bug.

@@ -1197,7 +1197,8 @@ impl Ctx<'_> {
                                 .map_err(|_| anyhow::anyhow!("the verifiers stopped"))?;
                         }
                     }
-                    Ok(rolloutpipe_core::Completion::Discarded) => {}
+                    // Discarded: the group ended while it ran.
+                    Ok(_) => {}
                     Err(e) => tracing::warn!(%rid, "completion rejected: {e}"),
                 }
             }
@@ -1216,7 +1217,7 @@ impl Ctx<'_> {
                     bail!("a reward for {rid}, which was not generated");
                 };
                 match sched.on_reward(now, rid, reward) {
-                    Ok(state) => {
+                    Ok(rolloutpipe_core::Completion::Accepted { group_state: state }) => {
                         ro.rewards.0 += reward as f64;
                         ro.rewards.1 += 1;
                         ro.rewards.2 += correct as u64;
@@ -1252,6 +1253,8 @@ impl Ctx<'_> {
                         }
                     }
                     // The group ended while the verifier ran (aborted or filtered).
+                    // Discarded: the group ended while the verifier ran.
+                    Ok(_) => {}
                     Err(e) => tracing::debug!(%rid, "reward dropped: {e}"),
                 }
             }
