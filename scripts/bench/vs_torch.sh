@@ -9,6 +9,8 @@
 # Usage: scripts/bench/vs_torch.sh [--layers N] [--only grpo|logits|generate] [--no-doc|--doc]
 #   --layers N  a reduced model (real vocabulary and widths, N layers) for development;
 #               docs/performance.md is only written for the full 28 layers unless --doc.
+#   --only T    run only workload T; --sides ours re-runs only our side (the table then reuses
+#               PyTorch's last results from target/vs_torch/log-lN).
 # Needs python3 (with venv), cargo and /usr/bin/time. The venv is .venv-bench in the repository
 # (ignored by git), with pinned versions from PyPI; the model is built once under
 # target/vs_torch/ (about 1.2 GB on disk for 28 layers).
@@ -18,11 +20,13 @@ ROOT=$PWD
 
 layers=28
 only=""
+sides="torch ours"
 doc=auto
 while [ $# -gt 0 ]; do
   case "$1" in
     --layers) layers="$2"; shift 2 ;;
     --only) only="$2"; shift 2 ;;
+    --sides) sides="$2"; shift 2 ;;
     --no-doc) doc=no; shift ;;
     --doc) doc=yes; shift ;;
     *) echo "vs_torch.sh: unknown argument $1" >&2; exit 2 ;;
@@ -58,12 +62,12 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "vs_torch" and m.get("executable"):
         print(m["executable"])')
 
-LOG="$ROOT/target/vs_torch/log"
+LOG="$ROOT/target/vs_torch/log-l$layers"
 mkdir -p "$LOG"
 tasks="grpo logits generate"
 [ -n "$only" ] && tasks="$only"
 for task in $tasks; do
-  for side in torch ours; do
+  for side in $sides; do
     echo "== $task / $side (free: $(free -g | awk '/Mem:/{print $7}') GiB available)" >&2
     if [ "$side" = torch ]; then cmd=("$PY" scripts/bench/vs_torch.py "$task" "$MODEL")
     else cmd=("$OURS" "$task" "$MODEL"); fi
@@ -72,9 +76,12 @@ for task in $tasks; do
   done
 done
 
-"$PY" - "$LOG" "$layers" "$doc" "$tasks" <<'EOF'
+"$PY" - "$LOG" "$layers" "$doc" <<'EOF'
 import json, os, platform, subprocess, sys
-log, layers, doc, tasks = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split()
+log, layers, doc = sys.argv[1], sys.argv[2], sys.argv[3]
+# every workload with results from both sides (this run's or an earlier one's)
+tasks = [t for t in ("grpo", "logits", "generate")
+         if all(os.path.exists(f"{log}/{t}.{s}.{e}") for s in ("torch", "ours") for e in ("json", "time"))]
 
 def clock(s):
     parts = [float(p) for p in s.split(":")]
