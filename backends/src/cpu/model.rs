@@ -431,7 +431,8 @@ impl<T: Float> Model<T> {
         fit(&mut a.logp, m);
         fit(&mut a.entropy, m);
         fit(&mut a.lse, m);
-        a.logits.clear();
+        // A `logits` call's [rows × vocab] buffer is not kept alive through training.
+        a.logits = Vec::new();
         lm_head_logprob_fwd(
             &mut a.logp,
             &mut a.entropy,
