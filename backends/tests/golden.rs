@@ -184,7 +184,7 @@ fn run_fixture(name: &str) {
 }
 
 fn run_dir(name: &str, dir: &Path, tol: Tols) {
-    let (cfg, weights) = load_model_dir(&dir).expect("fixture model loads");
+    let (cfg, weights) = load_model_dir(dir).expect("fixture model loads");
     let batch: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("batch.json")).unwrap()).unwrap();
     let meta: Value =
