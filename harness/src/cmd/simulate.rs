@@ -351,6 +351,29 @@ fn sweep_axes(cfg: &SimConfig, out: &Path, threads: usize) -> anyhow::Result<()>
     let mut txt = String::from(
         "r2t cut vs sync (same draw_batch and concurrency), range over the selected settings\n",
     );
+    // Which axis point the main table ran at, if any.
+    let draw_default = cfg
+        .setting
+        .values()
+        .all(|s| s.draw_batch == s.batch)
+        .then_some(1)
+        .or_else(|| {
+            cfg.setting
+                .values()
+                .all(|s| s.draw_batch == 2 * s.batch)
+                .then_some(2)
+        });
+    let conc = cfg.rollout.max_running;
+    let conc_default = cfg
+        .setting
+        .values()
+        .all(|s| s.max_running(&cfg.rollout) == conc);
+    match draw_default {
+        Some(d) if conc_default && [32, 128, 512].contains(&conc) => txt.push_str(&format!(
+            "default (table.txt): draw_batch {d}B, {conc} per engine\n"
+        )),
+        _ => txt.push_str("default (table.txt): not an axis point of this sweep\n"),
+    }
     for &m in &modes {
         txt.push_str(&format!("\n{m}\n"));
         let mut all = Vec::new();
