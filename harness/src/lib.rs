@@ -5,7 +5,9 @@
 
 pub mod cli;
 pub mod cmd;
+pub mod limits;
 pub mod plot;
+pub mod rundir;
 pub mod sim;
 pub mod tasks;
 pub mod trace;

@@ -30,6 +30,9 @@ pub struct Args {
     /// Print the resolved config and exit.
     #[arg(long)]
     pub print_config: bool,
+    /// Let a fresh run replace an earlier run's files in --out (only the files a run writes).
+    #[arg(long, conflicts_with = "resume")]
+    pub force: bool,
 }
 
 /// Resolves the config of `args` (default, file or resumed run's, then flags and --set).
@@ -74,7 +77,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     pin_gemm_threads();
     let out = cfg.run.out.clone();
-    let o = crate::train::run(&cfg, &out, args.resume.is_some())?;
+    let opts = crate::train::RunOptions {
+        resume: args.resume.is_some(),
+        force: args.force,
+    };
+    let o = crate::train::run_with(&cfg, &out, opts)?;
     let last = o.metrics.last();
     println!(
         "run {}: {} steps, held-out accuracy {}{:.3} -> {:.3}; last step: reward {:.3}, rollout-to-train-end {:.2}s, trainer waiting {:.2}",
@@ -117,6 +124,7 @@ mod tests {
             out: None,
             resume: None,
             print_config: false,
+            force: false,
         }
     }
 

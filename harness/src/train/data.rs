@@ -11,7 +11,7 @@ use rolloutpipe_backends::{
 
 use super::config::TrainConfig;
 use crate::tasks::{
-    Problem, Split, Task, TaskOptions, Tokenizer, generate, load_jsonl, split_of, task_by_name,
+    Problem, Split, Task, TaskOptions, Tokenizer, generate, load_jsonl_with, split_of, task_by_name,
 };
 
 /// Training problems drawn in a fixed order; `pos` is the data position of a checkpoint.
@@ -22,6 +22,11 @@ pub struct DataSource {
 }
 
 impl DataSource {
+    /// Tokens of the longest prompt in the pool.
+    pub fn longest_prompt(&self) -> usize {
+        self.problems.iter().map(|(_, ids)| ids.len()).max().unwrap_or(0)
+    }
+
     /// The next problem and its prompt ids (the pool repeats in order once exhausted).
     pub fn draw(&mut self) -> (Arc<Problem>, Arc<Vec<u32>>) {
         let i = (self.pos % self.problems.len() as u64) as usize;
@@ -80,7 +85,11 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
         let sft = generate(task.as_ref(), seed ^ 0x5F7_5EED, Split::Train, n_sft)?;
         (train, held, sft)
     } else {
-        let all = load_jsonl(&t.jsonl, task.as_ref())
+        let keys = crate::tasks::JsonlKeys {
+            input: t.input_key.clone(),
+            label: t.label_key.clone(),
+        };
+        let all = load_jsonl_with(&t.jsonl, task.as_ref(), &keys)
             .with_context(|| format!("task.jsonl {}", t.jsonl.display()))?;
         let (mut train, mut held) = (Vec::new(), Vec::new());
         for p in all {

@@ -16,7 +16,7 @@ use anyhow::{Context, bail, ensure};
 use rolloutpipe_backends::optim::AdamState;
 use rolloutpipe_backends::{
     AccumStats, AdamW, CpuBackend, ModelConfig, Objective, PolicyBackend, SamplingParams, Tensor,
-    Weights, load_model_dir, save_model_dir,
+    Weights, load_model_dir,
 };
 use rolloutpipe_core::{
     Counters, GroupId, GroupSlot, GroupState, PolicyVersion, RequestId, RequestSlot, Scheduler,
@@ -25,12 +25,14 @@ use rolloutpipe_core::{
 use serde::{Deserialize, Serialize};
 
 use super::config::{Mode, OldLogprobs, TrainConfig};
+use super::guard::{self, RunOptions};
 use super::data::{self, DataSource};
 use super::workers::{
     EngineCmd, Event, GroupBatch, Sample, TrainCmd, TrainerReply, TrainerSetup, VerifyJob,
     engine_thread, make_backend, trainer_thread, verifier_thread,
 };
 use crate::plot::{self, GanttRow, Series, Span};
+use crate::rundir::save_model;
 use crate::tasks::{CharTokenizer, HfTokenizer, Problem, Task, Tokenizer};
 use crate::trace::ChromeTrace;
 
@@ -188,20 +190,28 @@ struct SavedSample {
 
 /// Runs (or, with `resume`, continues) the training run of `cfg` in directory `out`.
 pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOutcome> {
+    run_with(
+        cfg,
+        out,
+        RunOptions {
+            resume,
+            force: false,
+        },
+    )
+}
+
+/// [`run`] with every option: see [`RunOptions`].
+pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Result<RunOutcome> {
+    let resume = opts.resume;
     cfg.validate()?;
+    // Held until the run returns: a second writer of `out` is refused meanwhile.
+    let _lock = guard::prepare(cfg, out, opts)?;
     let started = Instant::now();
     let ckpt_root = out.join("checkpoints");
     let latest = ckpt_root.join("latest");
-    if !resume && latest.exists() {
-        bail!(
-            "{} already holds a run (it has checkpoints); continue it with --resume {} or pick another --out",
-            out.display(),
-            out.display()
-        );
+    if !resume {
+        guard::write_config(cfg, out)?;
     }
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    std::fs::write(out.join("config.toml"), cfg.to_toml()?)
-        .with_context(|| format!("writing {}", out.join("config.toml").display()))?;
 
     // Model and tokenizer.
     let (model_cfg, init_weights, tok): (ModelConfig, Weights, Arc<dyn Tokenizer>) =
@@ -229,7 +239,13 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
         tok.vocab_size(),
         model_cfg.vocab_size
     );
+    crate::limits::check_model_fits(
+        &model_cfg,
+        7 + u128::from(cfg.rollout.engines),
+        "the model's size",
+    )?;
     let mut problems = data::problems(cfg, tok.as_ref())?;
+    check_positions(cfg, &problems, tok.as_ref(), &model_cfg)?;
     let task: Arc<dyn Task> = problems.task.clone();
     let max_new = cfg.rl.max_new_tokens;
     let mut eval_backend = CpuBackend::new(&model_cfg, &init_weights, cfg.trainer.threads)?;
@@ -267,6 +283,8 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
             cfg.run.steps
         );
         state = st;
+        // Every resume check has passed: only now may the run's config change.
+        guard::write_config(cfg, out)?;
         let reference = if cfg.rl.beta > 0.0 {
             Some(load_model_dir(&out.join("reference"))?.1)
         } else {
@@ -288,10 +306,10 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
                 secs = t.elapsed().as_secs_f64(),
                 "SFT warm start done"
             );
-            save_model_dir(&out.join("sft"), &model_cfg, &w)?;
+            save_model(&out.join("sft"), &model_cfg, &w, tok_src(cfg))?;
         }
         let reference = if cfg.rl.beta > 0.0 {
-            save_model_dir(&out.join("reference"), &model_cfg, &w)?;
+            save_model(&out.join("reference"), &model_cfg, &w, tok_src(cfg))?;
             Some(w.clone())
         } else {
             None
@@ -679,6 +697,15 @@ impl Ctx<'_> {
             .pending_step
             .unwrap_or(state.next_step)
             .min(state.next_step);
+        // The boundary step's rollout half (reward, tokens, counts) was measured by the stopped
+        // run; only its training is redone, so keep those fields instead of zeros.
+        let boundary: Option<StepMetrics> = state.pending_step.and_then(|s| {
+            read_metrics(out)
+                .ok()?
+                .into_iter()
+                .rev()
+                .find(|m| m.step == s)
+        });
         let mut metrics_file = open_metrics(out, redo_from)?;
         let bar = progress_bar(cfg, steps, state.next_step);
         let mut metrics = Vec::new();
@@ -692,14 +719,18 @@ impl Ctx<'_> {
             .map(|(gs, e)| (gs.into_iter().map(restore_group).collect(), e))
             .collect();
         let mut pending_metrics: Option<(StepMetrics, Instant)> = state.pending_step.map(|s| {
-            (
-                StepMetrics {
+            let m = match boundary {
+                Some(m) => StepMetrics {
+                    heldout_accuracy: None,
+                    ..m
+                },
+                None => StepMetrics {
                     step: s,
                     mode: cfg.run.mode.name().into(),
                     ..Default::default()
                 },
-                Instant::now(),
-            )
+            };
+            (m, Instant::now())
         });
         let mut engine_version = PolicyVersion(state.engine_version);
         let last_phase = if one_off { steps } else { steps - 1 };
@@ -990,7 +1021,7 @@ impl Ctx<'_> {
                     .map(|(gs, e)| (gs.iter().map(save_group).collect(), *e))
                     .collect();
                 state.pending_step = pending_metrics.as_ref().map(|(m, _)| m.step);
-                save_checkpoint(out, &self.model_cfg, &w, adam.as_ref(), state)?;
+                save_checkpoint(out, tok_src(cfg), &self.model_cfg, &w, adam.as_ref(), state)?;
             }
             weights = Some(w);
         }
@@ -998,7 +1029,7 @@ impl Ctx<'_> {
         let w = weights.context("no step ran")?;
         // The final weights as a model directory (for one-step-off they are past the last
         // checkpoint, which precedes the final drain so that a resume continues the schedule).
-        save_model_dir(&out.join("final"), &self.model_cfg, &w)?;
+        save_model(&out.join("final"), &self.model_cfg, &w, tok_src(cfg))?;
         Ok((metrics, counters, w, acc_end))
     }
 
@@ -1339,6 +1370,33 @@ fn progress_bar(cfg: &TrainConfig, steps: u64, done: u64) -> indicatif::Progress
     bar
 }
 
+/// Refuses `rl.max_new_tokens` (and SFT answers) that, after the longest prompt, would run
+/// past the model's position limit: found here, before any SFT or RL step runs.
+fn check_positions(
+    cfg: &TrainConfig,
+    problems: &data::Problems,
+    tok: &dyn Tokenizer,
+    mc: &ModelConfig,
+) -> anyhow::Result<()> {
+    let limit = mc.max_position_embeddings;
+    let mut longest = problems.train.longest_prompt();
+    for p in &problems.heldout {
+        longest = longest.max(tok.encode_prompt(&p.prompt)?.len());
+    }
+    ensure!(
+        longest + cfg.rl.max_new_tokens <= limit,
+        "rl.max_new_tokens = {} after the longest prompt ({longest} tokens) exceeds the model's position limit max_position_embeddings = {limit}; lower it to at most {}",
+        cfg.rl.max_new_tokens,
+        limit.saturating_sub(longest)
+    );
+    Ok(())
+}
+
+/// The model directory whose tokenizer files every model directory of the run carries.
+fn tok_src(cfg: &TrainConfig) -> Option<&Path> {
+    Some(cfg.model.dir.as_path()).filter(|d| !d.as_os_str().is_empty())
+}
+
 /// Opens `metrics.jsonl` for appending, dropping lines of steps at or after `from` (a resumed
 /// run redoes them).
 fn open_metrics(out: &Path, from: u64) -> anyhow::Result<std::fs::File> {
@@ -1490,6 +1548,7 @@ fn restore_group(g: SavedGroup) -> GroupBatch {
 /// `latest` pointer), so an interrupted save never replaces a good checkpoint.
 fn save_checkpoint(
     out: &Path,
+    tok: Option<&Path>,
     cfg: &ModelConfig,
     w: &Weights,
     adam: Option<&AdamState>,
@@ -1499,7 +1558,7 @@ fn save_checkpoint(
     let name = format!("step-{:06}", st.next_step);
     let tmp = root.join(format!(".{name}.tmp"));
     let _ = std::fs::remove_dir_all(&tmp);
-    save_model_dir(&tmp, cfg, w)?;
+    save_model(&tmp, cfg, w, tok)?;
     if let Some(a) = adam {
         let mut o = Weights::default();
         let n = a.m.len();
