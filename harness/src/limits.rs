@@ -61,7 +61,9 @@ pub fn check_fits_in(
 pub fn model_parameters(c: &ModelConfig) -> u128 {
     let u = |x: usize| x as u128;
     let (h, hd) = (u(c.hidden_size), u(c.head_dim));
-    let q = h.saturating_mul(u(c.num_attention_heads)).saturating_mul(hd);
+    let q = h
+        .saturating_mul(u(c.num_attention_heads))
+        .saturating_mul(hd);
     let kv = h
         .saturating_mul(u(c.num_key_value_heads))
         .saturating_mul(hd);
@@ -72,7 +74,9 @@ pub fn model_parameters(c: &ModelConfig) -> u128 {
         .saturating_add(mlp)
         .saturating_add(h.saturating_mul(2));
     let embed = u(c.vocab_size).saturating_mul(h).saturating_mul(2);
-    layer.saturating_mul(u(c.num_hidden_layers)).saturating_add(embed)
+    layer
+        .saturating_mul(u(c.num_hidden_layers))
+        .saturating_add(embed)
 }
 
 /// Refuses a model shape whose `copies` f32 copies (weights, gradients, optimizer moments, one
@@ -130,7 +134,12 @@ mod tests {
         finite_nonneg("rl.lr", 0.0).unwrap();
         finite_positive("rl.lr", 1e-3).unwrap();
         for bad in [f64::NAN, f64::INFINITY, -1.0] {
-            assert!(finite_nonneg("--clip", bad).unwrap_err().to_string().contains("--clip"));
+            assert!(
+                finite_nonneg("--clip", bad)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("--clip")
+            );
         }
         assert!(finite_positive("--lr", 0.0).is_err());
     }

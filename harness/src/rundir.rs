@@ -145,7 +145,8 @@ pub fn save_model(
     w: &Weights,
     tok_src: Option<&Path>,
 ) -> anyhow::Result<()> {
-    save_model_dir(dst, cfg, w).with_context(|| format!("saving the model to {}", dst.display()))?;
+    save_model_dir(dst, cfg, w)
+        .with_context(|| format!("saving the model to {}", dst.display()))?;
     copy_tokenizer(tok_src, dst)
 }
 
@@ -197,7 +198,9 @@ mod tests {
         // Only the lock: still empty.
         ensure_empty_dir(&d, false, "--out").unwrap();
         std::fs::write(d.join("x"), "1").unwrap();
-        let err = ensure_empty_dir(&d, false, "--out").unwrap_err().to_string();
+        let err = ensure_empty_dir(&d, false, "--out")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("--force"), "{err}");
         ensure_empty_dir(&d, true, "--out").unwrap();
         let f = d.join("x");
@@ -224,6 +227,9 @@ mod tests {
         assert!(!dst.join("merges.txt").exists());
         // Copying onto itself is a no-op, not a truncation.
         copy_tokenizer(Some(&src), &src).unwrap();
-        assert_eq!(std::fs::read_to_string(src.join("tokenizer.json")).unwrap(), "{}");
+        assert_eq!(
+            std::fs::read_to_string(src.join("tokenizer.json")).unwrap(),
+            "{}"
+        );
     }
 }

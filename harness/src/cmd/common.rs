@@ -181,5 +181,5 @@ pub fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
     .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
     bar.set_style(style);
     bar.set_message(what.to_owned());
-    bar
+    crate::logging::add(bar)
 }

@@ -13,7 +13,8 @@ use super::common::{
     write_json,
 };
 use crate::tasks::{
-    Problem, Split, TaskOptions, Tokenizer, Verdict, Verifier, JsonlKeys, generate, load_jsonl_with, task_by_name,
+    JsonlKeys, Problem, Split, TaskOptions, Tokenizer, Verdict, Verifier, generate,
+    load_jsonl_with, task_by_name,
 };
 
 /// Task selection and difficulty flags shared by `sft` and `eval`.

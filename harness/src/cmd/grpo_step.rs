@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::ValueEnum;
 use rolloutpipe_backends::{
-    AdamW, Aggregation, ModelConfig, Objective, StdMode, TrainBatch, TrainSequence, Weights,
-    PolicyBackend, advantages, normalizer,
+    AdamW, Aggregation, ModelConfig, Objective, PolicyBackend, StdMode, TrainBatch, TrainSequence,
+    Weights, advantages, normalizer,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -264,7 +264,9 @@ fn probe(be: &mut dyn PolicyBackend, file: &BatchFile) -> anyhow::Result<bool> {
     let finite = l.iter().all(|x| x.is_finite());
     let (lo, hi) = l
         .iter()
-        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
     Ok(finite && hi > lo)
 }
 

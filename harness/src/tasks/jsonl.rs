@@ -56,8 +56,7 @@ pub fn parse_jsonl_with(
             continue;
         }
         let bad = |reason: String| TaskError::Jsonl { line, reason };
-        let value: serde_json::Value =
-            serde_json::from_str(raw).map_err(|e| bad(e.to_string()))?;
+        let value: serde_json::Value = serde_json::from_str(raw).map_err(|e| bad(e.to_string()))?;
         let obj = value
             .as_object()
             .ok_or_else(|| bad("expected a JSON object".into()))?;
@@ -150,7 +149,10 @@ mod tests {
             ),
             ("{\"prompt\": \"1+1=\", \"answer\": \"two\"}\n", 1),
             ("{\"prompt\": \"12+34=\", \"answer\": \"47\"}\n", 1),
-            ("{\"prompt\": \"1+1=\", \"answer\": 2}\n{\"q\": \"1+1=\"}\n", 2),
+            (
+                "{\"prompt\": \"1+1=\", \"answer\": 2}\n{\"q\": \"1+1=\"}\n",
+                2,
+            ),
             ("\n\n", 0),
         ] {
             match parse_jsonl(text, add.as_ref()) {
@@ -175,7 +177,10 @@ mod tests {
         let err = parse_jsonl("{\"prompt\": \"12+34=\", \"answer\": \"47\"}", add.as_ref())
             .unwrap_err()
             .to_string();
-        assert!(err.contains("line 1") && err.contains("12+34 = 46"), "{err}");
+        assert!(
+            err.contains("line 1") && err.contains("12+34 = 46"),
+            "{err}"
+        );
         let mul = task_by_name("mul", &TaskOptions::default()).unwrap();
         assert!(parse_jsonl("{\"prompt\": \"3*4=\", \"answer\": 7}", mul.as_ref()).is_err());
         // A Slime-style file with its own field names and extra fields, read as it is.
@@ -185,7 +190,10 @@ mod tests {
         };
         let text = "{\"id\": 1, \"question\": \"12+34=\", \"label\": \"46\"}\n";
         let ps = parse_jsonl_with(text, add.as_ref(), &keys).unwrap();
-        assert_eq!((ps[0].prompt.as_str(), ps[0].answer.as_str()), ("12+34=", "46"));
+        assert_eq!(
+            (ps[0].prompt.as_str(), ps[0].answer.as_str()),
+            ("12+34=", "46")
+        );
         let err = parse_jsonl(text, add.as_ref()).unwrap_err().to_string();
         assert!(err.contains("\"prompt\""), "{err}");
         // Countdown: a reference expression that misses the target is refused.

@@ -438,14 +438,22 @@ impl TrainConfig {
             // evaluator, a reference and the checkpoint being written.
             let copies = 4 + u128::from(self.rollout.engines) + 3;
             let mc = self.model_config(256);
-            check_model_fits(&mc, copies, "model.hidden_size/intermediate_size/layers/heads")?;
+            check_model_fits(
+                &mc,
+                copies,
+                "model.hidden_size/intermediate_size/layers/heads",
+            )?;
         }
         let tokens = rl.max_new_tokens as u128 + 64;
         let responses = u128::from(rl.batch_groups) * u128::from(rl.group_size);
         // Each response keeps tokens, log-probs and activations for the backward pass.
         check_fits("rl.batch_groups x rl.group_size", responses, tokens * 64)?;
         let max_groups = (f64::from(rl.batch_groups) * self.rollout.max_groups_factor).ceil();
-        let max_groups = if max_groups.is_finite() { max_groups as u128 } else { u128::MAX };
+        let max_groups = if max_groups.is_finite() {
+            max_groups as u128
+        } else {
+            u128::MAX
+        };
         check_fits(
             "rollout.max_groups_factor x rl.batch_groups",
             max_groups.saturating_mul(u128::from(rl.group_size)),
@@ -453,7 +461,11 @@ impl TrainConfig {
         )?;
         let sft_problems = u128::from(self.sft.steps) * u128::from(self.sft.batch);
         check_fits("sft.steps x sft.batch", sft_problems, 512)?;
-        check_fits("run.eval_problems", u128::from(self.run.eval_problems), 1024)?;
+        check_fits(
+            "run.eval_problems",
+            u128::from(self.run.eval_problems),
+            1024,
+        )?;
         Ok(())
     }
 

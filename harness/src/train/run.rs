@@ -25,8 +25,8 @@ use rolloutpipe_core::{
 use serde::{Deserialize, Serialize};
 
 use super::config::{Mode, OldLogprobs, TrainConfig};
-use super::guard::{self, RunOptions};
 use super::data::{self, DataSource};
+use super::guard::{self, RunOptions};
 use super::workers::{
     EngineCmd, Event, GroupBatch, Sample, TrainCmd, TrainerReply, TrainerSetup, VerifyJob,
     engine_thread, make_backend, trainer_thread, verifier_thread,
@@ -414,8 +414,17 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
         timeline: None,
         model_cfg: model_cfg.clone(),
         tok: tok.clone(),
+        trace_base: if resume {
+            crate::trace::read_events(&out.join("trace.json"))
+        } else {
+            (Vec::new(), 0.0)
+        },
+        summary: SummaryBase::read(out, resume, started),
+        interrupted: None,
     };
     ctx.trace_header();
+    ctx.summary.accuracy_initial = ctx.summary.accuracy_initial.or(accuracy_initial);
+    ctx.summary.accuracy_start = ctx.summary.accuracy_start.or(Some(accuracy_start));
     // Engines were built with these weights; tell them the version.
     ctx.sync_engines(weights.clone(), PolicyVersion(state.engine_version))?;
 
@@ -437,25 +446,26 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
     for h in handles {
         let _ = h.join();
     }
-    ctx.trace.write(&out.join("trace.json"))?;
+    ctx.write_trace(out)?;
     write_plots(out, &metrics, ctx.timeline.as_ref())?;
     let accuracy_end = acc_end;
+    ctx.summary.write(
+        out,
+        Some(accuracy_end).filter(|a| a.is_finite()),
+        ctx.interrupted.is_none(),
+    )?;
+    if let Some(next) = ctx.interrupted {
+        bail!(
+            "interrupted: stopped after step {} with a checkpoint, the trace and the summary written; continue with: rolloutpipe train --resume {}",
+            next.saturating_sub(1),
+            out.display()
+        );
+    }
     tracing::info!(
         start = accuracy_start,
         end = accuracy_end,
         "held-out accuracy"
     );
-    let summary = serde_json::json!({
-        "accuracy_initial": accuracy_initial,
-        "accuracy_start": accuracy_start,
-        "accuracy_end": accuracy_end,
-        "steps": metrics.len(),
-        "wall_s": started.elapsed().as_secs_f64(),
-    });
-    std::fs::write(
-        out.join("summary.json"),
-        serde_json::to_string_pretty(&summary)?,
-    )?;
     Ok(RunOutcome {
         metrics,
         weights: final_w,
@@ -554,6 +564,60 @@ struct Ctx<'c> {
     timeline: Option<Vec<GanttRow>>,
     model_cfg: ModelConfig,
     tok: Arc<dyn Tokenizer>,
+    /// An earlier invocation's trace events and the offset this one's are placed at.
+    trace_base: (Vec<serde_json::Value>, f64),
+    /// What `summary.json` carries over from earlier invocations and the start of this one.
+    summary: SummaryBase,
+    /// Set when a signal stopped the run: the step a resume continues at.
+    interrupted: Option<u64>,
+}
+
+/// `summary.json` across invocations: accuracies of the run's start come from the first
+/// invocation, wall time and invocations add up, steps count every line of `metrics.jsonl`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct SummaryBase {
+    accuracy_initial: Option<f64>,
+    accuracy_start: Option<f64>,
+    /// Wall time of earlier invocations, s.
+    wall_s_before: f64,
+    invocations: u32,
+    #[serde(skip)]
+    started: Option<Instant>,
+}
+
+impl SummaryBase {
+    fn read(out: &Path, resume: bool, started: Instant) -> Self {
+        let old: Option<serde_json::Value> = resume
+            .then(|| std::fs::read_to_string(out.join("summary.json")).ok())
+            .flatten()
+            .and_then(|t| serde_json::from_str(&t).ok());
+        let f = |k: &str| old.as_ref().and_then(|v| v.get(k)?.as_f64());
+        SummaryBase {
+            accuracy_initial: f("accuracy_initial"),
+            accuracy_start: f("accuracy_start"),
+            wall_s_before: f("wall_s").unwrap_or(0.0),
+            invocations: f("invocations").unwrap_or(0.0) as u32 + 1,
+            started: Some(started),
+        }
+    }
+
+    fn write(&self, out: &Path, accuracy_end: Option<f64>, complete: bool) -> anyhow::Result<()> {
+        let steps = read_metrics(out).map(|m| m.len()).unwrap_or(0);
+        let wall = self.wall_s_before + self.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
+        let v = serde_json::json!({
+            "accuracy_initial": self.accuracy_initial,
+            "accuracy_start": self.accuracy_start,
+            "accuracy_end": accuracy_end,
+            "steps": steps,
+            "wall_s": wall,
+            "invocations": self.invocations,
+            "complete": complete,
+        });
+        let (p, tmp) = (out.join("summary.json"), out.join(".summary.json.tmp"));
+        std::fs::write(&tmp, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &p).with_context(|| format!("writing {}", p.display()))
+    }
 }
 
 type EvalFn<'a> = dyn Fn(&mut CpuBackend, &Weights, &[Problem]) -> anyhow::Result<f64> + 'a;
@@ -564,6 +628,13 @@ const PID_TRAINER: u32 = 2;
 const PID_GROUPS: u32 = 3;
 
 impl Ctx<'_> {
+    /// Writes `trace.json`: earlier invocations' events, then this one's.
+    fn write_trace(&self, out: &Path) -> anyhow::Result<()> {
+        let (base, offset) = &self.trace_base;
+        self.trace
+            .write_merged(&out.join("trace.json"), base, *offset)
+    }
+
     fn now(&self) -> Tick {
         Tick(self.clock.elapsed().as_micros() as u64)
     }
@@ -1013,7 +1084,10 @@ impl Ctx<'_> {
             state.next_step = k + 1;
             state.data_pos = self.data.pos;
             state.engine_version = engine_version.0;
+            // A signal stops the run here, at a step boundary, with a checkpoint.
+            let stop = !is_last && k < steps && crate::interrupt::requested();
             let ckpt_now = is_last
+                || stop
                 || (cfg.run.checkpoint_every > 0 && (k + 1) % cfg.run.checkpoint_every as u64 == 0);
             if ckpt_now && k < steps {
                 state.pending = pending
@@ -1022,8 +1096,16 @@ impl Ctx<'_> {
                     .collect();
                 state.pending_step = pending_metrics.as_ref().map(|(m, _)| m.step);
                 save_checkpoint(out, tok_src(cfg), &self.model_cfg, &w, adam.as_ref(), state)?;
+                // What a `kill -9` after this point would otherwise lose.
+                self.write_trace(out)?;
+                self.summary.write(out, None, false)?;
             }
             weights = Some(w);
+            if stop {
+                self.interrupted = Some(k + 1);
+                bar.abandon();
+                return Ok((metrics, counters, weights.context("no step ran")?, acc_end));
+            }
         }
         bar.finish_and_clear();
         let w = weights.context("no step ran")?;
@@ -1367,7 +1449,7 @@ fn progress_bar(cfg: &TrainConfig, steps: u64, done: u64) -> indicatif::Progress
         bar.set_style(style.progress_chars("=> "));
     }
     bar.set_prefix(cfg.run.mode.name());
-    bar
+    crate::logging::add(bar)
 }
 
 /// Refuses `rl.max_new_tokens` (and SFT answers) that, after the longest prompt, would run
@@ -1453,11 +1535,7 @@ fn write_plots(
         "Learning curves",
         "step",
         "share",
-        &[
-            Series::new("reward", pts(&|m| Some(m.reward))),
-            Series::new("train accuracy", pts(&|m| Some(m.train_accuracy))),
-            Series::new("held-out accuracy", pts(&|m| m.heldout_accuracy)),
-        ],
+        &learning_series(&ms),
     )?;
     plot::lines(
         &out.join("step_times.svg"),
@@ -1485,6 +1563,31 @@ fn write_plots(
         )?;
     }
     Ok(())
+}
+
+/// The learning-curve series: reward and held-out accuracy always; train accuracy only where
+/// it differs from the reward (without a format penalty they are equal, and one line would
+/// hide the other).
+fn learning_series(ms: &[StepMetrics]) -> Vec<Series<(f64, f64)>> {
+    let pts = |f: &dyn Fn(&StepMetrics) -> Option<f64>| -> Vec<(f64, f64)> {
+        ms.iter()
+            .filter_map(|m| f(m).map(|v| (m.step as f64, v)))
+            .collect()
+    };
+    let mut s = vec![
+        Series::new("reward", pts(&|m| Some(m.reward))),
+        Series::new("held-out accuracy", pts(&|m| m.heldout_accuracy)),
+    ];
+    if ms
+        .iter()
+        .any(|m| (m.reward - m.train_accuracy).abs() > 1e-9)
+    {
+        s.push(Series::new(
+            "train accuracy",
+            pts(&|m| Some(m.train_accuracy)),
+        ));
+    }
+    s
 }
 
 /// A 64-bit mix of several values (SplitMix64 finaliser over a running hash).
