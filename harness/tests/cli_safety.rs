@@ -532,3 +532,43 @@ fn first_contact_help_and_plain_logs() {
     assert!(!String::from_utf8_lossy(&o.stderr).contains('\x1b'));
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn grpo_step_refuses_to_save_a_model_a_huge_lr_broke() {
+    use rolloutpipe_backends::{ModelConfig, Weights, save_model_dir};
+    let d = tempdir("grpo-huge-lr");
+    let model = d.join("model");
+    let cfg = ModelConfig::tiny();
+    save_model_dir(&model, &cfg, &Weights::random(&cfg, 3).unwrap()).unwrap();
+    let batch = d.join("batch.json");
+    std::fs::write(
+        &batch,
+        serde_json::json!({"groups": [{"prompt": [1, 2], "responses": [
+            {"tokens": [3, 4], "reward": 1.0}, {"tokens": [5], "reward": 0.0}]}]})
+        .to_string(),
+    )
+    .unwrap();
+    let step = |lr: &str, out: &Path| {
+        let mut c = bin();
+        c.args(["grpo-step", "--model"])
+            .arg(&model)
+            .arg("--batch")
+            .arg(&batch)
+            .args(["--lr", lr, "--out"])
+            .arg(out);
+        c
+    };
+    let out = d.join("huge");
+    let err = run_err(&mut step("1e30", &out));
+    one_line_error("--lr 1e30", &err);
+    assert!(err.contains("--lr"), "{err}");
+    assert!(
+        !out.join("model.safetensors").exists(),
+        "a broken model was saved"
+    );
+    // A sane rate still saves.
+    let ok = d.join("ok");
+    run_ok(&mut step("1e-3", &ok));
+    assert!(ok.join("model.safetensors").is_file());
+    std::fs::remove_dir_all(&d).unwrap();
+}
