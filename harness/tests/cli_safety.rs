@@ -572,3 +572,30 @@ fn grpo_step_refuses_to_save_a_model_a_huge_lr_broke() {
     assert!(ok.join("model.safetensors").is_file());
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn compare_keeps_the_measured_table_when_its_simulation_fails() {
+    let d = tempdir("compare-sim-fails");
+    let cfg = tiny_config(&d);
+    let out = d.join("cmp");
+    // The simulator's input file cannot be written (a directory is in its place), so the
+    // simulation fails after both real runs finished.
+    std::fs::create_dir_all(out.join("sim_measured.toml")).unwrap();
+    let err = run_err(
+        bin()
+            .args(["compare", "--backend", "cpu", "--config"])
+            .arg(&cfg)
+            .args(["--set", "run.steps=2", "--out"])
+            .arg(&out),
+    );
+    one_line_error("compare", &err);
+    assert!(
+        err.contains("compare.md") && err.contains("simulat"),
+        "{err}"
+    );
+    let table = std::fs::read_to_string(out.join("compare.md")).unwrap();
+    assert!(table.contains("| sync | measured"), "{table}");
+    assert!(table.contains("| rolloutpipe | measured"), "{table}");
+    assert!(table.contains("simulation of these runs failed"), "{table}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
