@@ -14,6 +14,7 @@ use super::common::{
 };
 use crate::tasks::{
     Problem, Split, TaskOptions, Tokenizer, Verdict, Verifier, generate, load_jsonl, task_by_name,
+    uniform_test_set,
 };
 
 /// Task selection and difficulty flags shared by `sft` and `eval`.
@@ -56,8 +57,19 @@ pub struct Args {
     pub task: TaskArgs,
     /// Evaluate on these problems (JSONL, `{"prompt": ..., "answer": ...}` per line) instead of
     /// the task's held-out split.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "uniform")]
     pub data: Option<PathBuf>,
+    /// add/mul: evaluate on the independent test distribution instead of the held-out split:
+    /// `--n` problems with both operands uniform in 0..10^digits, drawn from `--seed`, not
+    /// filtered by the split (the training generator draws the digit count first, so half of its
+    /// operands have fewer digits).
+    #[arg(long)]
+    pub uniform: bool,
+    /// Also write the evaluated problems here as JSONL (`{"prompt", "answer"}` per line), so
+    /// another stack (scripts/rl/trl_compare.py) can score itself on exactly the same set. The
+    /// file must not exist.
+    #[arg(long)]
+    pub write_problems: Option<PathBuf>,
     /// Number of held-out problems.
     #[arg(long, default_value_t = 200)]
     pub n: usize,
@@ -185,10 +197,56 @@ pub fn evaluate(
 /// Runs `eval`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let task = task_by_name(&args.task.task, &args.task.options())?;
-    let problems = match &args.data {
-        Some(path) => load_jsonl(path, task.as_ref())?,
-        None => generate(task.as_ref(), args.seed, Split::HeldOut, args.n)?,
+    // Every report names the distribution its accuracy was measured on.
+    let (problems, distribution) = match &args.data {
+        Some(path) => (
+            load_jsonl(path, task.as_ref())?,
+            format!("data: the problems of {}", path.display()),
+        ),
+        None if args.uniform => {
+            let digits = args
+                .task
+                .digits
+                .unwrap_or(if task.name() == "mul" { 2 } else { 3 });
+            uniform_test_set(task.name(), digits, args.seed, args.n)?.with_context(|| {
+                format!(
+                    "--uniform: task {} has no uniform test distribution (add, mul)",
+                    task.name()
+                )
+            })?
+        }
+        None => (
+            generate(task.as_ref(), args.seed, Split::HeldOut, args.n)?,
+            format!(
+                "held-out: {} problems of the {} generator's held-out split (training distribution), seed {}",
+                args.n,
+                task.name(),
+                args.seed
+            ),
+        ),
     };
+    if let Some(path) = &args.write_problems {
+        let mut text = String::new();
+        for p in &problems {
+            text.push_str(&serde_json::to_string(
+                &json!({"prompt": p.prompt, "answer": p.answer}),
+            )?);
+            text.push('\n');
+        }
+        // create_new: an existing file is the user's and is never overwritten.
+        use std::io::Write;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(text.as_bytes()))
+            .with_context(|| {
+                format!(
+                    "--write-problems {} (it must not exist yet)",
+                    path.display()
+                )
+            })?;
+    }
     let mut be = open_backend(
         args.backend.backend,
         &ModelSource::Dir(args.model.clone()),
@@ -214,7 +272,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     )?;
     let value = json!({
         "task": task.name(),
-        "split": if args.data.is_some() { "data" } else { "held-out" },
+        "split": if args.data.is_some() { "data" } else if args.uniform { "uniform" } else { "held-out" },
+        "distribution": distribution,
         "data": args.data,
         "n": report.n,
         "correct": report.correct,

@@ -75,6 +75,44 @@ fn operand(rng: &mut ChaCha8Rng, digits: u32) -> u128 {
     rng.random_range(lo..10u128.pow(d))
 }
 
+/// The independent test distribution of `add`/`mul`: both operands uniform in
+/// `0..10^digits` (so 90% of 2-digit operands have two digits, unlike the training generator's
+/// 50%), drawn from `seed` on a stream (2) that neither split's generator uses, and *not* filtered
+/// by the held-out split: the set is independent of the training generator and of its split.
+pub fn uniform_problems(
+    op: char,
+    digits: u32,
+    seed: u64,
+    n: usize,
+) -> Result<Vec<Problem>, TaskError> {
+    use rand::SeedableRng;
+    let digits = check_digits(digits)?;
+    let apply: fn(u128, u128) -> u128 = match op {
+        '+' => |a, b| a + b,
+        '*' => |a, b| a * b,
+        _ => {
+            return Err(TaskError::BadOption {
+                option: "op",
+                reason: format!("{op:?} (uniform test sets exist for + and *)"),
+            });
+        }
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(2);
+    let top = 10u128.pow(digits);
+    Ok((0..n)
+        .map(|_| {
+            let a = rng.random_range(0..top);
+            let b = rng.random_range(0..top);
+            Problem {
+                prompt: format!("{a}{op}{b}="),
+                answer: apply(a, b).to_string(),
+                meta: serde_json::Value::Null,
+            }
+        })
+        .collect())
+}
+
 /// Key that makes `a op b` and `b op a` the same problem.
 fn commutative_key(a: u128, b: u128, op: char) -> String {
     let (x, y) = if a <= b { (a, b) } else { (b, a) };
@@ -226,6 +264,24 @@ mod tests {
             split_of(&add.problem_key(&p), 300),
             split_of(&add.problem_key(&q), 300)
         );
+    }
+
+    #[test]
+    fn uniform_test_set_covers_the_square_and_is_seeded() {
+        let a = uniform_problems('+', 2, 20_261_201, 1000).unwrap();
+        assert_eq!(a, uniform_problems('+', 2, 20_261_201, 1000).unwrap());
+        assert_ne!(a, uniform_problems('+', 2, 7, 1000).unwrap());
+        let mut two_digit = 0;
+        for p in &a {
+            let (x, y) = parse_operands(&p.prompt, '+').unwrap();
+            assert!(x < 100 && y < 100);
+            assert_eq!(p.answer, (x + y).to_string());
+            two_digit += usize::from(x >= 10) + usize::from(y >= 10);
+        }
+        // 90% of uniform operands have two digits (the training generator: 50%).
+        assert!((1_720..1_880).contains(&two_digit), "{two_digit} of 2000");
+        assert!(uniform_problems('-', 2, 0, 1).is_err());
+        assert!(uniform_problems('*', 0, 0, 1).is_err());
     }
 
     #[test]

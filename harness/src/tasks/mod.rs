@@ -27,7 +27,7 @@ use std::fmt;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-pub use arith::{AddTask, MulTask};
+pub use arith::{AddTask, MulTask, uniform_problems};
 pub use countdown::{CountdownTask, eval_countdown_expr};
 pub use jsonl::{load_jsonl, parse_jsonl};
 pub use split::{Split, split_of};
@@ -263,4 +263,28 @@ pub fn generate(
         }
     }
     Ok(out)
+}
+
+/// The independent test set of a built-in arithmetic task (`add`, `mul`): both operands uniform
+/// in `0..10^digits` from `seed`, not filtered by the held-out split, with a one-line description
+/// of that distribution for reports. `None` for tasks without one (`countdown`).
+pub fn uniform_test_set(
+    task: &str,
+    digits: u32,
+    seed: u64,
+    n: usize,
+) -> Result<Option<(Vec<Problem>, String)>, TaskError> {
+    let op = match task {
+        "add" => '+',
+        "mul" => '*',
+        _ => return Ok(None),
+    };
+    let problems = uniform_problems(op, digits, seed, n)?;
+    let max = 10u128.pow(digits) - 1;
+    Ok(Some((
+        problems,
+        format!(
+            "uniform: {n} problems a{op}b with a, b uniform in 0..={max}, seed {seed} (stream 2), not filtered by the held-out split"
+        ),
+    )))
 }

@@ -98,8 +98,20 @@ pub struct RunSection {
     pub eval_every: u32,
     /// Held-out problems per evaluation.
     pub eval_problems: u32,
+    /// `add`/`mul`: size of the independent test set evaluated beside the held-out split
+    /// (both operands uniform in `0..10^digits`, from `test_seed`, not filtered by the split);
+    /// 0 = none. Generated tasks only.
+    #[serde(default)]
+    pub test_problems: u32,
+    /// Seed of the independent test set (fixed, so every run is scored on the same problems).
+    #[serde(default = "default_test_seed")]
+    pub test_seed: u64,
     /// Show the progress bar (off in tests).
     pub progress: bool,
+}
+
+fn default_test_seed() -> u64 {
+    20_261_201
 }
 
 /// `[task]`.
@@ -152,6 +164,11 @@ pub struct SftSection {
     pub batch: u32,
     /// SFT learning rate.
     pub lr: f64,
+    /// `add`/`mul`: most digits per operand of the SFT problems (0 = `task.digits`); fewer
+    /// than `task.digits` makes the warm start deliberately partial, leaving the longer
+    /// problems to RL.
+    #[serde(default)]
+    pub digits: u32,
 }
 
 /// How `logπ_old` is obtained.

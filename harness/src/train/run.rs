@@ -49,6 +49,10 @@ pub struct StepMetrics {
     pub train_accuracy: f64,
     /// Greedy held-out accuracy after the step (evaluation steps only).
     pub heldout_accuracy: Option<f64>,
+    /// Greedy accuracy on the independent test set (`run.test_problems`) after the step
+    /// (evaluation steps only).
+    #[serde(default)]
+    pub test_accuracy: Option<f64>,
     /// Normalised loss of the step's optimizer steps (mean).
     pub loss: f64,
     /// Mean k3 KL per token (0 without a reference).
@@ -144,6 +148,9 @@ pub struct RunOutcome {
     pub accuracy_start: f64,
     /// Held-out accuracy at the end.
     pub accuracy_end: f64,
+    /// Independent test-set accuracy before SFT, at RL start and at the end (`None` without a
+    /// test set).
+    pub test_accuracy: [Option<f64>; 3],
     /// Raw timings.
     pub measured: Measured,
     /// The run directory.
@@ -248,6 +255,15 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
         pending_step: None,
     };
     let mut accuracy_initial = None;
+    let mut test_initial = None;
+    // The independent test set (SPEC-free addition to the held-out split: uniform operands from
+    // their own seed), evaluated wherever the held-out set is.
+    let test_eval = |be: &mut CpuBackend, w: &Weights| -> anyhow::Result<Option<f64>> {
+        match &problems.test {
+            Some((t, _)) => Ok(Some(eval(be, w, t)?)),
+            None => Ok(None),
+        }
+    };
     let (weights, adam, reference) = if resume {
         let name = data::read(&latest).context("the run has no checkpoint to resume from")?;
         let dir = ckpt_root.join(name.trim());
@@ -279,6 +295,7 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
         if cfg.sft.steps > 0 {
             let mut be = make_backend(&cfg.run.backend, &model_cfg, &w, cfg.trainer.threads)?;
             accuracy_initial = Some(eval(&mut eval_backend, &w, &problems.heldout)?);
+            test_initial = test_eval(&mut eval_backend, &w)?;
             let t = Instant::now();
             let loss = data::sft(cfg, be.as_dyn(), tok.as_ref(), &problems.sft)?;
             w = be.as_dyn().export_weights()?;
@@ -301,7 +318,8 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
     problems.train.pos = state.data_pos;
     let weights = Arc::new(weights);
     let accuracy_start = eval(&mut eval_backend, &weights, &problems.heldout)?;
-    tracing::info!(accuracy = accuracy_start, initial = ?accuracy_initial, "held-out accuracy at RL start");
+    let test_start = test_eval(&mut eval_backend, &weights)?;
+    tracing::info!(accuracy = accuracy_start, initial = ?accuracy_initial, test = ?test_start, "held-out accuracy at RL start");
 
     // Workers.
     let (ev_tx, ev_rx) = mpsc::channel::<Event>();
@@ -407,6 +425,7 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
         &mut eval_backend,
         &problems.heldout,
         &eval,
+        &test_eval,
         started,
     );
     // Stop the workers whatever happened, so no thread outlives the run.
@@ -415,7 +434,7 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
     }
     let _ = ctx.trainer.send(TrainCmd::Shutdown);
     ctx.verify = None;
-    let (metrics, counters, final_w, acc_end) = result?;
+    let (metrics, counters, final_w, acc_end, test_end) = result?;
     for h in handles {
         let _ = h.join();
     }
@@ -431,6 +450,10 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
         "accuracy_initial": accuracy_initial,
         "accuracy_start": accuracy_start,
         "accuracy_end": accuracy_end,
+        "test_distribution": problems.test.as_ref().map(|(_, d)| d),
+        "test_accuracy_initial": test_initial,
+        "test_accuracy_start": test_start,
+        "test_accuracy_end": test_end,
         "steps": metrics.len(),
         "wall_s": started.elapsed().as_secs_f64(),
     });
@@ -446,6 +469,7 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
         accuracy_initial,
         accuracy_start,
         accuracy_end,
+        test_accuracy: [test_initial, test_start, test_end],
         measured: std::mem::take(&mut ctx.measured),
         dir: out.to_path_buf(),
     })
@@ -539,7 +563,15 @@ struct Ctx<'c> {
 }
 
 type EvalFn<'a> = dyn Fn(&mut CpuBackend, &Weights, &[Problem]) -> anyhow::Result<f64> + 'a;
-type StepsResult = (Vec<StepMetrics>, Vec<Counters>, Arc<Weights>, f64);
+/// Accuracy on the run's independent test set, `None` when it has none.
+type TestEvalFn<'a> = dyn Fn(&mut CpuBackend, &Weights) -> anyhow::Result<Option<f64>> + 'a;
+type StepsResult = (
+    Vec<StepMetrics>,
+    Vec<Counters>,
+    Arc<Weights>,
+    f64,
+    Option<f64>,
+);
 
 const PID_ENGINES: u32 = 1;
 const PID_TRAINER: u32 = 2;
@@ -663,6 +695,7 @@ impl Ctx<'_> {
         eval_be: &mut CpuBackend,
         heldout: &[Problem],
         eval: &EvalFn<'_>,
+        test_eval: &TestEvalFn<'_>,
         started: Instant,
     ) -> anyhow::Result<StepsResult> {
         let cfg = self.cfg;
@@ -685,6 +718,7 @@ impl Ctx<'_> {
         let mut counters = Vec::new();
         let mut weights: Option<Arc<Weights>> = None;
         let mut acc_end = f64::NAN;
+        let mut test_end = None;
         // One-step-off: the previous rollout's batch and its half-filled metrics.
         let mut pending: VecDeque<(Vec<GroupBatch>, bool)> = state
             .pending
@@ -939,8 +973,10 @@ impl Ctx<'_> {
             if eval_now {
                 let acc = eval(eval_be, &w, heldout)?;
                 acc_end = acc;
+                test_end = test_eval(eval_be, &w)?;
                 if let Some(m) = finished.last_mut() {
                     m.heldout_accuracy = Some(acc);
+                    m.test_accuracy = test_end;
                 }
             }
             for m in &mut finished {
@@ -999,7 +1035,7 @@ impl Ctx<'_> {
         // The final weights as a model directory (for one-step-off they are past the last
         // checkpoint, which precedes the final drain so that a resume continues the schedule).
         save_model_dir(&out.join("final"), &self.model_cfg, &w)?;
-        Ok((metrics, counters, w, acc_end))
+        Ok((metrics, counters, w, acc_end, test_end))
     }
 
     /// Training fields of a step's metrics, from its trainer aggregate and window.
@@ -1399,6 +1435,7 @@ fn write_plots(
             Series::new("reward", pts(&|m| Some(m.reward))),
             Series::new("train accuracy", pts(&|m| Some(m.train_accuracy))),
             Series::new("held-out accuracy", pts(&|m| m.heldout_accuracy)),
+            Series::new("test accuracy (uniform)", pts(&|m| m.test_accuracy)),
         ],
     )?;
     plot::lines(
