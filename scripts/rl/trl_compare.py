@@ -78,7 +78,7 @@ def stable_hash(key):
 assert stable_hash("") == 0xF52A15E9A9B5E89B and stable_hash("3+4") == 0xFF7279187858CA6F
 
 
-def train_problems(n, digits, heldout_per_mille, seed):
+def train_problems(n, digits, heldout_per_mille, seed, reverse):
     """The training generator's distribution (digit count uniform in 1..=digits, then the value),
     training split only. Python's RNG, not ChaCha8: the same distribution, not the same draws."""
     rng = random.Random(seed)
@@ -92,7 +92,8 @@ def train_problems(n, digits, heldout_per_mille, seed):
         a, b = ab
         key = f"{min(a, b)}+{max(a, b)}"
         if stable_hash(key) % 1000 >= heldout_per_mille:
-            out.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+            answer = str(a + b)
+            out.append({"prompt": f"{a}+{b}=", "answer": answer[::-1] if reverse else answer})
     return out
 
 
@@ -106,8 +107,18 @@ def canonical_int(s):
     return "-" + d if neg and d != "0" else d
 
 
+# task.reverse: answers are written least-significant digit first; both are read back in order.
+REVERSE = False
+
+
+def is_correct(response, answer):
+    if REVERSE:
+        response, answer = response.strip()[::-1], answer.strip()[::-1]
+    return canonical_int(response) is not None and canonical_int(response) == canonical_int(answer)
+
+
 def reward_correct(completions, answer, **_):
-    return [1.0 if canonical_int(c) == canonical_int(a) else 0.0 for c, a in zip(completions, answer)]
+    return [1.0 if is_correct(c, a) else 0.0 for c, a in zip(completions, answer)]
 
 
 # --- TRL run ------------------------------------------------------------------------------
@@ -127,7 +138,7 @@ def greedy_accuracy(model, tok, problems, max_new, batch=500):
                 **enc, max_new_tokens=max_new, do_sample=False, eos_token_id=2, pad_token_id=0
             )
             texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            correct += sum(canonical_int(t) == canonical_int(p["answer"]) for t, p in zip(texts, chunk))
+            correct += sum(is_correct(t, p["answer"]) for t, p in zip(texts, chunk))
     if was_training:
         model.train()
     return correct / len(problems)
@@ -151,8 +162,11 @@ def settings_from(config_path, a):
                      max_grad_norm=rl["max_grad_norm"], weight_decay=rl["weight_decay"],
                      top_k=rl["top_k"], top_p=rl["top_p"], opt_steps=rl["opt_steps"],
                      digits=task["digits"], heldout_per_mille=task["heldout_per_mille"],
-                     seed=c["run"]["seed"], loss_type=agg, scale_rewards=std).items():
+                     seed=c["run"]["seed"], loss_type=agg, scale_rewards=std,
+                     reverse=task.get("reverse", False)).items():
         setattr(a, k, v)
+    global REVERSE
+    REVERSE = a.reverse
 
 
 def run_trl(a):
@@ -170,7 +184,7 @@ def run_trl(a):
     model.generation_config.pad_token_id = 0
     model.generation_config.bos_token_id = 1
     test = [json.loads(l) for l in open(a.test)]
-    train = train_problems(a.steps * a.batch_groups, a.digits, a.heldout_per_mille, a.seed)
+    train = train_problems(a.steps * a.batch_groups, a.digits, a.heldout_per_mille, a.seed, a.reverse)
     curve = []
     rollouts_per_step = a.batch_groups * a.group_size
     t0 = time.time()

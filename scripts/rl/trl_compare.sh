@@ -43,8 +43,10 @@ echo "== the independent test set (the one our run scored itself on)"
 seed=$(sed -n 's/^test_seed = //p' "$OUT/ours/config.toml")
 n=$(sed -n 's/^test_problems = //p' "$OUT/ours/config.toml")
 digits=$(awk '/^\[task\]/{t=1} t&&/^digits = /{print $3; exit}' "$OUT/ours/config.toml")
+reverse=()
+grep -q '^reverse = true' "$OUT/ours/config.toml" && reverse=(--reverse)
 "$BIN" eval --model "$OUT/ours/sft" --task add --digits "$digits" --uniform --seed "$seed" \
-    --n "$n" --max-tokens 6 --write-problems "$OUT/test.jsonl" --out "$OUT/sft_eval.json" \
+    --n "$n" --max-tokens 6 "${reverse[@]}" --write-problems "$OUT/test.jsonl" --out "$OUT/sft_eval.json" \
     | grep -E '"(accuracy|distribution)"'
 
 echo "== TRL GRPOTrainer from the same SFT model"

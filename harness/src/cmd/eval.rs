@@ -32,6 +32,10 @@ pub struct TaskArgs {
     /// Penalty for a malformed response (reward −penalty instead of 0).
     #[arg(long)]
     pub format_penalty: Option<f32>,
+    /// add/mul: answers are written least-significant digit first (a model trained with
+    /// `task.reverse = true`).
+    #[arg(long)]
+    pub reverse: bool,
 }
 
 impl TaskArgs {
@@ -42,6 +46,8 @@ impl TaskArgs {
             numbers: self.numbers,
             format_penalty: self.format_penalty,
             heldout_per_mille: None,
+            reverse: Some(self.reverse),
+            uniform_operands: None,
         }
     }
 }
@@ -208,12 +214,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .task
                 .digits
                 .unwrap_or(if task.name() == "mul" { 2 } else { 3 });
-            uniform_test_set(task.name(), digits, args.seed, args.n)?.with_context(|| {
-                format!(
-                    "--uniform: task {} has no uniform test distribution (add, mul)",
-                    task.name()
-                )
-            })?
+            uniform_test_set(task.name(), digits, args.task.reverse, args.seed, args.n)?
+                .with_context(|| {
+                    format!(
+                        "--uniform: task {} has no uniform test distribution (add, mul)",
+                        task.name()
+                    )
+                })?
         }
         None => (
             generate(task.as_ref(), args.seed, Split::HeldOut, args.n)?,

@@ -129,6 +129,18 @@ pub struct TaskSection {
     pub heldout_per_mille: u32,
     /// Reward of a malformed response is minus this.
     pub format_penalty: f32,
+    /// `add`/`mul`: answers written least-significant digit first (see tasks::arith).
+    #[serde(default)]
+    pub reverse: bool,
+    /// `add`/`mul` operand distribution of the training (SFT and RL) problems: `digits` (the
+    /// digit count uniform in 1..=digits, then the value; half of 2-digit operands have one
+    /// digit) or `uniform` (uniform in 0..10^digits, the independent test set's distribution).
+    #[serde(default = "default_operands")]
+    pub operands: String,
+}
+
+fn default_operands() -> String {
+    "digits".into()
 }
 
 /// `[model]`.
@@ -391,6 +403,11 @@ impl TrainConfig {
             "task.heldout_per_mille must be in 1..=999 (a held-out set and a training set are both needed)"
         );
         ensure!(r.eval_problems >= 1, "run.eval_problems must be at least 1");
+        ensure!(
+            matches!(self.task.operands.as_str(), "digits" | "uniform"),
+            "task.operands {:?} is not one of digits, uniform",
+            self.task.operands
+        );
         ensure!(
             self.trainer.threads >= 1 && ro.threads_per_engine >= 1,
             "trainer.threads and rollout.threads_per_engine must be at least 1"

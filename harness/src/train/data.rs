@@ -67,6 +67,8 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
         numbers: (t.name == "countdown").then_some(t.digits as usize),
         format_penalty: Some(t.format_penalty),
         heldout_per_mille: Some(t.heldout_per_mille),
+        reverse: Some(t.reverse),
+        uniform_operands: Some(t.operands == "uniform"),
     };
     let task: Arc<dyn Task> = Arc::from(task_by_name(&t.name, &opts).context("task.name")?);
     let seed = cfg.run.seed;
@@ -124,6 +126,7 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
         uniform_test_set(
             &t.name,
             t.digits,
+            t.reverse,
             cfg.run.test_seed,
             cfg.run.test_problems as usize,
         )?
