@@ -78,14 +78,18 @@ def stable_hash(key):
 assert stable_hash("") == 0xF52A15E9A9B5E89B and stable_hash("3+4") == 0xFF7279187858CA6F
 
 
-def train_problems(n, digits, heldout_per_mille, seed, reverse):
-    """The training generator's distribution (digit count uniform in 1..=digits, then the value),
-    training split only. Python's RNG, not ChaCha8: the same distribution, not the same draws."""
+def train_problems(n, digits, heldout_per_mille, seed, reverse, operands):
+    """The training generator's distribution (`operands = "digits"`: digit count uniform in
+    1..=digits, then the value; `"uniform"`: uniform in 0..10^digits), training split only.
+    Python's RNG, not ChaCha8: the same distribution, not the same draws."""
     rng = random.Random(seed)
     out = []
     while len(out) < n:
         ab = []
         for _ in range(2):
+            if operands == "uniform":
+                ab.append(rng.randrange(0, 10**digits))
+                continue
             d = rng.randint(1, digits)
             lo = 0 if d == 1 else 10 ** (d - 1)
             ab.append(rng.randrange(lo, 10**d))
@@ -163,7 +167,8 @@ def settings_from(config_path, a):
                      top_k=rl["top_k"], top_p=rl["top_p"], opt_steps=rl["opt_steps"],
                      digits=task["digits"], heldout_per_mille=task["heldout_per_mille"],
                      seed=c["run"]["seed"], loss_type=agg, scale_rewards=std,
-                     reverse=task.get("reverse", False)).items():
+                     reverse=task.get("reverse", False),
+                     operands=task.get("operands", "digits")).items():
         setattr(a, k, v)
     global REVERSE
     REVERSE = a.reverse
@@ -184,7 +189,7 @@ def run_trl(a):
     model.generation_config.pad_token_id = 0
     model.generation_config.bos_token_id = 1
     test = [json.loads(l) for l in open(a.test)]
-    train = train_problems(a.steps * a.batch_groups, a.digits, a.heldout_per_mille, a.seed, a.reverse)
+    train = train_problems(a.steps * a.batch_groups, a.digits, a.heldout_per_mille, a.seed, a.reverse, a.operands)
     curve = []
     rollouts_per_step = a.batch_groups * a.group_size
     t0 = time.time()
