@@ -256,8 +256,8 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
     };
     let mut accuracy_initial = None;
     let mut test_initial = None;
-    // The independent test set (SPEC-free addition to the held-out split: uniform operands from
-    // their own seed), evaluated wherever the held-out set is.
+    // The independent test set (uniform operands from their own seed, beside the held-out split,
+    // which follows the training generator), evaluated wherever the held-out set is.
     let test_eval = |be: &mut CpuBackend, w: &Weights| -> anyhow::Result<Option<f64>> {
         match &problems.test {
             Some((t, _)) => Ok(Some(eval(be, w, t)?)),
