@@ -32,12 +32,9 @@ cargo build --release --locked -p rolloutpipe-harness
 BIN=target/release/rolloutpipe
 mkdir -p "$OUT"
 
-sets=()
-for s in "$@"; do sets+=(--set "$s"); done
-
 echo "== ours: rolloutpipe train (embedded defaults${*:+, $*})"
 "$BIN" train --out "$OUT/ours" --set run.eval_every="$EVAL_EVERY" --set run.progress=false \
-    "${sets[@]}" | tee "$OUT/ours.log"
+    "$@" | tee "$OUT/ours.log"
 
 echo "== the independent test set (the one our run scored itself on)"
 seed=$(sed -n 's/^test_seed = //p' "$OUT/ours/config.toml")
