@@ -195,3 +195,76 @@ fn eval_uses_the_model_dirs_tokenizer_json() {
     assert!(ev["mean_tokens"].as_f64().unwrap() <= 3.0);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn eval_uniform_scores_the_independent_test_set_and_names_its_distribution() {
+    let dir = tempdir("uniform");
+    let model = dir.join("m");
+    run_ok(
+        bin()
+            .args(["sft", "--task", "add", "--digits", "2", "--preset", "tiny"])
+            .args(["--steps", "2", "--eval-n", "1", "--out"])
+            .arg(&model),
+    );
+    let written = dir.join("test.jsonl");
+    let eval = |extra: &[&str]| {
+        let mut c = bin();
+        c.args([
+            "eval",
+            "--task",
+            "add",
+            "--digits",
+            "2",
+            "--uniform",
+            "--n",
+            "40",
+        ])
+        .args(["--seed", "7", "--max-tokens", "4", "--model"])
+        .arg(&model)
+        .args(extra);
+        c
+    };
+    let out = run_ok(&mut eval(&["--write-problems", written.to_str().unwrap()]));
+    let ev: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (ev["split"].as_str(), ev["n"].as_u64()),
+        (Some("uniform"), Some(40))
+    );
+    let dist = ev["distribution"].as_str().unwrap();
+    assert!(
+        dist.contains("uniform in 0..=99") && dist.contains("seed 7"),
+        "{dist}"
+    );
+    // The written problems are the evaluated ones: 40 correct sums of operands below 100.
+    let lines: Vec<Value> = std::fs::read_to_string(&written)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 40);
+    assert_eq!(lines[0]["prompt"], ev["examples"][0]["prompt"]);
+    for p in &lines {
+        let prompt = p["prompt"].as_str().unwrap().trim_end_matches('=');
+        let (a, b) = prompt.split_once('+').unwrap();
+        let (a, b): (u32, u32) = (a.parse().unwrap(), b.parse().unwrap());
+        assert!(a < 100 && b < 100);
+        assert_eq!(p["answer"].as_str().unwrap(), (a + b).to_string());
+    }
+    // An existing file is never overwritten.
+    let err = run_err(&mut eval(&["--write-problems", written.to_str().unwrap()]));
+    assert!(
+        err.contains("test.jsonl") && err.contains("must not exist"),
+        "{err}"
+    );
+    // The held-out split says so too.
+    let out = run_ok(
+        bin()
+            .args([
+                "eval", "--task", "add", "--digits", "2", "--n", "4", "--model",
+            ])
+            .arg(&model),
+    );
+    let ev: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(ev["distribution"].as_str().unwrap().starts_with("held-out"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

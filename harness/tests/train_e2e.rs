@@ -17,6 +17,7 @@ steps = {steps}
 mode = "{}"
 eval_every = 0
 eval_problems = 24
+test_problems = 24
 checkpoint_every = 1
 progress = false
 [task]

@@ -14,7 +14,7 @@ use super::common::{
 };
 use crate::tasks::{
     JsonlKeys, Problem, Split, TaskOptions, Tokenizer, Verdict, Verifier, generate,
-    load_jsonl_with, task_by_name,
+    load_jsonl_with, task_by_name, uniform_test_set,
 };
 
 /// Task selection and difficulty flags shared by `sft` and `eval`.
@@ -32,6 +32,10 @@ pub struct TaskArgs {
     /// Penalty for a malformed response (reward −penalty instead of 0).
     #[arg(long)]
     pub format_penalty: Option<f32>,
+    /// add/mul: answers are written least-significant digit first (a model trained with
+    /// `task.reverse = true`).
+    #[arg(long)]
+    pub reverse: bool,
 }
 
 impl TaskArgs {
@@ -57,6 +61,8 @@ impl TaskArgs {
             numbers: self.numbers,
             format_penalty: self.format_penalty,
             heldout_per_mille: None,
+            reverse: Some(self.reverse),
+            uniform_operands: None,
         }
     }
 }
@@ -72,7 +78,7 @@ pub struct Args {
     pub task: TaskArgs,
     /// Evaluate on these problems (JSONL, `{"prompt": ..., "answer": ...}` per line) instead of
     /// the task's held-out split.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "uniform")]
     pub data: Option<PathBuf>,
     /// Field of --data holding the prompt.
     #[arg(long, default_value = "prompt")]
@@ -80,6 +86,17 @@ pub struct Args {
     /// Field of --data holding the answer.
     #[arg(long, default_value = "answer")]
     pub label_key: String,
+    /// add/mul: evaluate on the independent test distribution instead of the held-out split:
+    /// `--n` problems with both operands uniform in 0..10^digits, drawn from `--seed`, not
+    /// filtered by the split (the training generator draws the digit count first, so half of its
+    /// operands have fewer digits).
+    #[arg(long)]
+    pub uniform: bool,
+    /// Also write the evaluated problems here as JSONL (`{"prompt", "answer"}` per line), so
+    /// another stack (scripts/rl/trl_compare.py) can score itself on exactly the same set. The
+    /// file must not exist.
+    #[arg(long)]
+    pub write_problems: Option<PathBuf>,
     /// Number of held-out problems.
     #[arg(long, default_value_t = 200)]
     pub n: usize,
@@ -224,16 +241,63 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     crate::limits::check_fits("--n", args.n as u128, 1024)?;
     args.task.check()?;
     let task = task_by_name(&args.task.task, &args.task.options())?;
-    let problems = match &args.data {
+    // Every report names the distribution its accuracy was measured on.
+    let (problems, distribution) = match &args.data {
         Some(path) => {
             let keys = JsonlKeys {
                 input: args.input_key.clone(),
                 label: args.label_key.clone(),
             };
-            load_jsonl_with(path, task.as_ref(), &keys)?
+            (
+                load_jsonl_with(path, task.as_ref(), &keys)?,
+                format!("data: the problems of {}", path.display()),
+            )
         }
-        None => generate(task.as_ref(), args.seed, Split::HeldOut, args.n)?,
+        None if args.uniform => {
+            let digits = args
+                .task
+                .digits
+                .unwrap_or(if task.name() == "mul" { 2 } else { 3 });
+            uniform_test_set(task.name(), digits, args.task.reverse, args.seed, args.n)?
+                .with_context(|| {
+                    format!(
+                        "--uniform: task {} has no uniform test distribution (add, mul)",
+                        task.name()
+                    )
+                })?
+        }
+        None => (
+            generate(task.as_ref(), args.seed, Split::HeldOut, args.n)?,
+            format!(
+                "held-out: {} problems of the {} generator's held-out split (training distribution), seed {}",
+                args.n,
+                task.name(),
+                args.seed
+            ),
+        ),
     };
+    if let Some(path) = &args.write_problems {
+        let mut text = String::new();
+        for p in &problems {
+            text.push_str(&serde_json::to_string(
+                &json!({"prompt": p.prompt, "answer": p.answer}),
+            )?);
+            text.push('\n');
+        }
+        // create_new: an existing file is the user's and is never overwritten.
+        use std::io::Write;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(text.as_bytes()))
+            .with_context(|| {
+                format!(
+                    "--write-problems {} (it must not exist yet)",
+                    path.display()
+                )
+            })?;
+    }
     let mut be = open_backend(
         args.backend.backend,
         &ModelSource::Dir(args.model.clone()),
@@ -259,7 +323,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     )?;
     let value = json!({
         "task": task.name(),
-        "split": if args.data.is_some() { "data" } else { "held-out" },
+        "split": if args.data.is_some() { "data" } else if args.uniform { "uniform" } else { "held-out" },
+        "distribution": distribution,
         "data": args.data,
         "n": report.n,
         "correct": report.correct,

@@ -120,6 +120,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         last.map(|m| m.rollout_to_train_end_s).unwrap_or(f64::NAN),
         last.map(|m| m.trainer_wait_ratio).unwrap_or(f64::NAN),
     );
+    if let [initial, Some(start), Some(end)] = o.test_accuracy {
+        println!(
+            "independent test set ({} problems, operands uniform, seed {}): accuracy {}{start:.3} -> {end:.3} (RL {:+.1} points)",
+            cfg.run.test_problems,
+            cfg.run.test_seed,
+            initial
+                .map(|a| format!("{a:.3} (before SFT) -> "))
+                .unwrap_or_default(),
+            100.0 * (end - start),
+        );
+    }
     Ok(())
 }
 

@@ -364,25 +364,13 @@ impl<'c> Sim<'c> {
             Ev::Reward { key } => self.on_reward(scheds, key)?,
             Ev::MuxDone => {}
             Ev::MicroBatchDone { step } => {
-                let sched = &mut scheds[(step % 2) as usize];
-                let mb = sched
+                scheds[(step % 2) as usize]
                     .on_micro_batch_consumed(tick(self.now))
                     .map_err(|e| anyhow!("step {step}: micro-batch consumed: {e}"))?;
-
+                // The optimizer step is the core's decision (`poll_optimizer_step`, asked in
+                // `kick_trainer`): a batch that turns final and short after its last
+                // micro-batch was consumed makes one due without any micro-batch announcing it.
                 self.trainer_busy = false;
-                if mb.ends_optimizer_step {
-                    let dt = self.trainer_model.optimizer_ns();
-                    self.trainer_busy = true;
-                    let c = self.ctx(step);
-                    c.trainer_busy += dt;
-                    c.last_opt = dt;
-                    if self.record {
-                        self.rec
-                            .trainer
-                            .push((step, "optimizer".into(), self.now, self.now + dt));
-                    }
-                    self.queue.push(self.now + dt, Ev::OptimizerDone { step });
-                }
             }
             Ev::OptimizerDone { step } => {
                 scheds[(step % 2) as usize]
@@ -815,6 +803,20 @@ impl<'c> Sim<'c> {
             self.link_free = ready;
         }
         if self.trainer_busy {
+            return Ok(());
+        }
+        if sched.poll_optimizer_step(tick(self.now)).is_some() {
+            let dt = self.trainer_model.optimizer_ns();
+            self.trainer_busy = true;
+            let c = self.ctx(step);
+            c.trainer_busy += dt;
+            c.last_opt = dt;
+            if self.record {
+                self.rec
+                    .trainer
+                    .push((step, "optimizer".into(), self.now, self.now + dt));
+            }
+            self.queue.push(self.now + dt, Ev::OptimizerDone { step });
             return Ok(());
         }
         if let Some(mb) = sched.poll_micro_batch(tick(self.now)) {

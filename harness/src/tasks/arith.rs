@@ -3,6 +3,11 @@
 //! is that integer (leading zeros allowed); anything that is not a decimal integer is malformed.
 //! Operands have 1 to `digits` digits (the digit count is drawn uniformly, then the value), so
 //! short and long problems are equally common.
+//!
+//! With `reverse`, answers are written least-significant digit first (`"12+39="` → `"15"` for
+//! 51): each answer digit then depends only on the operand digits of its column and the carry
+//! from the digit just written, a rule a small model can learn once and apply everywhere, where
+//! the usual order makes it resolve every carry before writing the first digit.
 
 use rand::RngExt;
 use rand_chacha::ChaCha8Rng;
@@ -29,6 +34,19 @@ fn canonical_int(s: &str) -> Option<String> {
         (true, false) => format!("-{stripped}"),
         (false, false) => stripped.to_owned(),
     })
+}
+
+fn reversed(s: &str) -> String {
+    s.chars().rev().collect()
+}
+
+/// Verifies an answer written least-significant digit first: both read back in the usual order.
+fn verify_reversed(problem: &Problem, response: &str) -> Verdict {
+    let usual = Problem {
+        answer: reversed(problem.answer.trim()),
+        ..problem.clone()
+    };
+    verify_int(&usual, &reversed(response.trim()))
 }
 
 /// Verifies an integer answer: shared by `add` and `mul` (and usable for any integer task).
@@ -75,6 +93,46 @@ fn operand(rng: &mut ChaCha8Rng, digits: u32) -> u128 {
     rng.random_range(lo..10u128.pow(d))
 }
 
+/// The independent test distribution of `add`/`mul`: both operands uniform in
+/// `0..10^digits` (so 90% of 2-digit operands have two digits, unlike the training generator's
+/// 50%), drawn from `seed` on a stream (2) that neither split's generator uses, and *not* filtered
+/// by the held-out split: the set is independent of the training generator and of its split.
+pub fn uniform_problems(
+    op: char,
+    digits: u32,
+    reverse: bool,
+    seed: u64,
+    n: usize,
+) -> Result<Vec<Problem>, TaskError> {
+    use rand::SeedableRng;
+    let digits = check_digits(digits)?;
+    let apply: fn(u128, u128) -> u128 = match op {
+        '+' => |a, b| a + b,
+        '*' => |a, b| a * b,
+        _ => {
+            return Err(TaskError::BadOption {
+                option: "op",
+                reason: format!("{op:?} (uniform test sets exist for + and *)"),
+            });
+        }
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(2);
+    let top = 10u128.pow(digits);
+    Ok((0..n)
+        .map(|_| {
+            let a = rng.random_range(0..top);
+            let b = rng.random_range(0..top);
+            let answer = apply(a, b).to_string();
+            Problem {
+                prompt: format!("{a}{op}{b}="),
+                answer: if reverse { reversed(&answer) } else { answer },
+                meta: serde_json::Value::Null,
+            }
+        })
+        .collect())
+}
+
 /// Key that makes `a op b` and `b op a` the same problem.
 fn commutative_key(a: u128, b: u128, op: char) -> String {
     let (x, y) = if a <= b { (a, b) } else { (b, a) };
@@ -96,6 +154,8 @@ macro_rules! arith_task {
             digits: u32,
             format_penalty: f32,
             heldout_per_mille: u32,
+            reverse: bool,
+            uniform: bool,
         }
 
         impl $name {
@@ -109,7 +169,22 @@ macro_rules! arith_task {
                     digits: check_digits(digits)?,
                     format_penalty,
                     heldout_per_mille,
+                    reverse: false,
+                    uniform: false,
                 })
+            }
+
+            /// The same task with both operands drawn uniformly in `0..10^digits` (the
+            /// independent test distribution) instead of digit count first.
+            pub fn uniform_operands(mut self, uniform: bool) -> Self {
+                self.uniform = uniform;
+                self
+            }
+
+            /// The same task with answers written least-significant digit first.
+            pub fn reversed(mut self, reverse: bool) -> Self {
+                self.reverse = reverse;
+                self
             }
 
             /// The problem `a op b`.
@@ -125,7 +200,11 @@ macro_rules! arith_task {
 
         impl Verifier for $name {
             fn verify(&self, problem: &Problem, response: &str) -> Verdict {
-                verify_int(problem, response)
+                if self.reverse {
+                    verify_reversed(problem, response)
+                } else {
+                    verify_int(problem, response)
+                }
             }
             fn format_penalty(&self) -> f32 {
                 self.format_penalty
@@ -158,9 +237,17 @@ macro_rules! arith_task {
                 $task
             }
             fn sample(&self, rng: &mut ChaCha8Rng) -> Problem {
-                let a = operand(rng, self.digits);
-                let b = operand(rng, self.digits);
-                Self::problem(a, b)
+                let (a, b) = if self.uniform {
+                    let top = 10u128.pow(self.digits);
+                    (rng.random_range(0..top), rng.random_range(0..top))
+                } else {
+                    (operand(rng, self.digits), operand(rng, self.digits))
+                };
+                let mut p = Self::problem(a, b);
+                if self.reverse {
+                    p.answer = reversed(&p.answer);
+                }
+                p
             }
             fn problem_key(&self, problem: &Problem) -> String {
                 match parse_operands(&problem.prompt, $op) {
@@ -244,6 +331,66 @@ mod tests {
             split_of(&add.problem_key(&p), 300),
             split_of(&add.problem_key(&q), 300)
         );
+    }
+
+    #[test]
+    fn uniform_test_set_covers_the_square_and_is_seeded() {
+        let a = uniform_problems('+', 2, false, 20_261_201, 1000).unwrap();
+        assert_eq!(
+            a,
+            uniform_problems('+', 2, false, 20_261_201, 1000).unwrap()
+        );
+        assert_ne!(a, uniform_problems('+', 2, false, 7, 1000).unwrap());
+        let r = uniform_problems('+', 2, true, 20_261_201, 1000).unwrap();
+        assert_eq!(r[0].prompt, a[0].prompt);
+        assert_eq!(r[0].answer, a[0].answer.chars().rev().collect::<String>());
+        let mut two_digit = 0;
+        for p in &a {
+            let (x, y) = parse_operands(&p.prompt, '+').unwrap();
+            assert!(x < 100 && y < 100);
+            assert_eq!(p.answer, (x + y).to_string());
+            two_digit += usize::from(x >= 10) + usize::from(y >= 10);
+        }
+        // 90% of uniform operands have two digits (the training generator: 50%).
+        assert!((1_720..1_880).contains(&two_digit), "{two_digit} of 2000");
+        assert!(uniform_problems('-', 2, false, 0, 1).is_err());
+        assert!(uniform_problems('*', 0, false, 0, 1).is_err());
+    }
+
+    #[test]
+    fn reversed_answers_are_generated_and_verified_least_significant_digit_first() {
+        let add = AddTask::new(2, 0.0, 100).unwrap().reversed(true);
+        let p = Problem {
+            answer: "15".into(),
+            ..AddTask::problem(12, 39)
+        };
+        assert_eq!(add.verify(&p, "15"), Verdict::Correct);
+        assert_eq!(add.verify(&p, " 150\n"), Verdict::Correct); // 051 = 51
+        assert!(matches!(add.verify(&p, "51"), Verdict::Incorrect(_)));
+        assert!(matches!(add.verify(&p, "x"), Verdict::Malformed(_)));
+        for q in generate(&add, 5, Split::Train, 50).unwrap() {
+            let (x, y) = parse_operands(&q.prompt, '+').unwrap();
+            let want: String = (x + y).to_string().chars().rev().collect();
+            assert_eq!(q.answer, want);
+            assert_eq!(add.verify(&q, &q.answer), Verdict::Correct);
+        }
+        let uni = AddTask::new(2, 0.0, 100).unwrap().uniform_operands(true);
+        let two = generate(&uni, 5, Split::Train, 1000)
+            .unwrap()
+            .iter()
+            .map(|q| parse_operands(&q.prompt, '+').unwrap())
+            .filter(|&(x, y)| x >= 10 && y >= 10)
+            .count();
+        assert!(
+            (760..860).contains(&two),
+            "{two} of 1000 with two 2-digit operands"
+        );
+        let mul = MulTask::new(2, 0.0, 100).unwrap().reversed(true);
+        let q = Problem {
+            answer: "804".into(),
+            ..MulTask::problem(12, 34)
+        };
+        assert_eq!(mul.verify(&q, "804"), Verdict::Correct);
     }
 
     #[test]

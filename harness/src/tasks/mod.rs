@@ -27,7 +27,7 @@ use std::fmt;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-pub use arith::{AddTask, MulTask};
+pub use arith::{AddTask, MulTask, uniform_problems};
 pub use countdown::{CountdownTask, eval_countdown_expr};
 pub use jsonl::{JsonlKeys, load_jsonl, load_jsonl_with, parse_jsonl, parse_jsonl_with};
 pub use split::{Split, split_of};
@@ -186,6 +186,11 @@ pub struct TaskOptions {
     pub format_penalty: Option<f32>,
     /// Held-out fraction in per-mille (default 100 = 10%).
     pub heldout_per_mille: Option<u32>,
+    /// `add`/`mul`: write answers least-significant digit first (default false).
+    pub reverse: Option<bool>,
+    /// `add`/`mul`: draw both operands uniformly in `0..10^digits` instead of the digit count
+    /// first (default false).
+    pub uniform_operands: Option<bool>,
 }
 
 /// Names accepted by [`task_by_name`].
@@ -207,6 +212,14 @@ pub fn task_by_name(name: &str, opts: &TaskOptions) -> Result<Box<dyn Task>, Tas
         });
     }
     let heldout = opts.heldout_per_mille.unwrap_or(100);
+    let reverse = opts.reverse.unwrap_or(false);
+    let uniform = opts.uniform_operands.unwrap_or(false);
+    if reverse && name == "countdown" {
+        return Err(TaskError::BadOption {
+            option: "reverse",
+            reason: "countdown answers are expressions, not numbers".into(),
+        });
+    }
     if heldout > 1000 {
         return Err(TaskError::BadOption {
             option: "heldout_per_mille",
@@ -214,8 +227,16 @@ pub fn task_by_name(name: &str, opts: &TaskOptions) -> Result<Box<dyn Task>, Tas
         });
     }
     Ok(match name {
-        "add" => Box::new(AddTask::new(opts.digits.unwrap_or(3), penalty, heldout)?),
-        "mul" => Box::new(MulTask::new(opts.digits.unwrap_or(2), penalty, heldout)?),
+        "add" => Box::new(
+            AddTask::new(opts.digits.unwrap_or(3), penalty, heldout)?
+                .reversed(reverse)
+                .uniform_operands(uniform),
+        ),
+        "mul" => Box::new(
+            MulTask::new(opts.digits.unwrap_or(2), penalty, heldout)?
+                .reversed(reverse)
+                .uniform_operands(uniform),
+        ),
         "countdown" => Box::new(CountdownTask::new(
             opts.numbers.unwrap_or(4),
             penalty,
@@ -263,4 +284,34 @@ pub fn generate(
         }
     }
     Ok(out)
+}
+
+/// The independent test set of a built-in arithmetic task (`add`, `mul`): both operands uniform
+/// in `0..10^digits` from `seed`, not filtered by the held-out split, with a one-line description
+/// of that distribution for reports. `None` for tasks without one (`countdown`).
+pub fn uniform_test_set(
+    task: &str,
+    digits: u32,
+    reverse: bool,
+    seed: u64,
+    n: usize,
+) -> Result<Option<(Vec<Problem>, String)>, TaskError> {
+    let op = match task {
+        "add" => '+',
+        "mul" => '*',
+        _ => return Ok(None),
+    };
+    let problems = uniform_problems(op, digits, reverse, seed, n)?;
+    let max = 10u128.pow(digits) - 1;
+    Ok(Some((
+        problems,
+        format!(
+            "uniform: {n} problems a{op}b with a, b uniform in 0..={max}, seed {seed} (stream 2), not filtered by the held-out split{}",
+            if reverse {
+                ", answers least-significant digit first"
+            } else {
+                ""
+            }
+        ),
+    )))
 }

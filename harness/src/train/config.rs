@@ -98,8 +98,20 @@ pub struct RunSection {
     pub eval_every: u32,
     /// Held-out problems per evaluation.
     pub eval_problems: u32,
+    /// `add`/`mul`: size of the independent test set evaluated beside the held-out split
+    /// (both operands uniform in `0..10^digits`, from `test_seed`, not filtered by the split);
+    /// 0 = none. Generated tasks only.
+    #[serde(default)]
+    pub test_problems: u32,
+    /// Seed of the independent test set (fixed, so every run is scored on the same problems).
+    #[serde(default = "default_test_seed")]
+    pub test_seed: u64,
     /// Show the progress bar (off in tests).
     pub progress: bool,
+}
+
+fn default_test_seed() -> u64 {
+    20_261_201
 }
 
 /// `[task]`.
@@ -123,6 +135,18 @@ pub struct TaskSection {
     pub heldout_per_mille: u32,
     /// Reward of a malformed response is minus this.
     pub format_penalty: f32,
+    /// `add`/`mul`: answers written least-significant digit first (see tasks::arith).
+    #[serde(default)]
+    pub reverse: bool,
+    /// `add`/`mul` operand distribution of the training (SFT and RL) problems: `digits` (the
+    /// digit count uniform in 1..=digits, then the value; half of 2-digit operands have one
+    /// digit) or `uniform` (uniform in 0..10^digits, the independent test set's distribution).
+    #[serde(default = "default_operands")]
+    pub operands: String,
+}
+
+fn default_operands() -> String {
+    "digits".into()
 }
 
 fn default_input_key() -> String {
@@ -166,6 +190,11 @@ pub struct SftSection {
     pub batch: u32,
     /// SFT learning rate.
     pub lr: f64,
+    /// `add`/`mul`: most digits per operand of the SFT problems (0 = `task.digits`); fewer
+    /// than `task.digits` makes the warm start deliberately partial, leaving the longer
+    /// problems to RL.
+    #[serde(default)]
+    pub digits: u32,
 }
 
 /// How `logπ_old` is obtained.
@@ -389,6 +418,11 @@ impl TrainConfig {
             "task.heldout_per_mille must be in 1..=999 (a held-out set and a training set are both needed)"
         );
         ensure!(r.eval_problems >= 1, "run.eval_problems must be at least 1");
+        ensure!(
+            matches!(self.task.operands.as_str(), "digits" | "uniform"),
+            "task.operands {:?} is not one of digits, uniform",
+            self.task.operands
+        );
         ensure!(
             self.trainer.threads >= 1 && ro.threads_per_engine >= 1,
             "trainer.threads and rollout.threads_per_engine must be at least 1"

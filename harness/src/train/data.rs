@@ -12,6 +12,7 @@ use rolloutpipe_backends::{
 use super::config::TrainConfig;
 use crate::tasks::{
     Problem, Split, Task, TaskOptions, Tokenizer, generate, load_jsonl_with, split_of, task_by_name,
+    uniform_test_set,
 };
 
 /// Training problems drawn in a fixed order; `pos` is the data position of a checkpoint.
@@ -59,6 +60,8 @@ pub struct Problems {
     pub heldout: Vec<Problem>,
     /// SFT problems (training split, their own stream).
     pub sft: Vec<Problem>,
+    /// The independent test set and its description (`run.test_problems` > 0, `add`/`mul`).
+    pub test: Option<(Vec<Problem>, String)>,
 }
 
 /// Size of the generated training pool: large enough that a run never repeats a prompt often,
@@ -73,6 +76,8 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
         numbers: (t.name == "countdown").then_some(t.digits as usize),
         format_penalty: Some(t.format_penalty),
         heldout_per_mille: Some(t.heldout_per_mille),
+        reverse: Some(t.reverse),
+        uniform_operands: Some(t.operands == "uniform"),
     };
     let task: Arc<dyn Task> = Arc::from(task_by_name(&t.name, &opts).context("task.name")?);
     let seed = cfg.run.seed;
@@ -85,8 +90,19 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
             cfg.run.eval_problems as usize,
         )?;
         let n_sft = (cfg.sft.steps as usize * cfg.sft.batch as usize).max(1);
-        // Another seed, same split function: different training problems, none held out.
-        let sft = generate(task.as_ref(), seed ^ 0x5F7_5EED, Split::Train, n_sft)?;
+        // Another seed, same split function: different training problems, none held out. With
+        // `sft.digits` < `task.digits` the warm start sees only shorter operands.
+        let sft_task = if cfg.sft.digits > 0 && cfg.sft.digits != t.digits && t.name != "countdown"
+        {
+            let o = TaskOptions {
+                digits: Some(cfg.sft.digits),
+                ..opts.clone()
+            };
+            Arc::from(task_by_name(&t.name, &o).context("sft.digits")?)
+        } else {
+            task.clone()
+        };
+        let sft = generate(sft_task.as_ref(), seed ^ 0x5F7_5EED, Split::Train, n_sft)?;
         (train, held, sft)
     } else {
         let keys = crate::tasks::JsonlKeys {
@@ -119,7 +135,19 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
             .with_context(|| format!("tokenizing prompt {:?}", p.prompt))?;
         pool.push((Arc::new(p), Arc::new(ids)));
     }
+    let test = if cfg.run.test_problems > 0 && t.jsonl.as_os_str().is_empty() {
+        uniform_test_set(
+            &t.name,
+            t.digits,
+            t.reverse,
+            cfg.run.test_seed,
+            cfg.run.test_problems as usize,
+        )?
+    } else {
+        None
+    };
     Ok(Problems {
+        test,
         task,
         train: DataSource {
             problems: pool,

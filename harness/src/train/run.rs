@@ -51,6 +51,10 @@ pub struct StepMetrics {
     pub train_accuracy: f64,
     /// Greedy held-out accuracy after the step (evaluation steps only).
     pub heldout_accuracy: Option<f64>,
+    /// Greedy accuracy on the independent test set (`run.test_problems`) after the step
+    /// (evaluation steps only).
+    #[serde(default)]
+    pub test_accuracy: Option<f64>,
     /// Normalised loss of the step's optimizer steps (mean).
     pub loss: f64,
     /// Mean k3 KL per token (0 without a reference).
@@ -146,6 +150,9 @@ pub struct RunOutcome {
     pub accuracy_start: f64,
     /// Held-out accuracy at the end.
     pub accuracy_end: f64,
+    /// Independent test-set accuracy before SFT, at RL start and at the end (`None` without a
+    /// test set).
+    pub test_accuracy: [Option<f64>; 3],
     /// Raw timings.
     pub measured: Measured,
     /// The run directory.
@@ -264,6 +271,15 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
         pending_step: None,
     };
     let mut accuracy_initial = None;
+    let mut test_initial = None;
+    // The independent test set (uniform operands from their own seed, beside the held-out split,
+    // which follows the training generator), evaluated wherever the held-out set is.
+    let test_eval = |be: &mut CpuBackend, w: &Weights| -> anyhow::Result<Option<f64>> {
+        match &problems.test {
+            Some((t, _)) => Ok(Some(eval(be, w, t)?)),
+            None => Ok(None),
+        }
+    };
     let (weights, adam, reference) = if resume {
         let name = data::read(&latest).context("the run has no checkpoint to resume from")?;
         let dir = ckpt_root.join(name.trim());
@@ -297,6 +313,7 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
         if cfg.sft.steps > 0 {
             let mut be = make_backend(&cfg.run.backend, &model_cfg, &w, cfg.trainer.threads)?;
             accuracy_initial = Some(eval(&mut eval_backend, &w, &problems.heldout)?);
+            test_initial = test_eval(&mut eval_backend, &w)?;
             let t = Instant::now();
             let loss = data::sft(cfg, be.as_dyn(), tok.as_ref(), &problems.sft)?;
             w = be.as_dyn().export_weights()?;
@@ -319,7 +336,8 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
     problems.train.pos = state.data_pos;
     let weights = Arc::new(weights);
     let accuracy_start = eval(&mut eval_backend, &weights, &problems.heldout)?;
-    tracing::info!(accuracy = accuracy_start, initial = ?accuracy_initial, "held-out accuracy at RL start");
+    let test_start = test_eval(&mut eval_backend, &weights)?;
+    tracing::info!(accuracy = accuracy_start, initial = ?accuracy_initial, test = ?test_start, "held-out accuracy at RL start");
 
     // Workers.
     let (ev_tx, ev_rx) = mpsc::channel::<Event>();
@@ -425,6 +443,11 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
     ctx.trace_header();
     ctx.summary.accuracy_initial = ctx.summary.accuracy_initial.or(accuracy_initial);
     ctx.summary.accuracy_start = ctx.summary.accuracy_start.or(Some(accuracy_start));
+    ctx.summary.test_accuracy_initial = ctx.summary.test_accuracy_initial.or(test_initial);
+    ctx.summary.test_accuracy_start = ctx.summary.test_accuracy_start.or(test_start);
+    if ctx.summary.test_distribution.is_none() {
+        ctx.summary.test_distribution = problems.test.as_ref().map(|(_, d)| d.clone());
+    }
     // Engines were built with these weights; tell them the version.
     ctx.sync_engines(weights.clone(), PolicyVersion(state.engine_version))?;
 
@@ -434,6 +457,7 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
         &mut eval_backend,
         &problems.heldout,
         &eval,
+        &test_eval,
         started,
     );
     // Stop the workers whatever happened, so no thread outlives the run.
@@ -442,7 +466,7 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
     }
     let _ = ctx.trainer.send(TrainCmd::Shutdown);
     ctx.verify = None;
-    let (metrics, counters, final_w, acc_end) = result?;
+    let (metrics, counters, final_w, acc_end, test_end) = result?;
     for h in handles {
         let _ = h.join();
     }
@@ -452,6 +476,7 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
     ctx.summary.write(
         out,
         Some(accuracy_end).filter(|a| a.is_finite()),
+        test_end,
         ctx.interrupted.is_none(),
     )?;
     if let Some(next) = ctx.interrupted {
@@ -474,6 +499,7 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
         accuracy_initial,
         accuracy_start,
         accuracy_end,
+        test_accuracy: [test_initial, test_start, test_end],
         measured: std::mem::take(&mut ctx.measured),
         dir: out.to_path_buf(),
     })
@@ -578,6 +604,9 @@ struct Ctx<'c> {
 struct SummaryBase {
     accuracy_initial: Option<f64>,
     accuracy_start: Option<f64>,
+    test_distribution: Option<String>,
+    test_accuracy_initial: Option<f64>,
+    test_accuracy_start: Option<f64>,
     /// Wall time of earlier invocations, s.
     wall_s_before: f64,
     invocations: u32,
@@ -595,19 +624,34 @@ impl SummaryBase {
         SummaryBase {
             accuracy_initial: f("accuracy_initial"),
             accuracy_start: f("accuracy_start"),
+            test_distribution: old
+                .as_ref()
+                .and_then(|v| v.get("test_distribution")?.as_str().map(String::from)),
+            test_accuracy_initial: f("test_accuracy_initial"),
+            test_accuracy_start: f("test_accuracy_start"),
             wall_s_before: f("wall_s").unwrap_or(0.0),
             invocations: f("invocations").unwrap_or(0.0) as u32 + 1,
             started: Some(started),
         }
     }
 
-    fn write(&self, out: &Path, accuracy_end: Option<f64>, complete: bool) -> anyhow::Result<()> {
+    fn write(
+        &self,
+        out: &Path,
+        accuracy_end: Option<f64>,
+        test_end: Option<f64>,
+        complete: bool,
+    ) -> anyhow::Result<()> {
         let steps = read_metrics(out).map(|m| m.len()).unwrap_or(0);
         let wall = self.wall_s_before + self.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
         let v = serde_json::json!({
             "accuracy_initial": self.accuracy_initial,
             "accuracy_start": self.accuracy_start,
             "accuracy_end": accuracy_end,
+            "test_distribution": self.test_distribution,
+            "test_accuracy_initial": self.test_accuracy_initial,
+            "test_accuracy_start": self.test_accuracy_start,
+            "test_accuracy_end": test_end,
             "steps": steps,
             "wall_s": wall,
             "invocations": self.invocations,
@@ -621,7 +665,15 @@ impl SummaryBase {
 }
 
 type EvalFn<'a> = dyn Fn(&mut CpuBackend, &Weights, &[Problem]) -> anyhow::Result<f64> + 'a;
-type StepsResult = (Vec<StepMetrics>, Vec<Counters>, Arc<Weights>, f64);
+/// Accuracy on the run's independent test set, `None` when it has none.
+type TestEvalFn<'a> = dyn Fn(&mut CpuBackend, &Weights) -> anyhow::Result<Option<f64>> + 'a;
+type StepsResult = (
+    Vec<StepMetrics>,
+    Vec<Counters>,
+    Arc<Weights>,
+    f64,
+    Option<f64>,
+);
 
 const PID_ENGINES: u32 = 1;
 const PID_TRAINER: u32 = 2;
@@ -752,6 +804,7 @@ impl Ctx<'_> {
         eval_be: &mut CpuBackend,
         heldout: &[Problem],
         eval: &EvalFn<'_>,
+        test_eval: &TestEvalFn<'_>,
         started: Instant,
     ) -> anyhow::Result<StepsResult> {
         let cfg = self.cfg;
@@ -783,6 +836,7 @@ impl Ctx<'_> {
         let mut counters = Vec::new();
         let mut weights: Option<Arc<Weights>> = None;
         let mut acc_end = f64::NAN;
+        let mut test_end = None;
         // One-step-off: the previous rollout's batch and its half-filled metrics.
         let mut pending: VecDeque<(Vec<GroupBatch>, bool)> = state
             .pending
@@ -844,7 +898,7 @@ impl Ctx<'_> {
                                 .map_err(|e| anyhow::anyhow!("{e}"))?;
                             buffer.push((groups, c.ends_optimizer_step));
                         }
-                        if sched.optimizer_step_due() {
+                        if sched.poll_optimizer_step(now).is_some() {
                             sched
                                 .on_optimizer_step_done(now)
                                 .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -861,7 +915,7 @@ impl Ctx<'_> {
                             self.send_trainer(TrainCmd::MicroBatch(groups))?;
                             busy = Busy::PrevMb { ends_opt };
                         }
-                    } else if rollout_this && sched.optimizer_step_due() {
+                    } else if rollout_this && sched.poll_optimizer_step(now).is_some() {
                         self.send_trainer(TrainCmd::OptStep)?;
                         busy = Busy::CoreOpt;
                     } else if rollout_this && let Some(mb) = sched.poll_micro_batch(now) {
@@ -1041,8 +1095,10 @@ impl Ctx<'_> {
             if eval_now {
                 let acc = eval(eval_be, &w, heldout)?;
                 acc_end = acc;
+                test_end = test_eval(eval_be, &w)?;
                 if let Some(m) = finished.last_mut() {
                     m.heldout_accuracy = Some(acc);
+                    m.test_accuracy = test_end;
                 }
             }
             for m in &mut finished {
@@ -1098,13 +1154,19 @@ impl Ctx<'_> {
                 save_checkpoint(out, tok_src(cfg), &self.model_cfg, &w, adam.as_ref(), state)?;
                 // What a `kill -9` after this point would otherwise lose.
                 self.write_trace(out)?;
-                self.summary.write(out, None, false)?;
+                self.summary.write(out, None, None, false)?;
             }
             weights = Some(w);
             if stop {
                 self.interrupted = Some(k + 1);
                 bar.abandon();
-                return Ok((metrics, counters, weights.context("no step ran")?, acc_end));
+                return Ok((
+                    metrics,
+                    counters,
+                    weights.context("no step ran")?,
+                    acc_end,
+                    test_end,
+                ));
             }
         }
         bar.finish_and_clear();
@@ -1112,7 +1174,7 @@ impl Ctx<'_> {
         // The final weights as a model directory (for one-step-off they are past the last
         // checkpoint, which precedes the final drain so that a resume continues the schedule).
         save_model(&out.join("final"), &self.model_cfg, &w, tok_src(cfg))?;
-        Ok((metrics, counters, w, acc_end))
+        Ok((metrics, counters, w, acc_end, test_end))
     }
 
     /// Training fields of a step's metrics, from its trainer aggregate and window.
@@ -1581,6 +1643,12 @@ fn learning_series(ms: &[StepMetrics]) -> Vec<Series<(f64, f64)>> {
         Series::new("reward", pts(&|m| Some(m.reward))),
         Series::new("held-out accuracy", pts(&|m| m.heldout_accuracy)),
     ];
+    if ms.iter().any(|m| m.test_accuracy.is_some()) {
+        s.push(Series::new(
+            "test accuracy (uniform)",
+            pts(&|m| m.test_accuracy),
+        ));
+    }
     if ms
         .iter()
         .any(|m| (m.reward - m.train_accuracy).abs() > 1e-9)
