@@ -928,8 +928,8 @@ macro_rules! backend_suite {
         mod $name {
             use super::*;
 
-            fn make(cfg: &ModelConfig, w: &Weights) -> Option<Box<dyn PolicyBackend>> {
-                let f: fn(&ModelConfig, &Weights) -> Option<Box<dyn PolicyBackend>> = $make;
+            fn make(cfg: &ModelConfig, w: &Weights) -> Option<Box<dyn Policy>> {
+                let f: fn(&ModelConfig, &Weights) -> Option<Box<dyn Policy>> = $make;
                 f(cfg, w)
             }
 
@@ -1025,8 +1025,8 @@ macro_rules! backend_suite {
                         beta: 0.04,
                         temperature: 1.0,
                     };
-                    be.zero_grad();
-                    cpu.zero_grad();
+                    be.zero_grad().unwrap();
+                    cpu.zero_grad().unwrap();
                     for batch in &batches {
                         let g = be.accumulate(batch, &obj).expect("accumulate");
                         let c = cpu.accumulate(batch, &obj).expect("cpu accumulate");
@@ -1170,7 +1170,7 @@ macro_rules! backend_suite {
                     // Continuous batching: 6 join, 2 steps run, 14 more join and one leaves. The
                     // 17th request doubles the KV cache's slots and the long last prompt
                     // lengthens every slot while requests are mid-generation (cache re-layout).
-                    let run = |b: &mut dyn PolicyBackend| {
+                    let run = |b: &mut dyn Policy| {
                         let mut done = Vec::new();
                         for r in &reqs[..6] {
                             b.add_request(r.clone()).expect("add");
@@ -1267,7 +1267,7 @@ macro_rules! backend_suite {
 }
 
 backend_suite!(cpu_reference, |cfg, w| Some(
-    Box::new(CpuBackend::new(cfg, w, 1).expect("cpu")) as Box<dyn PolicyBackend>
+    Box::new(CpuBackend::new(cfg, w, 1).expect("cpu")) as Box<dyn Policy>
 ));
 
 #[cfg(feature = "wgpu")]
@@ -1275,7 +1275,7 @@ backend_suite!(wgpu_backend, |cfg, w| {
     device::gpu().map(|g| {
         Box::new(
             rolloutpipe_backends::wgpu::WgpuBackend::with_gpu(g, cfg, w).expect("wgpu backend"),
-        ) as Box<dyn PolicyBackend>
+        ) as Box<dyn Policy>
     })
 });
 
@@ -1306,8 +1306,8 @@ fn wgpu_optimizer_state_matches_cpu_and_round_trips() {
     let batch = TrainBatch { sequences };
     let opt = AdamW::default();
     let norm = normalizer(Aggregation::TokenMean, std::slice::from_ref(&batch));
-    for b in [&mut be as &mut dyn PolicyBackend, &mut cpu] {
-        b.zero_grad();
+    for b in [&mut be as &mut dyn Policy, &mut cpu] {
+        b.zero_grad().unwrap();
         b.accumulate(&batch, &Objective::default())
             .expect("accumulate");
         b.optimizer_step(norm, &opt).expect("step");

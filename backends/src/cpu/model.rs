@@ -12,10 +12,10 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::ops::*;
-use crate::api::{AccumStats, Objective, TrainBatch};
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
 use crate::optim::ParamGroup;
+use crate::seam::{AccumStats, Objective, TrainBatch};
 use crate::weights::{Tensor, Weights, is_norm_weight, param_specs};
 
 /// One parameter tensor in the flat buffer.

@@ -266,7 +266,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     opt.validate().context("optimizer settings")?;
 
-    be.zero_grad();
+    be.zero_grad()?;
     let stats = be
         .accumulate(&batch, &obj)
         .context("GRPO forward/backward")?;
