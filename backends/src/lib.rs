@@ -6,9 +6,7 @@
 //! - [`grpo`], [`optim`]: advantages, aggregation and normaliser, AdamW with global-norm clipping
 //!   (SPEC §6), shared by all backends;
 //! - [`cpu`]: the f32 reference backend, plain forward/backward ops that the GPU backends are
-//!   checked against;
-//! - [`conformance`]: the backend-neutral op runner ([`conformance::OpRunner`]) a backend
-//!   implements to be checked op by op against the CPU reference.
+//!   checked against.
 //!
 //! ```
 //! use rolloutpipe_backends::{CpuBackend, GenRequest, ModelConfig, RolloutEngine, RequestKey,
@@ -26,7 +24,6 @@
 #![deny(missing_docs)]
 
 pub mod config;
-// CONFORMANCE pub mod conformance;
 pub mod cpu;
 pub mod error;
 pub mod grpo;

@@ -132,15 +132,15 @@ impl CpuBackend {
     }
 
     /// Admission: checks limits and duplicates, hands the submission back when full.
-    fn admit(&self, reqs: &[GenRequest], rejected: Rejected) -> Result<Rejected> {
-        let kv: usize = reqs.iter().map(GenRequest::kv_tokens).sum();
-        let rejected = self.load().admit(&self.limits, rejected, reqs.len(), kv)?;
+    fn admit(&self, reqs: &[GenRequest], rejected: impl FnOnce() -> Rejected) -> Result<()> {
+        // Invalid input is its own error before any back-pressure.
         for (i, r) in reqs.iter().enumerate() {
             if self.admitted.contains_key(&r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
                 return Err(BackendError::DuplicateRequest(r.id));
             }
         }
-        Ok(rejected)
+        let kv: usize = reqs.iter().map(GenRequest::kv_tokens).sum();
+        self.load().admit(&self.limits, reqs.len(), kv, rejected)
     }
 
     /// Applies an add, group or cancel to the idle generator.
@@ -258,10 +258,9 @@ impl RolloutEngine for CpuBackend {
 
     fn add_request(&mut self, req: GenRequest) -> Result<()> {
         self.validate(std::slice::from_ref(&req))?;
-        let reqs = [req];
-        let Rejected::Request(req) = self.admit(&reqs, Rejected::Request(reqs[0].clone()))? else {
-            unreachable!("admit hands back what it was given")
-        };
+        self.admit(std::slice::from_ref(&req), || {
+            Rejected::Request(req.clone())
+        })?;
         self.submit(vec![req], false)
     }
 
@@ -271,7 +270,7 @@ impl RolloutEngine for CpuBackend {
         }
         let reqs = group.clone().into_requests();
         self.validate(&reqs)?;
-        self.admit(&reqs, Rejected::Group(group))?;
+        self.admit(&reqs, || Rejected::Group(group))?;
         self.submit(reqs, true)
     }
 
@@ -303,6 +302,9 @@ impl RolloutEngine for CpuBackend {
         let mut gen_ = gen_;
         self.pool.spawn(move || {
             let r = gen_.step(&model);
+            // Release the model before answering: once polled, training must find it
+            // unshared (`Arc::get_mut`).
+            drop(model);
             // The receiver is gone only when the backend was dropped mid-step.
             let _ = tx.send((gen_, r));
         });

@@ -44,16 +44,17 @@ impl EngineLoad {
             && self.kv_tokens.saturating_add(kv_tokens) <= limits.max_kv_tokens
     }
 
-    /// Refuses with the request handed back when it does not fit.
+    /// Refuses with the submission (made by `rejected`, only on refusal) handed back when
+    /// `requests` more requests reserving `kv_tokens` positions do not fit.
     pub fn admit(
         &self,
         limits: &EngineLimits,
-        rejected: Rejected,
         requests: usize,
         kv_tokens: usize,
-    ) -> std::result::Result<Rejected, BackendError> {
+        rejected: impl FnOnce() -> Rejected,
+    ) -> Result<()> {
         if self.admits(limits, requests, kv_tokens) {
-            return Ok(rejected);
+            return Ok(());
         }
         Err(BackendError::EngineFull {
             reason: format!(
@@ -63,7 +64,7 @@ impl EngineLoad {
                 self.kv_tokens,
                 fmt_limit(limits.max_kv_tokens)
             ),
-            rejected: Box::new(rejected),
+            rejected: Box::new(rejected()),
         })
     }
 }

@@ -317,12 +317,8 @@ impl RolloutEngine for WgpuBackend {
     fn add_request(&mut self, req: GenRequest) -> Result<()> {
         generate_check(&self.model.cfg, std::slice::from_ref(&req), &self.admitted)?;
         let (id, kv) = (req.id, req.kv_tokens());
-        let Rejected::Request(req) =
-            self.load()
-                .admit(&self.limits, Rejected::Request(req), 1, kv)?
-        else {
-            unreachable!("admit hands back what it was given")
-        };
+        self.load()
+            .admit(&self.limits, 1, kv, || Rejected::Request(req.clone()))?;
         self.generator
             .add(&self.gpu, &mut self.ex, &self.model.cfg, req)?;
         self.admitted.insert(id, kv);
@@ -338,7 +334,7 @@ impl RolloutEngine for WgpuBackend {
         // Each sample holds its own prompt rows until issue 13's paged KV pool.
         let kv: usize = reqs.iter().map(GenRequest::kv_tokens).sum();
         self.load()
-            .admit(&self.limits, Rejected::Group(group), reqs.len(), kv)?;
+            .admit(&self.limits, reqs.len(), kv, || Rejected::Group(group))?;
         for r in reqs {
             let (id, kv) = (r.id, r.kv_tokens());
             self.generator
