@@ -991,7 +991,10 @@ macro_rules! backend_suite {
                 let req = |id| GenRequest {
                     id: RequestKey(id),
                     prompt: vec![1],
-                    params: SamplingParams::default(),
+                    params: SamplingParams {
+                        max_new_tokens: 8,
+                        ..Default::default()
+                    },
                 };
                 be.add_request(req(10)).expect("first fits");
                 match be.add_request(req(11)).map_err(BackendError::into_rejected) {
