@@ -57,7 +57,8 @@
 //!     .collect();
 //! engine.add_group(GroupRequest { prompt: vec![5, 6, 7], samples })?;
 //! // Full: a fourth request is handed back, not queued.
-//! let extra = GenRequest { id: RequestKey(9), prompt: vec![1], params: SamplingParams::default() };
+//! let params = SamplingParams { max_new_tokens: 4, ..Default::default() };
+//! let extra = GenRequest { id: RequestKey(9), prompt: vec![1], params };
 //! match engine.add_request(extra) {
 //!     Err(BackendError::EngineFull { rejected, .. }) => assert!(matches!(*rejected, Rejected::Request(_))),
 //!     other => panic!("expected EngineFull, got {other:?}"),
