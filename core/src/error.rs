@@ -15,6 +15,7 @@ use crate::types::{GroupId, PlanError, PolicyVersion, RequestRef, StepId};
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum BeginError {
     /// The current step is not done yet.
     StepInProgress {
@@ -40,6 +41,7 @@ pub enum BeginError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum DrawError {
     /// No step is running.
     NoActiveStep,
@@ -66,6 +68,11 @@ pub enum DrawError {
         /// The refused count.
         requested: u32,
     },
+    /// The draw would exceed the plan's `sample_budget`.
+    SampleBudget {
+        /// The refused count.
+        requested: u32,
+    },
 }
 
 /// Why a request event (generated, reward, finished, failed, abort ack) was refused.
@@ -77,6 +84,7 @@ pub enum DrawError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum RequestError {
     /// No step has begun.
     NoActiveStep,
@@ -130,6 +138,7 @@ pub enum RequestError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum TrainError {
     /// No step is running.
     NoActiveStep,
@@ -149,6 +158,7 @@ pub enum TrainError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum ExtendError {
     /// No step is running.
     NoActiveStep,
@@ -176,7 +186,39 @@ pub enum ExtendError {
         /// The refused extra.
         extra: u16,
     },
+    /// The extension would exceed the plan's `sample_budget`.
+    SampleBudget {
+        /// The refused extra.
+        extra: u16,
+    },
 }
+
+/// Why `set_slots` refused.
+///
+/// ```
+/// use rolloutpipe_core::SlotsError;
+/// assert_eq!(SlotsError::ZeroSlots.to_string(), "zero rollout slots");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum SlotsError {
+    /// No step is running.
+    NoActiveStep,
+    /// Zero slots: nothing could ever be admitted again.
+    ZeroSlots,
+}
+
+impl fmt::Display for SlotsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SlotsError::NoActiveStep => "no step is running",
+            SlotsError::ZeroSlots => "zero rollout slots",
+        })
+    }
+}
+
+impl core::error::Error for SlotsError {}
 
 /// Why a choice made by a caller-supplied admission policy was refused.
 ///
@@ -187,6 +229,7 @@ pub enum ExtendError {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum AdmitError {
     /// The chosen request does not exist or is not waiting for a slot.
     NotPending {
@@ -226,6 +269,12 @@ impl fmt::Display for DrawError {
             }
             DrawError::RequestsFull { requested } => {
                 write!(f, "no request storage left for {requested} prompts")
+            }
+            DrawError::SampleBudget { requested } => {
+                write!(
+                    f,
+                    "{requested} more prompts exceed the step's sample budget"
+                )
             }
         }
     }
@@ -282,6 +331,9 @@ impl fmt::Display for ExtendError {
             }
             ExtendError::RequestsFull { extra } => {
                 write!(f, "no request storage left for {extra} more samples")
+            }
+            ExtendError::SampleBudget { extra } => {
+                write!(f, "{extra} more samples exceed the step's sample budget")
             }
         }
     }

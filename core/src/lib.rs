@@ -19,7 +19,8 @@
 //! - **One implementation, several policies.** Slime's baseline is `Fifo` + `Sync`; CGP is
 //!   `Pipelined` dispatch; RolloutPipe is `Frontier` + `Pipelined`. Admission policies are pure
 //!   functions of a read-only [`View`], so new ones implement [`Admit`] without touching the state
-//!   machine.
+//!   machine; allocation policies (how many samples a scored group gets: VIGOR, Pilot-Commit)
+//!   implement [`Allocate`] the same way, with [`FixedG`] (GRPO's fixed G) the default.
 //! - **Nothing lost silently.** [`Counters`] prove `drawn = trained + filtered + aborted + in
 //!   progress` after every event; [`Scheduler::audit`] re-derives every count from storage.
 //!
@@ -41,10 +42,24 @@
 //!    [`poll_abort`](Scheduler::poll_abort) → abort → [`on_abort_acked`](Scheduler::on_abort_acked);
 //!    [`poll_dispatch`](Scheduler::poll_dispatch) → give the group to the trainer;
 //!    [`poll_micro_batch`](Scheduler::poll_micro_batch) → train it →
-//!    [`on_micro_batch_consumed`](Scheduler::on_micro_batch_consumed), and
-//!    [`on_optimizer_step_done`](Scheduler::on_optimizer_step_done) when it says an optimizer
-//!    step is due.
+//!    [`on_micro_batch_consumed`](Scheduler::on_micro_batch_consumed);
+//!    [`poll_optimizer_step`](Scheduler::poll_optimizer_step) → apply it →
+//!    [`on_optimizer_step_done`](Scheduler::on_optimizer_step_done).
+//!    Events that do not burn an attempt: [`on_admission_refused`](Scheduler::on_admission_refused)
+//!    and [`on_request_preempted`](Scheduler::on_request_preempted) (preempted or migrated);
+//!    [`set_slots`](Scheduler::set_slots) when engines come or go.
+//!    With `Plan::hold_scored`, [`poll_allocation`](Scheduler::poll_allocation) (or
+//!    [`poll_allocation_with`](Scheduler::poll_allocation_with) and an [`Allocate`] policy)
+//!    decides each scored group: commit, extend by n, or skip.
 //! 3. [`poll_step_done`](Scheduler::poll_step_done) returns the [`StepSummary`]; begin the next.
+//!
+//! **Liveness.** The polls alone say everything the driver must do: a driver that answers every
+//! decision (and whose engines eventually finish, fail or ack what they were given) reaches
+//! `poll_step_done` without consulting any other accessor. Two contracts make that true:
+//! `begin_step` refuses request storage smaller than `max_groups × G`, so every draw `poll_draw`
+//! asks for is accepted; and an optimizer step that becomes due without a micro-batch (a batch
+//! that turns final and short after its last micro-batch was consumed) is still announced by
+//! `poll_optimizer_step`. `tests/liveness.rs` and the state-machine test check this.
 //!
 //! Rewards stay in the core until the next step begins: read them with
 //! [`Scheduler::group_rewards`] when a group is dispatched to compute its advantages.
@@ -83,9 +98,10 @@
 //!         trained.push(d.group);
 //!     }
 //!     while s.poll_micro_batch(now).is_some() {
-//!         if s.on_micro_batch_consumed(now)?.ends_optimizer_step {
-//!             s.on_optimizer_step_done(now)?;
-//!         }
+//!         s.on_micro_batch_consumed(now)?;
+//!     }
+//!     if s.poll_optimizer_step(now).is_some() {
+//!         s.on_optimizer_step_done(now)?;
 //!     }
 //! }
 //! let summary = s.poll_step_done().unwrap();
@@ -103,19 +119,28 @@
 #![no_std]
 #![deny(unsafe_code, missing_docs)]
 
+mod allocate;
 mod error;
+mod owned;
 mod policy;
 mod scheduler;
 mod state;
 mod storage;
 mod types;
 
-pub use error::{AdmitError, BeginError, DrawError, ExtendError, RequestError, TrainError};
+pub use allocate::{Allocate, Allocated, Allocation, FixedG, RewardStats};
+pub use error::{
+    AdmitError, BeginError, DrawError, ExtendError, RequestError, SlotsError, TrainError,
+};
+pub use owned::{Attached, OwnedScheduler};
 pub use policy::{Admit, Incomplete, Queue, View};
 pub use scheduler::{
-    Admission, AuditError, Completion, Dispatch, Failure, GroupInfo, MicroBatch, Scheduler,
+    Admission, AuditError, Completion, Dispatch, Failure, GroupInfo, MicroBatch, OptimizerStep,
+    Scheduler,
 };
-pub use state::{Counters, FilterReason, GroupState, RequestState, StepPhase, StepSummary};
+pub use state::{
+    Counters, FilterReason, GroupState, RequestState, SkipReason, StepPhase, StepSummary,
+};
 pub use storage::{GroupSlot, RequestSlot, SchedulerStorage};
 pub use types::{
     AdmissionPolicy, DispatchPolicy, EngineId, GroupId, Plan, PlanError, PolicyVersion, RequestId,

@@ -5,6 +5,7 @@
 //! implement [`Admit`] outside the crate and are used through `Scheduler::poll_admit_with`.
 
 use crate::Scheduler;
+use crate::allocate::RewardStats;
 use crate::state::{Counters, GroupState, RequestState};
 use crate::storage::NIL;
 use crate::types::{AdmissionPolicy, DispatchPolicy, GroupId, Plan, RequestRef};
@@ -37,6 +38,59 @@ impl<'s, 'a> View<'s, 'a> {
     /// ```
     pub fn plan(&self) -> Option<&'s Plan> {
         self.s.plan()
+    }
+
+    /// Reward statistics of group `g`'s recorded rewards (for allocation policies).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<2, 4>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(1, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// let a = s.poll_admit(Tick(0)).unwrap();
+    /// s.on_request_finished(Tick(1), a.request, PolicyVersion(0), 3, 0.5).unwrap();
+    /// let st = s.view().reward_stats(GroupId(0)).unwrap();
+    /// assert_eq!((st.count, st.mean, st.min, st.max), (1, 0.5, 0.5, 0.5));
+    /// ```
+    pub fn reward_stats(&self, g: GroupId) -> Option<RewardStats> {
+        let s = self.s.slot(g)?;
+        // A non-finite reward ends its group at once, so it is the last one recorded and the
+        // only one outside the statistics.
+        let finite = if s.state == GroupState::Filtered(crate::state::FilterReason::NonFiniteReward)
+        {
+            s.rewarded.saturating_sub(1)
+        } else {
+            s.rewarded
+        };
+        Some(RewardStats {
+            count: finite,
+            mean: s.mean,
+            var: if finite == 0 {
+                0.0
+            } else {
+                s.m2 / finite as f64
+            },
+            min: s.min,
+            max: s.max,
+        })
+    }
+
+    /// Samples the step's `sample_budget` still allows (`None` without a budget).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 16>::new();
+    /// let mut s = storage.scheduler();
+    /// let mut plan = Plan::new(2, 2);
+    /// plan.sample_budget = 10;
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), plan).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 2).unwrap();
+    /// assert_eq!(s.view().samples_left(), Some(6));
+    /// ```
+    pub fn samples_left(&self) -> Option<u64> {
+        let p = self.s.plan()?;
+        (p.sample_budget != 0).then(|| (p.sample_budget as u64).saturating_sub(self.s.samples_used))
     }
 
     /// The step's counters.

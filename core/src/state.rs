@@ -17,6 +17,7 @@ use crate::types::{PolicyVersion, StepId, Tick};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum FilterReason {
     /// All rewards equal (population std ≤ 1e-6): the group's advantages are all zero.
     ZeroVariance,
@@ -25,15 +26,47 @@ pub enum FilterReason {
     NonFiniteReward,
     /// A request failed `max_attempts` times.
     AttemptsExhausted,
+    /// An allocation policy skipped the held group.
+    Skipped(SkipReason),
+}
+
+/// Why an allocation policy skipped a group (Pilot-Commit's fates; `Other` for the rest).
+///
+/// ```
+/// use rolloutpipe_core::SkipReason;
+/// assert_eq!(SkipReason::TooEasy.to_string(), "too-easy");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum SkipReason {
+    /// The mean reward is above the policy's band (already solved).
+    TooEasy,
+    /// The mean reward is below the policy's band (deferred).
+    TooHard,
+    /// Another policy-specific reason.
+    Other,
+}
+
+impl fmt::Display for SkipReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SkipReason::TooEasy => "too-easy",
+            SkipReason::TooHard => "too-hard",
+            SkipReason::Other => "other",
+        })
+    }
 }
 
 impl fmt::Display for FilterReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            FilterReason::ZeroVariance => "zero-variance",
-            FilterReason::NonFiniteReward => "non-finite-reward",
-            FilterReason::AttemptsExhausted => "attempts-exhausted",
-        })
+        match self {
+            FilterReason::ZeroVariance => f.write_str("zero-variance"),
+            FilterReason::NonFiniteReward => f.write_str("non-finite-reward"),
+            FilterReason::AttemptsExhausted => f.write_str("attempts-exhausted"),
+            FilterReason::Skipped(r) => write!(f, "skipped-{r}"),
+        }
     }
 }
 
@@ -54,6 +87,7 @@ impl fmt::Display for FilterReason {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum GroupState {
     /// Drawn; no request admitted yet.
     Queued,
@@ -139,6 +173,7 @@ impl fmt::Display for GroupState {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum RequestState {
     /// Not part of the current step.
     Unused,
@@ -154,11 +189,36 @@ pub enum RequestState {
     AbortPending,
     /// Abort handed out by `poll_abort`; waiting for the ack (or a late finish). Holds its slot.
     AbortSent,
-    /// Ended without a result (dropped while pending or generated, abort acked, or discarded).
+    /// Generated, but its group ended before the reward came: the reward, if it still comes, is
+    /// discarded (`on_reward` returns `Completion::Discarded`).
+    Dropped,
+    /// Ended without a result (dropped while pending, abort acked, or discarded).
     Cancelled,
 }
 
 impl RequestState {
+    /// The request transition table: whether a request may move from `self` to `to`. Every
+    /// change of an existing request goes through `Scheduler::set_req`, which checks this in
+    /// debug builds (a request is born `Pending` when its group is drawn or extended).
+    ///
+    /// ```
+    /// use rolloutpipe_core::RequestState;
+    /// assert!(RequestState::InFlight.can_become(RequestState::Generated));
+    /// assert!(!RequestState::Rewarded.can_become(RequestState::Pending));
+    /// ```
+    pub const fn can_become(self, to: RequestState) -> bool {
+        use RequestState::*;
+        matches!(
+            (self, to),
+            (Pending, InFlight | Cancelled)
+                | (InFlight, Generated | Pending | Cancelled | AbortPending)
+                | (Generated, Rewarded | Dropped)
+                | (AbortPending, AbortSent | Cancelled | Dropped)
+                | (AbortSent, Cancelled | Dropped)
+                | (Dropped, Cancelled)
+        )
+    }
+
     /// Whether the request occupies a rollout slot.
     ///
     /// ```
@@ -183,6 +243,7 @@ impl fmt::Display for RequestState {
             RequestState::Rewarded => "rewarded",
             RequestState::AbortPending => "abort-pending",
             RequestState::AbortSent => "abort-sent",
+            RequestState::Dropped => "dropped",
             RequestState::Cancelled => "cancelled",
         })
     }
@@ -222,6 +283,8 @@ pub struct Counters {
     pub filtered_non_finite: u32,
     /// Groups filtered after a request exhausted its attempts.
     pub filtered_attempts: u32,
+    /// Groups skipped by an allocation policy.
+    pub filtered_skipped: u32,
     /// Groups aborted as surplus.
     pub aborted: u32,
     /// Requests admitted into a slot (each attempt counts).
@@ -236,6 +299,9 @@ pub struct Counters {
     pub requests_aborted: u64,
     /// Requests that finished after their group ended; their result was discarded.
     pub requests_discarded: u64,
+    /// Admitted requests handed back without burning an attempt (the engine refused the
+    /// admission, or preempted or migrated the request); they wait for a slot again.
+    pub requests_requeued: u64,
     /// Pending or generated requests dropped without running (or without a reward) because their
     /// group ended.
     pub requests_dropped: u64,
@@ -252,7 +318,10 @@ impl Counters {
     /// assert_eq!(c.filtered(), 3);
     /// ```
     pub const fn filtered(&self) -> u32 {
-        self.filtered_zero_variance + self.filtered_non_finite + self.filtered_attempts
+        self.filtered_zero_variance
+            + self.filtered_non_finite
+            + self.filtered_attempts
+            + self.filtered_skipped
     }
 
     /// Groups not yet in a final state (queued, generating, materializing, trainable, dispatched).
@@ -307,6 +376,7 @@ impl Counters {
                     + self.requests_failed
                     + self.requests_aborted
                     + self.requests_discarded
+                    + self.requests_requeued
                     + self.in_flight as u64
     }
 }
@@ -320,6 +390,7 @@ impl Counters {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum StepPhase {
     /// No step begun yet.
     #[default]

@@ -142,6 +142,7 @@ impl fmt::Display for RequestId {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum SubmitOrder {
     /// All samples of group 0, then all of group 1, … (draw order, then sample order).
     #[default]
@@ -165,6 +166,7 @@ pub enum SubmitOrder {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum AdmissionPolicy {
     /// One FIFO queue in submission order (Slime + SGLang). Retries go to the back.
     Fifo {
@@ -219,6 +221,7 @@ impl AdmissionPolicy {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum DispatchPolicy {
     /// Complete-group pipelining (CGP): each trainable group goes to the trainer FIFO the moment
     /// it is materialized; a micro-batch is ready when `micro_batch` groups are queued.
@@ -266,6 +269,12 @@ pub struct Plan {
     pub admission: AdmissionPolicy,
     /// Dispatch policy.
     pub dispatch: DispatchPolicy,
+    /// Hold each fully scored group for an allocation decision (`poll_allocation`) instead of
+    /// committing it at once. Off: today's fixed-G behaviour, unchanged.
+    pub hold_scored: bool,
+    /// Most samples the step may create, drawn groups' and extensions' together (0 = no cap
+    /// beyond `max_groups × G` and the storage). At least `B × G` when set.
+    pub sample_budget: u32,
 }
 
 impl Plan {
@@ -292,6 +301,8 @@ impl Plan {
                 order: SubmitOrder::GroupMajor,
             },
             dispatch: DispatchPolicy::Pipelined,
+            hold_scored: false,
+            sample_budget: 0,
         }
     }
 
@@ -342,6 +353,13 @@ impl Plan {
         if self.draw_batch == 0 {
             return Err(PlanError::ZeroDrawBatch);
         }
+        let batch_samples = self.batch_groups as u64 * self.group_size as u64;
+        if self.sample_budget != 0 && (self.sample_budget as u64) < batch_samples {
+            return Err(PlanError::SampleBudgetBelowBatch {
+                sample_budget: self.sample_budget,
+                needed: batch_samples,
+            });
+        }
         if let AdmissionPolicy::Frontier {
             expected_filter_ppm,
             ..
@@ -380,6 +398,7 @@ impl Plan {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
 pub enum PlanError {
     /// `batch_groups` is 0.
     ZeroBatch,
@@ -416,6 +435,13 @@ pub enum PlanError {
     },
     /// `draw_batch` is 0.
     ZeroDrawBatch,
+    /// `sample_budget` is set but below `batch_groups × group_size`.
+    SampleBudgetBelowBatch {
+        /// The budget.
+        sample_budget: u32,
+        /// `batch_groups × group_size`.
+        needed: u64,
+    },
     /// `expected_filter_ppm >= 1_000_000`: the frontier would be infinite.
     FilterRateTooHigh {
         /// The rate given.
@@ -428,9 +454,10 @@ pub enum PlanError {
         /// Group slots available.
         capacity: u32,
     },
-    /// The caller's request storage is smaller than `batch_groups × group_size`.
+    /// The caller's request storage is smaller than `max_groups × group_size`: over-sampling
+    /// could then ask for a draw the storage refuses.
     RequestCapacity {
-        /// `batch_groups × group_size`.
+        /// `max_groups × group_size`.
         needed: u64,
         /// Request slots available.
         capacity: u32,
@@ -472,6 +499,13 @@ impl fmt::Display for PlanError {
                 )
             }
             PlanError::ZeroDrawBatch => f.write_str("plan draws zero prompts at a time"),
+            PlanError::SampleBudgetBelowBatch {
+                sample_budget,
+                needed,
+            } => write!(
+                f,
+                "sample_budget {sample_budget} is below the batch's {needed} samples"
+            ),
             PlanError::FilterRateTooHigh { ppm } => {
                 write!(f, "expected filter rate {ppm} ppm must be below 1000000")
             }
@@ -484,7 +518,7 @@ impl fmt::Display for PlanError {
             PlanError::RequestCapacity { needed, capacity } => {
                 write!(
                     f,
-                    "a batch needs {needed} request slots but {capacity} are provided"
+                    "over-sampling may need {needed} request slots but {capacity} are provided"
                 )
             }
         }

@@ -6,22 +6,26 @@
 //! - every admission carries the step's policy version;
 //! - no group is dispatched twice, only complete trainable groups are dispatched, in
 //!   materialization order (tracked here from the completions this driver reported);
-//! - under `Frontier`, no non-frontier request is admitted while a frontier request waits.
+//! - under `Frontier`, no non-frontier request is admitted while a frontier request waits;
+//! - liveness: at the end of the input, a driver that only answers the core's `poll_*`
+//!   decisions (finishing whatever it was handed, as engines eventually do) brings the step to
+//!   `Done` within a bound.
 //!
 //! Used by the cargo-fuzz target `events` and, on stable, by `core/tests/fuzz_corpus.rs`.
 
 use std::collections::HashSet;
 
 use rolloutpipe_core::{
-    AdmissionPolicy, Completion, Counters, DispatchPolicy, GroupId, GroupSlot, GroupState, Plan,
-    PolicyVersion, RequestId, RequestSlot, Scheduler, StepId, StepPhase, StepSummary, SubmitOrder,
-    Tick,
+    AdmissionPolicy, Allocate, Allocation, Counters, DispatchPolicy, GroupId, GroupSlot,
+    GroupState, Plan, PolicyVersion, RequestId, RequestSlot, RequestState, Scheduler, SkipReason,
+    StepId, StepPhase, StepSummary, SubmitOrder, Tick, View,
 };
 
 /// Group slots given to the scheduler: small, so capacity errors are reachable.
-pub const GROUPS: usize = 24;
-/// Request slots given to the scheduler.
-pub const REQUESTS: usize = 96;
+pub const GROUPS: usize = 12;
+/// Request slots given to the scheduler: below the `max_groups x G` of many decoded plans, so
+/// `begin_step` refusals and `extend_group`'s `RequestsFull` are reached.
+pub const REQUESTS: usize = 32;
 
 struct Bytes<'a> {
     data: &'a [u8],
@@ -87,7 +91,18 @@ fn plan(b: &mut Bytes<'_>) -> Plan {
     } else {
         DispatchPolicy::Sync
     };
+    p.hold_scored = b.pick(2) == 0;
+    p.sample_budget = [0, 0, 8, 16, 24, 40][b.pick(6)];
     p
+}
+
+/// Decides held groups from the input bytes (commit, extend, skip), ignoring the view.
+struct Scripted(Allocation);
+
+impl Allocate for Scripted {
+    fn decide(&self, _: &View<'_, '_>, _: GroupId) -> Allocation {
+        self.0
+    }
 }
 
 fn reward(b: &mut Bytes<'_>) -> f32 {
@@ -213,7 +228,7 @@ pub fn run(data: &[u8]) -> Stats {
         let version = PolicyVersion(step);
         let before = snapshot(&s);
         // Progress events are weighted up so inputs reach full batches, dispatch and training.
-        let op = match b.pick(40) {
+        let op = match b.pick(46) {
             0..=3 => 0,
             4 => 1,
             5..=10 => 2,
@@ -232,6 +247,11 @@ pub fn run(data: &[u8]) -> Stats {
             36 => 14,
             37 => 15,
             38 => 16,
+            39 => 18,
+            40 => 19,
+            41 => 20,
+            42 => 21,
+            43 | 44 => 22,
             _ => 17,
         };
         // `Err` results must leave the snapshot unchanged; `Ok` ones are checked by audit.
@@ -274,11 +294,11 @@ pub fn run(data: &[u8]) -> Stats {
             },
             4 => match take(&mut t.in_flight, &mut b) {
                 Some(r) => match s.on_request_generated(tick, r, version, b.u8() as u32) {
-                    Ok(Completion::Accepted { .. }) => {
+                    // Accepted, or discarded (its group ended): a reward may follow either way.
+                    Ok(_) => {
                         t.generated.push(r);
                         false
                     }
-                    Ok(Completion::Discarded) => false,
                     Err(_) => true,
                 },
                 None => false,
@@ -326,7 +346,44 @@ pub fn run(data: &[u8]) -> Stats {
                 let _ = s.poll_micro_batch(tick);
                 s.on_micro_batch_consumed(tick).is_err()
             }
-            11 => s.on_optimizer_step_done(tick).is_err(),
+            11 => {
+                // Mostly as announced by the poll; sometimes unannounced (then maybe refused).
+                if b.pick(4) != 0 && s.poll_optimizer_step(tick).is_none() {
+                    false
+                } else {
+                    s.on_optimizer_step_done(tick).is_err()
+                }
+            }
+            18 => match take(&mut t.in_flight, &mut b) {
+                Some(r) => s.on_admission_refused(tick, r).is_err(),
+                None => false,
+            },
+            19 => match take(&mut t.in_flight, &mut b) {
+                Some(r) => s.on_request_preempted(tick, r).is_err(),
+                None => false,
+            },
+            20 => s.set_slots(tick, b.pick(6) as u32).is_err(),
+            22 => {
+                let decision = match b.pick(4) {
+                    0 | 1 => Allocation::Commit,
+                    2 => Allocation::Extend(b.pick(4) as u16),
+                    _ => Allocation::Skip(SkipReason::TooEasy),
+                };
+                if let Some(a) = s.poll_allocation_with(tick, &Scripted(decision)) {
+                    assert_eq!(a.decided, decision);
+                    assert!(
+                        a.applied == decision || a.applied == Allocation::Commit,
+                        "applied {:?} for {:?}",
+                        a.applied,
+                        decision
+                    );
+                }
+                false
+            }
+            21 => {
+                let _ = s.poll_optimizer_step(tick);
+                false
+            }
             12 => s
                 .extend_group(tick, GroupId(b.pick(GROUPS + 2) as u32), b.pick(4) as u16)
                 .is_err(),
@@ -395,11 +452,98 @@ pub fn run(data: &[u8]) -> Stats {
         if let Err(e) = s.audit() {
             panic!("op {op}: {e}");
         }
-        if let Some(p) = s.plan() {
-            assert!(s.slots_in_use() <= p.slots, "slots in use exceed capacity");
-        }
         assert!(s.counters().is_conserved());
+    }
+    if s.phase() == StepPhase::Active {
+        drive_to_done(&mut s, StepId(step), &mut now);
     }
     stats.tally(s.counters(), s.phase() == StepPhase::Done);
     stats
+}
+
+/// What the environment holds of the current step: every request it was handed and has not
+/// answered (running, being aborted, or generated and awaiting its reward).
+fn outstanding(s: &Scheduler<'_>, step: StepId) -> (Vec<RequestId>, Vec<RequestId>) {
+    let (mut running, mut generated) = (Vec::new(), Vec::new());
+    for g in 0..s.counters().drawn {
+        let group = GroupId(g);
+        let target = s.group(group).map_or(0, |i| i.target);
+        for sample in 0..target {
+            let Some((state, attempt)) = s.request_state(group, sample) else {
+                continue;
+            };
+            let id = RequestId {
+                step,
+                group,
+                sample,
+                attempt,
+            };
+            match state {
+                RequestState::InFlight | RequestState::AbortSent => running.push(id),
+                RequestState::Generated | RequestState::Dropped => generated.push(id),
+                _ => {}
+            }
+        }
+    }
+    (running, generated)
+}
+
+/// Liveness: answers every decision of the core (and finishes every request the environment
+/// holds, with rewards that differ within a group) until the step is done. Panics if it is not
+/// done within a bound: a few rounds per group the storage can hold.
+fn drive_to_done(s: &mut Scheduler<'_>, step: StepId, now: &mut u64) {
+    let v = PolicyVersion(step.0);
+    let (mut running, mut generated) = outstanding(s, step);
+    let bound = 4 * (GROUPS + 2);
+    for _ in 0..bound {
+        if s.phase() != StepPhase::Active {
+            return;
+        }
+        *now += 1;
+        let tick = Tick(*now);
+        if let Some(n) = s.poll_draw(tick) {
+            s.on_prompts_drawn(tick, n)
+                .expect("a draw the core asked for must be accepted");
+        }
+        while s.poll_allocation(tick).is_some() {}
+        while let Some(a) = s.poll_admit(tick) {
+            running.push(a.request);
+        }
+        for r in std::mem::take(&mut generated) {
+            s.on_reward(tick, r, (r.sample % 2) as f32)
+                .expect("a reward for a generated request is accepted or discarded");
+        }
+        for r in std::mem::take(&mut running) {
+            let x = ((r.sample as u32 + r.group.0) % 2) as f32;
+            s.on_request_finished(tick, r, v, 1, x)
+                .expect("a running request's completion is accepted or discarded");
+        }
+        while let Some(r) = s.poll_abort(tick) {
+            // Already finished above (then the ack is refused) or the abort settles it.
+            let _ = s.on_abort_acked(tick, r);
+        }
+        while s.poll_dispatch(tick).is_some() {}
+        // The trainer: apply a due optimizer step (announced now or by an earlier random event),
+        // train micro-batches handed out earlier, then new ones.
+        loop {
+            let announced = s.poll_optimizer_step(tick).is_some();
+            if announced || s.optimizer_step_due() {
+                s.on_optimizer_step_done(tick)
+                    .expect("a due optimizer step is accepted");
+            }
+            if s.on_micro_batch_consumed(tick).is_ok() {
+                continue;
+            }
+            if s.poll_micro_batch(tick).is_none() {
+                break;
+            }
+        }
+        s.audit().expect("audit while driving to done");
+    }
+    assert_eq!(
+        s.phase(),
+        StepPhase::Done,
+        "step not done after {bound} rounds of answering every decision: {:?}",
+        s.counters()
+    );
 }

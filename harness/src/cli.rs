@@ -23,6 +23,7 @@ pub enum Command {
     /// Discrete-event simulation of a disaggregated cluster, driving the real scheduling core.
     Simulate(cmd::simulate::Args),
     /// End-to-end RLVR training: rollout engines, verifiers and a trainer driven by the core.
+    #[command(after_help = cmd::train::config_help())]
     Train(cmd::train::Args),
     /// Runs sync and rolloutpipe on the same workload; measured vs simulated headline metrics.
     Compare(cmd::compare::Args),
@@ -39,12 +40,7 @@ pub enum Command {
 /// Parses arguments, sets up logging and runs the chosen job.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    crate::logging::init(&cli.log);
     let result = match cli.command {
         Command::Simulate(args) => cmd::simulate::run(args),
         Command::Train(args) => cmd::train::run(args),

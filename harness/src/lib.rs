@@ -5,7 +5,11 @@
 
 pub mod cli;
 pub mod cmd;
+pub mod interrupt;
+pub mod limits;
+pub mod logging;
 pub mod plot;
+pub mod rundir;
 pub mod sim;
 pub mod tasks;
 pub mod trace;

@@ -64,6 +64,10 @@ fn dir(name: &str) -> PathBuf {
     d
 }
 
+fn dir_of(o: &RunOutcome) -> PathBuf {
+    o.dir.clone()
+}
+
 fn go(cfg: &TrainConfig, name: &str) -> RunOutcome {
     run(cfg, &dir(name), false).unwrap()
 }
@@ -260,6 +264,12 @@ fn one_step_off_resumes_with_its_untrained_batch() {
     assert!(max <= 1e-6, "resumed one-step-off run differs by {max:e}");
     let all = rolloutpipe_harness::train::read_metrics(&d).unwrap();
     assert_eq!(all.iter().map(|m| m.step).collect::<Vec<_>>(), [0, 1, 2]);
+    // The boundary step (rolled out before the stop, trained after the resume) keeps the
+    // rollout half of its line: not zeros.
+    let full_m = rolloutpipe_harness::train::read_metrics(&dir_of(&full)).unwrap();
+    assert!(all[1].tokens > 0, "{:?}", all[1]);
+    assert_eq!(all[1].reward, full_m[1].reward);
+    assert_eq!(all[1].drawn, full_m[1].drawn);
     for r in &resumed.trained {
         assert_eq!(r.version + 1, r.step.max(1), "{r:?}");
     }

@@ -1,5 +1,10 @@
 //! Kernel sources of RolloutPipe, embedded as strings; no dependencies.
 //!
+//! Each op also has a hand-written PTX file in `kernels/ptx/<op>.ptx` for the CUDA backend
+//! ([`Kernel::ptx`], [`Kernel::ptx_entry_points`]); `tests/ptx.rs` checks their listing and
+//! headers, `scripts/ci.d/ptx.sh` assembles them with `ptxas` and checks their resources
+//! against `kernels/ptx/resources.toml` (docs/cuda.md).
+//!
 //! Every op of the Qwen3 forward and backward, sampling, log-probs, the GRPO loss and AdamW
 //! has one WGSL file in `kernels/wgsl/<op>.wgsl`, named like the CPU reference's function
 //! (`rmsnorm_fwd` in `cpu/ops.rs`, `fn rmsnorm_fwd` in WGSL, [`Kernel::RmsnormFwd`] here).
@@ -31,7 +36,7 @@ pub const PARAMS_BYTES: u64 = 64;
 pub const MAX_STORAGE_BINDINGS: u32 = 10;
 
 macro_rules! kernels {
-    ($( $(#[$doc:meta])* $variant:ident => $name:literal, [$($entry:literal),+], $storage:literal, $wg:expr; )+) => {
+    ($( $(#[$doc:meta])* $variant:ident => $name:literal, [$($entry:literal),+], $storage:literal, $wg:expr, [$($ptx_entry:literal),+]; )+) => {
         /// One kernel source file: one op of the model, named as the CPU reference names it.
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub enum Kernel {
@@ -69,51 +74,68 @@ macro_rules! kernels {
             pub const fn workgroup_size(self) -> [u32; 3] {
                 match self { $(Kernel::$variant => $wg,)+ }
             }
+
+            /// The PTX source of the op (`kernels/ptx/<name>.ptx`, PTX ISA 8.0, sm_80; it
+            /// also assembles for sm_90). Its header comment documents the launch layout
+            /// and the arguments, which the CUDA host side follows.
+            pub const fn ptx(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => include_str!(concat!("../ptx/", $name, ".ptx")),)+
+                }
+            }
+
+            /// The `.entry` functions of the PTX file, in file order, each prefixed with the
+            /// op's name (a single launch is the op itself). They can differ from the WGSL entry points where the CUDA version
+            /// splits an op differently (an f32 fallback beside a tensor-core product, a
+            /// separate weight-gradient pass).
+            pub const fn ptx_entry_points(self) -> &'static [&'static str] {
+                match self { $(Kernel::$variant => &[$($ptx_entry),+],)+ }
+            }
         }
     };
 }
 
 kernels! {
     /// `out[n, d] = table[tokens[n], :]`.
-    EmbeddingFwd => "embedding_fwd", ["embedding_fwd"], 3, [256, 1, 1];
+    EmbeddingFwd => "embedding_fwd", ["embedding_fwd"], 3, [256, 1, 1], ["embedding_fwd"];
     /// `dtable[tokens[n], :] += dout[n, :]`, one thread per column.
-    EmbeddingBwd => "embedding_bwd", ["embedding_bwd"], 3, [64, 1, 1];
+    EmbeddingBwd => "embedding_bwd", ["embedding_bwd"], 3, [64, 1, 1], ["embedding_bwd"];
     /// RMSNorm of rows (also per head for q_norm/k_norm), saving `rstd`.
-    RmsnormFwd => "rmsnorm_fwd", ["rmsnorm_fwd"], 4, [64, 1, 1];
+    RmsnormFwd => "rmsnorm_fwd", ["rmsnorm_fwd"], 4, [64, 1, 1], ["rmsnorm_fwd"];
     /// RMSNorm backward: `dx` per row, `dw` per column.
-    RmsnormBwd => "rmsnorm_bwd", ["rmsnorm_bwd", "rmsnorm_bwd_dw"], 6, [64, 1, 1];
+    RmsnormBwd => "rmsnorm_bwd", ["rmsnorm_bwd", "rmsnorm_bwd_dw"], 6, [64, 1, 1], ["rmsnorm_bwd", "rmsnorm_bwd_dw"];
     /// `y = x·Wᵀ`, tiled 64x64 per 16x16 workgroup; a row-strip variant for ≤ 8 rows.
-    MatmulFwd => "matmul_fwd", ["matmul_fwd", "matmul_fwd_rows"], 3, [16, 16, 1];
+    MatmulFwd => "matmul_fwd", ["matmul_fwd", "matmul_fwd_rows"], 3, [16, 16, 1], ["matmul_fwd", "matmul_fwd_f32", "matmul_fwd_cast"];
     /// `dx = dy·W` and `dW += dyᵀ·x`, same tiling.
-    MatmulBwd => "matmul_bwd", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, [16, 16, 1];
+    MatmulBwd => "matmul_bwd", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, [16, 16, 1], ["matmul_bwd_dx", "matmul_bwd_dw"];
     /// Rotate-half RoPE in place from cos/sin tables.
-    RopeFwd => "rope_fwd", ["rope_fwd"], 4, [256, 1, 1];
+    RopeFwd => "rope_fwd", ["rope_fwd"], 4, [256, 1, 1], ["rope_fwd"];
     /// Transposed rotation of a gradient, in place.
-    RopeBwd => "rope_bwd", ["rope_bwd"], 4, [256, 1, 1];
+    RopeBwd => "rope_bwd", ["rope_bwd"], 4, [256, 1, 1], ["rope_bwd"];
     /// Causal GQA attention with online softmax, per (query, head); saves log-sum-exp.
-    AttentionFwd => "attention_fwd", ["attention_fwd"], 6, [64, 1, 1];
+    AttentionFwd => "attention_fwd", ["attention_fwd"], 6, [64, 1, 1], ["attention_fwd"];
     /// Attention backward: `dq` per (query, head), then `dk, dv` per (key, kv head).
-    AttentionBwd => "attention_bwd", ["attention_bwd_dq", "attention_bwd_dkv"], 9, [64, 1, 1];
+    AttentionBwd => "attention_bwd", ["attention_bwd_dq", "attention_bwd_dkv"], 9, [64, 1, 1], ["attention_bwd_dq", "attention_bwd_dkv"];
     /// `silu(gate) * up`.
-    SwigluFwd => "swiglu_fwd", ["swiglu_fwd"], 3, [256, 1, 1];
+    SwigluFwd => "swiglu_fwd", ["swiglu_fwd"], 3, [256, 1, 1], ["swiglu_fwd"];
     /// Gradients of `silu(gate) * up` with respect to gate and up.
-    SwigluBwd => "swiglu_bwd", ["swiglu_bwd"], 5, [256, 1, 1];
+    SwigluBwd => "swiglu_bwd", ["swiglu_bwd"], 5, [256, 1, 1], ["swiglu_bwd"];
     /// `out = a + b`.
-    ResidualFwd => "residual_fwd", ["residual_fwd"], 3, [256, 1, 1];
+    ResidualFwd => "residual_fwd", ["residual_fwd"], 3, [256, 1, 1], ["residual_fwd"];
     /// `log_softmax(logits / T)` at the targets, and the entropy, per row.
-    LogprobFwd => "logprob_fwd", ["logprob_fwd"], 4, [256, 1, 1];
+    LogprobFwd => "logprob_fwd", ["logprob_fwd"], 4, [256, 1, 1], ["logprob_fwd", "logprob_fwd_finish"];
     /// Gradient of the log-probs with respect to the logits.
-    LogprobBwd => "logprob_bwd", ["logprob_bwd"], 4, [256, 1, 1];
+    LogprobBwd => "logprob_bwd", ["logprob_bwd"], 4, [256, 1, 1], ["logprob_bwd"];
     /// Sums of the weighted clipped GRPO objective (or SFT), KL, clip count and entropy.
-    GrpoLossFwd => "grpo_loss_fwd", ["grpo_loss_fwd"], 8, [256, 1, 1];
+    GrpoLossFwd => "grpo_loss_fwd", ["grpo_loss_fwd"], 8, [256, 1, 1], ["grpo_loss_fwd"];
     /// Per-token gradient of the weighted objective with respect to the log-probs.
-    GrpoLossBwd => "grpo_loss_bwd", ["grpo_loss_bwd"], 7, [256, 1, 1];
+    GrpoLossBwd => "grpo_loss_bwd", ["grpo_loss_bwd"], 7, [256, 1, 1], ["grpo_loss_bwd"];
     /// One AdamW update of one tensor, torch semantics.
-    AdamwStep => "adamw_step", ["adamw_step"], 4, [256, 1, 1];
+    AdamwStep => "adamw_step", ["adamw_step"], 4, [256, 1, 1], ["adamw_step"];
     /// Sum of squares: per-workgroup partials, then one final reduction.
-    GradNorm => "grad_norm", ["grad_norm", "grad_norm_reduce"], 3, [256, 1, 1];
+    GradNorm => "grad_norm", ["grad_norm", "grad_norm_reduce"], 3, [256, 1, 1], ["grad_norm", "grad_norm_reduce"];
     /// Temperature / top-k / top-p sampling from a host-drawn uniform, with the log-prob.
-    Sample => "sample", ["sample"], 4, [256, 1, 1];
+    Sample => "sample", ["sample"], 4, [256, 1, 1], ["sample"];
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Makes the golden fixtures that `backends/tests/golden.rs` checks the CPU backend against.
 
-Run by hand (not in CI), from the repository root:
+Run by hand (not in CI), from the repository root (add `--qwen3-0.6b DIR` for the opt-in
+real-size case, written under DIR/qwen3-0.6b instead of the committed fixtures):
 
     python3 -m venv /tmp/gv && /tmp/gv/bin/pip install torch transformers safetensors numpy
     /tmp/gv/bin/python scripts/golden/make_golden.py
@@ -47,16 +48,16 @@ BETA = 0.05
 STD_EPS = 1e-6
 
 
+# The opt-in real-size case (`--qwen3-0.6b DIR`): Qwen3-0.6B's shapes, random weights.
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+
+
 def make_model(tied: bool, seed: int) -> Qwen3ForCausalLM:
     cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
+        **SHAPE,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=tied,
@@ -100,10 +101,11 @@ def batch_def():
         (5, [3, 6, 4], [1.0, 0.0, 0.5]),
         (3, [7, 2, 5], [0.0, 1.0, 1.0]),
     ]:
-        prompt = [1] + [int(x) for x in g.integers(3, VOCAB, prompt_len - 1)]
+        vocab = SHAPE["vocab_size"]
+        prompt = [1] + [int(x) for x in g.integers(3, vocab, prompt_len - 1)]
         responses = []
         for n, r in zip(resp_lens, rewards):
-            responses.append({"tokens": [int(x) for x in g.integers(3, VOCAB, n)], "reward": r})
+            responses.append({"tokens": [int(x) for x in g.integers(3, vocab, n)], "reward": r})
         groups.append({"prompt": prompt, "responses": responses})
     return groups
 
@@ -146,7 +148,7 @@ def lps_of(model, groups):
         return [[response_logprobs(model, g["prompt"], r["tokens"])[1] for r in g["responses"]] for g in groups]
 
 
-def make(name: str, tied: bool, seed: int, explicit_old: bool, hub_style_rope: bool):
+def make(name: str, tied: bool, seed: int, explicit_old: bool, hub_style_rope: bool, out=OUT):
     model = make_model(tied, seed)
     groups = batch_def()
     ref = lps_of(perturbed(model, seed + 1, 0.05), groups)
@@ -156,7 +158,7 @@ def make(name: str, tied: bool, seed: int, explicit_old: bool, hub_style_rope: b
     loss, logits, lps = grpo_loss(model, groups, ref, old)
     loss.backward()
 
-    d = os.path.join(OUT, name)
+    d = os.path.join(out, name)
     os.makedirs(d, exist_ok=True)
     model.save_pretrained(d, safe_serialization=True)
     for extra in ("generation_config.json",):
@@ -239,5 +241,12 @@ def make(name: str, tied: bool, seed: int, explicit_old: bool, hub_style_rope: b
 
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True)
+    if len(sys.argv) == 3 and sys.argv[1] == "--qwen3-0.6b":
+        # Real size, not committed (~5 GB: the f32 model and every gradient). The golden test
+        # runs it when ROLLOUTPIPE_GOLDEN_LARGE names this directory; explicit old log-probs so
+        # that clipping is exercised, tied embeddings as in Qwen3-0.6B.
+        SHAPE.update(QWEN3_06B)
+        make("qwen3-0.6b", tied=True, seed=9, explicit_old=True, hub_style_rope=False, out=sys.argv[2])
+        sys.exit(0)
     make("tied", tied=True, seed=7, explicit_old=False, hub_style_rope=True)
     make("untied", tied=False, seed=8, explicit_old=True, hub_style_rope=False)

@@ -60,7 +60,6 @@ struct Scratch {
     h: Vec<f32>,
     hsel: Vec<f32>,
     logits: Vec<f32>,
-    sample: Vec<(f32, u32)>,
 }
 
 /// The continuous-batching engine state of a backend.
@@ -393,19 +392,26 @@ impl Generator {
         fit(&mut s.logits, r * v);
         matmul_fwd(&mut s.logits, &s.hsel, m.lm_head(), r, d, v);
         let forked = Self::fork_followers(&mut self.active, &mut self.free, c, &s.chunk);
+        // Each row's draw depends only on its own logits, settings and stream, so the rows are
+        // sampled in parallel (a 151,936-entry softmax per row is not free).
+        let draws: Vec<(u32, f32)> = {
+            let logits = &s.logits;
+            self.active
+                .par_iter_mut()
+                .enumerate()
+                .map_init(Vec::new, |scratch, (row, a)| {
+                    let u = uniform(&mut a.rng);
+                    sample(&logits[row * v..(row + 1) * v], &a.params, u, scratch)
+                })
+                .collect()
+        };
         let mut finished = Vec::new();
         let mut i = 0;
         let mut row = 0;
         while i < self.active.len() {
             let a = &mut self.active[i];
             let len = s.chunk[row].1;
-            let u = uniform(&mut a.rng);
-            let (tok, lp) = sample(
-                &s.logits[row * v..(row + 1) * v],
-                &a.params,
-                u,
-                &mut s.sample,
-            );
+            let (tok, lp) = draws[row];
             row += 1;
             a.cached += len;
             a.tokens.push(tok);

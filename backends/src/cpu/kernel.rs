@@ -15,6 +15,14 @@ use rayon::prelude::*;
 
 /// Rows per tile.
 const TR: usize = 4;
+/// Rows per block of the threaded product: the block's `x` rows (256 KB at din = 1,024) stay in
+/// cache while every column block streams its weights past them.
+const RB: usize = 64;
+/// Output columns per block (one parallel task): `CB` weight rows (256 KB at din = 1,024) stay
+/// in cache while the tiles of all `RB` rows reuse them, so each weight is read from memory
+/// once per row block instead of once per 4-row tile. That matters most for decoding, where
+/// the whole product is one row block and weight traffic is the cost.
+const CB: usize = 64;
 /// Output columns per tile.
 const TC: usize = 2;
 /// Below this many multiply-adds a product runs on the calling thread (rayon's fork/join costs
@@ -30,40 +38,8 @@ pub fn matmul_nt_f32(out: &mut [f32], x: &[f32], w: &[f32], n: usize, din: usize
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         let out = &mut out[..n * dout];
-        let big = n * din * dout >= PAR_MIN_FMA;
-        if big && n >= 2 * TR {
-            out.par_chunks_mut(TR * dout)
-                .enumerate()
-                .for_each(|(bi, o)| {
-                    let r0 = bi * TR;
-                    let rows = o.len() / dout;
-                    // SAFETY: AVX2 and FMA were detected above; `o` holds `rows` output rows
-                    // starting at row r0 and the assert above bounds x and w.
-                    unsafe {
-                        avx::rows(
-                            o,
-                            &x[r0 * din..(r0 + rows) * din],
-                            w,
-                            rows,
-                            din,
-                            dout,
-                            0,
-                            dout,
-                        )
-                    }
-                });
-        } else if big {
-            // Few rows (a small decode step): split the output columns instead.
-            for (r, o) in out.chunks_mut(dout).enumerate() {
-                let xr = &x[r * din..(r + 1) * din];
-                let chunk = 32;
-                o.par_chunks_mut(chunk).enumerate().for_each(|(ci, oc)| {
-                    let c0 = ci * chunk;
-                    // SAFETY: features detected above; `oc` is columns c0..c0 + oc.len() of one
-                    // row, which w covers by the assert above.
-                    unsafe { avx::rows(oc, xr, w, 1, din, oc.len(), c0, c0 + oc.len()) }
-                });
-            }
+        if n * din * dout >= PAR_MIN_FMA {
+            blocked(out, x, w, n, din, dout);
         } else {
             // SAFETY: features detected above; slices bounded by the assert.
             unsafe { avx::rows(out, x, w, n, din, dout, 0, dout) }
@@ -71,6 +47,37 @@ pub fn matmul_nt_f32(out: &mut [f32], x: &[f32], w: &[f32], n: usize, din: usize
         return;
     }
     crate::cpu::ops::gemm_nt_fallback(out, x, w, n, din, dout);
+}
+
+/// The threaded product: row blocks in turn, column blocks in parallel, each computed into its
+/// own contiguous scratch and then copied to its place. Every element is still one `avx` dot
+/// product with the fixed instruction sequence, so blocking changes no bits.
+#[cfg(target_arch = "x86_64")]
+fn blocked(out: &mut [f32], x: &[f32], w: &[f32], n: usize, din: usize, dout: usize) {
+    let ncb = dout.div_ceil(CB);
+    let mut tmp = vec![0.0f32; RB.min(n) * ncb * CB];
+    for r0 in (0..n).step_by(RB) {
+        let rows = RB.min(n - r0);
+        let xs = &x[r0 * din..(r0 + rows) * din];
+        tmp[..rows * ncb * CB]
+            .par_chunks_mut(rows * CB)
+            .enumerate()
+            .for_each(|(b, t)| {
+                let (c0, c1) = (b * CB, ((b + 1) * CB).min(dout));
+                // SAFETY: the caller detected AVX2 and FMA and bounded x and w; `t` holds
+                // rows × CB ≥ rows × (c1 − c0) values, xs holds `rows` rows of `din`.
+                unsafe { avx::rows(t, xs, w, rows, din, dout, c0, c1) }
+            });
+        for b in 0..ncb {
+            let (c0, c1) = (b * CB, ((b + 1) * CB).min(dout));
+            let cw = c1 - c0;
+            let t = &tmp[b * rows * CB..];
+            for r in 0..rows {
+                out[(r0 + r) * dout + c0..(r0 + r) * dout + c1]
+                    .copy_from_slice(&t[r * cw..(r + 1) * cw]);
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -229,6 +236,8 @@ mod tests {
             (9, 128, 384),
             (1, 384, 128),
             (33, 64, 64),
+            // more than one row block and a ragged last column block
+            (70, 64, 200),
         ] {
             let x: Vec<f32> = (0..n * din)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)

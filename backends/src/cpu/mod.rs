@@ -8,6 +8,7 @@
 
 pub mod generate;
 pub mod kernel;
+pub mod lm_head;
 pub mod model;
 pub mod ops;
 

@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use super::lm_head::{lm_head_logprob_bwd, lm_head_logprob_fwd};
 use super::ops::*;
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
@@ -230,7 +231,9 @@ pub struct LayerActs<T> {
     pub k_rstd: Vec<T>,
     pub k: Vec<T>,
     pub v: Vec<T>,
-    pub att: Vec<T>,
+    /// Log-sum-exp of each attention row, `[h, n]` per sequence (the probabilities are
+    /// recomputed in the backward).
+    pub att_lse: Vec<T>,
     pub att_out: Vec<T>,
     pub x_mid: Vec<T>,
     pub ln2: Vec<T>,
@@ -247,7 +250,7 @@ pub struct Activations<T> {
     pub resid: Vec<Vec<T>>,
     /// Per layer.
     pub layers: Vec<LayerActs<T>>,
-    /// Offsets of each sequence's attention probabilities within a layer's `att`.
+    /// Offsets of each sequence's rows within a layer's `att_lse`.
     pub att_off: Vec<usize>,
     /// Final norm output, `[N, D]`.
     pub lnf: Vec<T>,
@@ -255,8 +258,20 @@ pub struct Activations<T> {
     pub lnf_rstd: Vec<T>,
     /// Final norm rows at the selected positions, `[M, D]`.
     pub hsel: Vec<T>,
-    /// Logits at the selected rows, `[M, V]`.
+    /// Logits at the selected rows, `[M, V]`: only [`Model::forward`] fills them; training and
+    /// scoring go through the fused, chunked `lm_head` and never hold them.
     pub logits: Vec<T>,
+    /// Per selected row: log-prob of its target, entropy and log-sum-exp (after
+    /// [`Model::forward_scored`]).
+    pub logp: Vec<T>,
+    #[allow(missing_docs)]
+    pub entropy: Vec<T>,
+    #[allow(missing_docs)]
+    pub lse: Vec<T>,
+    lm_scratch: Vec<T>,
+    /// The one set of recomputed buffers (`ln1`, `q`, `k`, `ln2`, `h`) that the layers lend
+    /// each other: see [`Recomputed`].
+    spare: Recomputed<T>,
     tmp: Vec<T>,
     dres: Vec<T>,
     dbig: Vec<T>,
@@ -269,6 +284,38 @@ pub struct Activations<T> {
     dv: Vec<T>,
     dqk_pre: Vec<T>,
     dhsel: Vec<T>,
+}
+
+/// The activations that are cheap to recompute from what a layer keeps (`ln1` from its input,
+/// `q`/`k` from `q_pre`/`k_pre`, `ln2` from `x_mid`, `h` from `gate`/`up`, each with the saved
+/// rstd): 8,192 of the 21,504 values per token and layer at Qwen3-0.6B's shapes. Only one set
+/// exists: a layer borrows it for its forward, and the backward refills it per layer with the
+/// very same ops (so the values are bit-identical) before using it.
+#[derive(Debug, Clone, Default)]
+struct Recomputed<T> {
+    ln1: Vec<T>,
+    q: Vec<T>,
+    k: Vec<T>,
+    ln2: Vec<T>,
+    h: Vec<T>,
+}
+
+impl<T> Recomputed<T> {
+    fn lend(&mut self, la: &mut LayerActs<T>) {
+        la.ln1 = std::mem::take(&mut self.ln1);
+        la.q = std::mem::take(&mut self.q);
+        la.k = std::mem::take(&mut self.k);
+        la.ln2 = std::mem::take(&mut self.ln2);
+        la.h = std::mem::take(&mut self.h);
+    }
+
+    fn reclaim(&mut self, la: &mut LayerActs<T>) {
+        self.ln1 = std::mem::take(&mut la.ln1);
+        self.q = std::mem::take(&mut la.q);
+        self.k = std::mem::take(&mut la.k);
+        self.ln2 = std::mem::take(&mut la.ln2);
+        self.h = std::mem::take(&mut la.h);
+    }
 }
 
 /// Resizes to `n` zeros without giving back capacity.
@@ -359,20 +406,57 @@ impl<T: Float> Model<T> {
         &self.params[self.layout.final_norm..self.layout.final_norm + self.cfg.hidden_size]
     }
 
-    /// Forward pass over a packed batch; leaves the logits of `b.rows` in `a.logits` and keeps
-    /// every activation the backward needs.
+    /// Forward pass over a packed batch; leaves the full logits of `b.rows` in `a.logits` (for
+    /// the `logits` call; training and scoring use [`Model::forward_scored`]).
+    ///
+    /// # Panics
+    /// As [`Model::forward_hidden`].
+    pub fn forward(&self, b: &PackedBatch, a: &mut Activations<T>) {
+        self.forward_hidden(b, a);
+        let (m, d, v) = (b.rows.len(), self.cfg.hidden_size, self.cfg.vocab_size);
+        fit(&mut a.logits, m * v);
+        matmul_fwd(&mut a.logits, &a.hsel, self.lm_head(), m, d, v);
+    }
+
+    /// Forward pass to the log-probs of `b.targets` at `temperature`: leaves them, the entropy
+    /// and the log-sum-exp per selected row in `a.logp`, `a.entropy`, `a.lse`, through the
+    /// fused chunked `lm_head` (no `[rows × vocab]` tensor), and keeps every activation the
+    /// backward needs.
+    ///
+    /// # Panics
+    /// As [`Model::forward_hidden`].
+    pub fn forward_scored(&self, b: &PackedBatch, a: &mut Activations<T>, temperature: f64) {
+        self.forward_hidden(b, a);
+        let (m, d, v) = (b.rows.len(), self.cfg.hidden_size, self.cfg.vocab_size);
+        fit(&mut a.logp, m);
+        fit(&mut a.entropy, m);
+        fit(&mut a.lse, m);
+        // A `logits` call's [rows × vocab] buffer is not kept alive through training.
+        a.logits = Vec::new();
+        lm_head_logprob_fwd(
+            &mut a.logp,
+            &mut a.entropy,
+            &mut a.lse,
+            &a.hsel,
+            self.lm_head(),
+            &b.targets,
+            m,
+            d,
+            v,
+            temperature,
+            &mut a.lm_scratch,
+        );
+    }
+
+    /// Forward pass through the final norm: leaves the normalised rows `b.rows` in `a.hsel`
+    /// and keeps every activation the backward needs.
     ///
     /// # Panics
     /// On token ids not below the vocabulary or positions not below `max_position_embeddings`;
     /// [`Model::accumulate`], [`Model::logprobs`] and the backend check them first.
-    pub fn forward(&self, b: &PackedBatch, a: &mut Activations<T>) {
+    pub fn forward_hidden(&self, b: &PackedBatch, a: &mut Activations<T>) {
         let c = &self.cfg;
-        let (n, d, f, v) = (
-            b.ids.len(),
-            c.hidden_size,
-            c.intermediate_size,
-            c.vocab_size,
-        );
+        let (n, d, f) = (b.ids.len(), c.hidden_size, c.intermediate_size);
         let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let (qd, kd) = (c.q_dim(), c.kv_dim());
         let nl = c.num_hidden_layers;
@@ -382,7 +466,7 @@ impl<T: Float> Model<T> {
         let mut att_total = 0;
         for s in &b.seqs {
             a.att_off.push(att_total);
-            att_total += h * s.len() * s.len();
+            att_total += h * s.len();
         }
         fit(&mut a.resid[0], n * d);
         embedding_fwd(&mut a.resid[0], &b.ids, self.embed(), d);
@@ -392,6 +476,7 @@ impl<T: Float> Model<T> {
             let (lo, hi) = a.resid.split_at_mut(l + 1);
             let (x_in, x_out) = (&lo[l], &mut hi[0]);
             let la = &mut a.layers[l];
+            a.spare.lend(la);
             fit(&mut la.ln1, n * d);
             fit(&mut la.ln1_rstd, n);
             rmsnorm_fwd(
@@ -430,33 +515,35 @@ impl<T: Float> Model<T> {
             );
             rope_fwd(&mut la.q, &b.pos, h, &self.rope);
             rope_fwd(&mut la.k, &b.pos, kvh, &self.rope);
-            fit(&mut la.att, att_total);
+            fit(&mut la.att_lse, att_total);
             fit(&mut la.att_out, n * qd);
             {
                 let LayerActs {
                     q,
                     k,
                     v: vv,
-                    att,
+                    att_lse,
                     att_out,
                     ..
                 } = la;
                 let mut tasks = Vec::with_capacity(b.seqs.len());
-                let (mut out_rest, mut att_rest) = (&mut att_out[..], &mut att[..]);
+                let (mut out_rest, mut att_rest) = (&mut att_out[..], &mut att_lse[..]);
                 for s in &b.seqs {
                     let m = s.len();
                     let (o, r) = std::mem::take(&mut out_rest).split_at_mut(m * qd);
                     out_rest = r;
-                    let (p, r) = std::mem::take(&mut att_rest).split_at_mut(h * m * m);
+                    let (p, r) = std::mem::take(&mut att_rest).split_at_mut(h * m);
                     att_rest = r;
                     tasks.push((s.clone(), o, p));
                 }
                 let (q, k, vv) = (&q[..], &k[..], &vv[..]);
                 tasks.into_par_iter().for_each(|(s, o, p)| {
                     let m = s.len();
-                    attention_fwd(
+                    let mut scratch = vec![T::ZERO; m];
+                    attention_fwd_lse(
                         o,
                         p,
+                        &mut scratch,
                         &q[s.start * qd..s.end * qd],
                         &k[s.start * kd..s.end * kd],
                         &vv[s.start * kd..s.end * kd],
@@ -490,6 +577,7 @@ impl<T: Float> Model<T> {
             matmul_fwd(&mut a.tmp, &la.h, w.down, n, f, d);
             fit(x_out, n * d);
             residual_fwd(x_out, &la.x_mid, &a.tmp);
+            a.spare.reclaim(la);
         }
         fit(&mut a.lnf, n * d);
         fit(&mut a.lnf_rstd, n);
@@ -506,20 +594,20 @@ impl<T: Float> Model<T> {
         for (i, &r) in b.rows.iter().enumerate() {
             a.hsel[i * d..(i + 1) * d].copy_from_slice(&a.lnf[r * d..(r + 1) * d]);
         }
-        fit(&mut a.logits, m * v);
-        matmul_fwd(&mut a.logits, &a.hsel, self.lm_head(), m, d, v);
     }
 
-    /// Backward pass after [`Model::forward`] on the same batch: adds the gradient of the loss
-    /// whose derivative with respect to `a.logits` is `dlogits` into `grads` (flat, same layout).
+    /// Backward pass after [`Model::forward_scored`] on the same batch at the same
+    /// `temperature`: adds the gradient of the loss whose derivative with respect to the
+    /// selected rows' log-probs `a.logp` is `dlogp` into `grads` (flat, same layout).
     ///
     /// # Panics
-    /// When `dlogits` or `grads` are shorter than the batch and layout require.
+    /// When `dlogp` or `grads` are shorter than the batch and layout require.
     pub fn backward(
         &self,
         b: &PackedBatch,
         a: &mut Activations<T>,
-        dlogits: &[T],
+        dlogp: &[T],
+        temperature: f64,
         grads: &mut [T],
     ) {
         let c = &self.cfg;
@@ -536,15 +624,19 @@ impl<T: Float> Model<T> {
         let m = b.rows.len();
         // lm_head and the row gather
         fit(&mut a.dhsel, m * d);
-        matmul_bwd(
-            Some(&mut a.dhsel),
+        lm_head_logprob_bwd(
+            &mut a.dhsel,
             &mut grads[lay.lm_head..lay.lm_head + v * d],
-            dlogits,
+            dlogp,
             &a.hsel,
             self.lm_head(),
+            &b.targets,
+            &a.lse,
             m,
             d,
             v,
+            temperature,
+            &mut a.lm_scratch,
         );
         fit(&mut a.dbig, n * d);
         for (i, &r) in b.rows.iter().enumerate() {
@@ -568,6 +660,9 @@ impl<T: Float> Model<T> {
         for l in (0..nl).rev() {
             let w = self.layer(l);
             let o = lay.layers[l];
+            let la = &mut a.layers[l];
+            a.spare.lend(la);
+            self.recompute(la, &a.resid[l], b, l);
             let la = &a.layers[l];
             // MLP: resid[l+1] = x_mid + down(swiglu(gate(ln2), up(ln2)))
             fit(&mut a.dbig, n * f);
@@ -645,14 +740,14 @@ impl<T: Float> Model<T> {
                 let (datt, att_off) = (&a.datt[..], &a.att_off[..]);
                 tasks.into_par_iter().for_each(|(si, s, dq, dk, dv)| {
                     let ml = s.len();
-                    let mut scratch = vec![T::ZERO; ml];
-                    attention_bwd(
+                    let mut scratch = vec![T::ZERO; 2 * ml];
+                    attention_bwd_lse(
                         dq,
                         dk,
                         dv,
                         &mut scratch,
                         &datt[s.start * qd..s.end * qd],
-                        &la.att[att_off[si]..att_off[si] + h * ml * ml],
+                        &la.att_lse[att_off[si]..att_off[si] + h * ml],
                         &la.q[s.start * qd..s.end * qd],
                         &la.k[s.start * kd..s.end * kd],
                         &la.v[s.start * kd..s.end * kd],
@@ -726,8 +821,38 @@ impl<T: Float> Model<T> {
                 &la.ln1_rstd,
                 d,
             );
+            a.spare.reclaim(&mut a.layers[l]);
         }
         embedding_bwd(&mut grads[lay.embed..lay.embed + v * d], &a.dres, &b.ids, d);
+    }
+
+    /// Refills layer `l`'s recomputed activations (see [`Recomputed`]) from what it saved,
+    /// with the forward's own ops and saved rstd values, so they are bit-identical.
+    fn recompute(&self, la: &mut LayerActs<T>, x_in: &[T], b: &PackedBatch, l: usize) {
+        let c = &self.cfg;
+        let w = self.layer(l);
+        let (n, d, f) = (b.ids.len(), c.hidden_size, c.intermediate_size);
+        let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let eps = c.rms_norm_eps;
+        fit(&mut la.ln1, n * d);
+        rmsnorm_fwd(&mut la.ln1, &mut la.ln1_rstd, x_in, w.input_norm, d, eps);
+        fit(&mut la.q, n * c.q_dim());
+        rmsnorm_fwd(&mut la.q, &mut la.q_rstd, &la.q_pre, w.q_norm, hd, eps);
+        rope_fwd(&mut la.q, &b.pos, h, &self.rope);
+        fit(&mut la.k, n * c.kv_dim());
+        rmsnorm_fwd(&mut la.k, &mut la.k_rstd, &la.k_pre, w.k_norm, hd, eps);
+        rope_fwd(&mut la.k, &b.pos, kvh, &self.rope);
+        fit(&mut la.ln2, n * d);
+        rmsnorm_fwd(
+            &mut la.ln2,
+            &mut la.ln2_rstd,
+            &la.x_mid,
+            w.post_norm,
+            d,
+            eps,
+        );
+        fit(&mut la.h, n * f);
+        swiglu_fwd(&mut la.h, &la.gate, &la.up);
     }
 
     /// Forward and backward of `obj` on a micro-batch (checked with [`validate_train_batch`]),
@@ -756,23 +881,13 @@ impl<T: Float> Model<T> {
             .map(|s| (&s.prompt[..], &s.response[..]))
             .collect();
         let b = PackedBatch::scored(&pairs);
-        self.forward(&b, a);
         let m = b.rows.len();
-        let v = self.cfg.vocab_size;
         let temperature = match obj {
             Objective::Grpo { temperature, .. } => *temperature,
             Objective::Sft => 1.0,
         };
-        let (mut logp, mut ent, mut lse) = (vec![T::ZERO; m], vec![T::ZERO; m], vec![T::ZERO; m]);
-        logprob_fwd(
-            &mut logp,
-            &mut ent,
-            &mut lse,
-            &a.logits,
-            &b.targets,
-            v,
-            temperature,
-        );
+        self.forward_scored(&b, a, temperature);
+        let (logp, ent) = (&a.logp[..], &a.entropy[..]);
         let mut stats = AccumStats {
             tokens: m,
             sequences: batch.sequences.len(),
@@ -831,14 +946,14 @@ impl<T: Float> Model<T> {
                     &mut loss,
                     &mut kl,
                     &mut clipped,
-                    &logp,
+                    logp,
                     &old,
                     &refp,
                     &adv,
                     &w,
                     coefs,
                 );
-                grpo_loss_bwd(&mut dlogp, &logp, &old, &refp, &adv, &w, coefs);
+                grpo_loss_bwd(&mut dlogp, logp, &old, &refp, &adv, &w, coefs);
                 stats.loss_sum = loss.iter().map(|x| x.to_f64()).sum();
                 stats.kl_sum = kl.iter().map(|x| x.to_f64()).sum();
                 stats.clipped = clipped.iter().filter(|c| **c).count();
@@ -848,17 +963,7 @@ impl<T: Float> Model<T> {
             return Err(BackendError::non_finite("loss of the micro-batch"));
         }
         if let Some(grads) = grads {
-            let mut dlogits = vec![T::ZERO; m * v];
-            logprob_bwd(
-                &mut dlogits,
-                &dlogp,
-                &a.logits,
-                &b.targets,
-                &lse,
-                v,
-                temperature,
-            );
-            self.backward(&b, a, &dlogits, grads);
+            self.backward(&b, a, &dlogp, temperature, grads);
         }
         Ok(stats)
     }
@@ -883,18 +988,8 @@ impl<T: Float> Model<T> {
             check_sequence(&self.cfg, p, r, &format!("sequence {i}"))?;
         }
         let b = PackedBatch::scored(seqs);
-        self.forward(&b, a);
-        let m = b.rows.len();
-        let (mut logp, mut ent, mut lse) = (vec![T::ZERO; m], vec![T::ZERO; m], vec![T::ZERO; m]);
-        logprob_fwd(
-            &mut logp,
-            &mut ent,
-            &mut lse,
-            &a.logits,
-            &b.targets,
-            self.cfg.vocab_size,
-            temperature,
-        );
+        self.forward_scored(&b, a, temperature);
+        let logp = &a.logp;
         let mut out = Vec::with_capacity(seqs.len());
         let mut t = 0;
         for (_, r) in seqs {

@@ -476,43 +476,93 @@ pub fn attention_fwd<T: Float>(
     kvh: usize,
     hd: usize,
 ) {
-    let scale = T::from_f64(1.0 / (hd as f64).sqrt());
-    let grp = h / kvh;
-    let (qd, kd) = (h * hd, kvh * hd);
-    let off = nk - nq;
+    let qd = h * hd;
     out[..nq * qd].fill(T::ZERO);
     for hh in 0..h {
-        let kh = hh / grp;
         for i in 0..nq {
-            let qi = &q[i * qd + hh * hd..i * qd + (hh + 1) * hd];
             let row = &mut att[(hh * nq + i) * nk..(hh * nq + i + 1) * nk];
-            let last = off + i;
-            let mut mx = T::from_f64(f64::NEG_INFINITY);
-            for j in 0..=last {
-                let s = dot(qi, &k[j * kd + kh * hd..j * kd + (kh + 1) * hd]) * scale;
-                row[j] = s;
-                mx = mx.max(s);
-            }
-            let mut sum = T::ZERO;
-            for r in row[..=last].iter_mut() {
-                *r = (*r - mx).exp();
-                sum += *r;
-            }
-            let inv = T::ONE / sum;
-            for r in row[..=last].iter_mut() {
-                *r *= inv;
-            }
-            row[last + 1..].fill(T::ZERO);
             let o = &mut out[i * qd + hh * hd..i * qd + (hh + 1) * hd];
-            for j in 0..=last {
-                let p = row[j];
-                let vj = &v[j * kd + kh * hd..j * kd + (kh + 1) * hd];
-                for (oi, vi) in o.iter_mut().zip(vj) {
-                    *oi += p * *vi;
-                }
-            }
+            attention_row(o, row, q, k, v, i, hh, nq, nk, h, kvh, hd);
         }
     }
+}
+
+/// [`attention_fwd`] without the probabilities: keeps only each row's log-sum-exp of the scaled
+/// scores, `lse[h, nq]`, from which [`attention_bwd_lse`] recomputes them (flash-attention
+/// style), so training saves `h·nq` values per sequence and layer instead of `h·nq·nk`. The
+/// output has the same bits as [`attention_fwd`]'s (same row code). `scratch` holds `nk` values.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd_lse<T: Float>(
+    out: &mut [T],
+    lse: &mut [T],
+    scratch: &mut [T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    nq: usize,
+    nk: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+) {
+    let qd = h * hd;
+    out[..nq * qd].fill(T::ZERO);
+    for hh in 0..h {
+        for i in 0..nq {
+            let o = &mut out[i * qd + hh * hd..i * qd + (hh + 1) * hd];
+            lse[hh * nq + i] =
+                attention_row(o, &mut scratch[..nk], q, k, v, i, hh, nq, nk, h, kvh, hd);
+        }
+    }
+}
+
+/// One query row of one head: leaves the probabilities in `row[..nk]`, adds `P·V` into `o`
+/// (zeroed by the caller) and returns the log-sum-exp of the scaled scores.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn attention_row<T: Float>(
+    o: &mut [T],
+    row: &mut [T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    i: usize,
+    hh: usize,
+    nq: usize,
+    nk: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+) -> T {
+    let scale = T::from_f64(1.0 / (hd as f64).sqrt());
+    let kh = hh / (h / kvh);
+    let (qd, kd) = (h * hd, kvh * hd);
+    let qi = &q[i * qd + hh * hd..i * qd + (hh + 1) * hd];
+    let last = nk - nq + i;
+    let mut mx = T::from_f64(f64::NEG_INFINITY);
+    for j in 0..=last {
+        let s = dot(qi, &k[j * kd + kh * hd..j * kd + (kh + 1) * hd]) * scale;
+        row[j] = s;
+        mx = mx.max(s);
+    }
+    let mut sum = T::ZERO;
+    for r in row[..=last].iter_mut() {
+        *r = (*r - mx).exp();
+        sum += *r;
+    }
+    let inv = T::ONE / sum;
+    for r in row[..=last].iter_mut() {
+        *r *= inv;
+    }
+    row[last + 1..nk].fill(T::ZERO);
+    for j in 0..=last {
+        let p = row[j];
+        let vj = &v[j * kd + kh * hd..j * kd + (kh + 1) * hd];
+        for (oi, vi) in o.iter_mut().zip(vj) {
+            *oi += p * *vi;
+        }
+    }
+    mx + sum.ln()
 }
 
 /// Backward of [`attention_fwd`]: accumulates `dq`, `dk`, `dv` (shapes of `q`, `k`, `v`) from
@@ -534,41 +584,106 @@ pub fn attention_bwd<T: Float>(
     kvh: usize,
     hd: usize,
 ) {
+    for hh in 0..h {
+        for i in 0..nq {
+            let row = &att[(hh * nq + i) * nk..(hh * nq + i + 1) * nk];
+            attention_row_bwd(
+                dq, dk, dv, scratch, dout, row, q, k, v, i, hh, nq, nk, h, kvh, hd,
+            );
+        }
+    }
+}
+
+/// Backward of [`attention_fwd_lse`]: recomputes each row's probabilities from the scores and
+/// the saved `lse` (`P = exp(s − lse)`), then runs the same row backward as [`attention_bwd`].
+/// `scratch` holds at least `2·nk` values.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_lse<T: Float>(
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+    scratch: &mut [T],
+    dout: &[T],
+    lse: &[T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    nq: usize,
+    nk: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+) {
     let scale = T::from_f64(1.0 / (hd as f64).sqrt());
     let grp = h / kvh;
     let (qd, kd) = (h * hd, kvh * hd);
-    let off = nk - nq;
+    let (prow, rest) = scratch[..2 * nk].split_at_mut(nk);
     for hh in 0..h {
         let kh = hh / grp;
         for i in 0..nq {
-            let row = &att[(hh * nq + i) * nk..(hh * nq + i + 1) * nk];
-            let last = off + i;
-            let go = &dout[i * qd + hh * hd..i * qd + (hh + 1) * hd];
-            // dP_j = dout·v_j; dv_j += P_j·dout
-            let mut pdp = T::ZERO;
+            let qi = &q[i * qd + hh * hd..i * qd + (hh + 1) * hd];
+            let last = nk - nq + i;
+            let l = lse[hh * nq + i];
             for j in 0..=last {
-                let r = j * kd + kh * hd..j * kd + (kh + 1) * hd;
-                let dp = dot(go, &v[r.clone()]);
-                scratch[j] = dp;
-                pdp += row[j] * dp;
-                for (g, o) in dv[r].iter_mut().zip(go) {
-                    *g += row[j] * *o;
-                }
+                let s = dot(qi, &k[j * kd + kh * hd..j * kd + (kh + 1) * hd]) * scale;
+                prow[j] = (s - l).exp();
             }
-            // softmax backward: dS_j = P_j (dP_j − Σ P·dP), then through the scaled dot product
-            let qr = i * qd + hh * hd..i * qd + (hh + 1) * hd;
-            let (qi, dqi) = (&q[qr.clone()], &mut dq[qr]);
-            for j in 0..=last {
-                let ds = row[j] * (scratch[j] - pdp) * scale;
-                let kr = j * kd + kh * hd..j * kd + (kh + 1) * hd;
-                // zipped slices: no bounds checks in the loop, so it vectorises
-                for (g, kv) in dqi.iter_mut().zip(&k[kr.clone()]) {
-                    *g += ds * *kv;
-                }
-                for (g, qv) in dk[kr].iter_mut().zip(qi) {
-                    *g += ds * *qv;
-                }
-            }
+            attention_row_bwd(
+                dq, dk, dv, rest, dout, prow, q, k, v, i, hh, nq, nk, h, kvh, hd,
+            );
+        }
+    }
+}
+
+/// Backward of one query row of one head given its probabilities `row[..=last]`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn attention_row_bwd<T: Float>(
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+    scratch: &mut [T],
+    dout: &[T],
+    row: &[T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    i: usize,
+    hh: usize,
+    nq: usize,
+    nk: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+) {
+    let scale = T::from_f64(1.0 / (hd as f64).sqrt());
+    let kh = hh / (h / kvh);
+    let (qd, kd) = (h * hd, kvh * hd);
+    let last = nk - nq + i;
+    let go = &dout[i * qd + hh * hd..i * qd + (hh + 1) * hd];
+    // dP_j = dout·v_j; dv_j += P_j·dout
+    let mut pdp = T::ZERO;
+    for j in 0..=last {
+        let r = j * kd + kh * hd..j * kd + (kh + 1) * hd;
+        let dp = dot(go, &v[r.clone()]);
+        scratch[j] = dp;
+        pdp += row[j] * dp;
+        for (g, o) in dv[r].iter_mut().zip(go) {
+            *g += row[j] * *o;
+        }
+    }
+    // softmax backward: dS_j = P_j (dP_j − Σ P·dP), then through the scaled dot product
+    let qr = i * qd + hh * hd..i * qd + (hh + 1) * hd;
+    let (qi, dqi) = (&q[qr.clone()], &mut dq[qr]);
+    for j in 0..=last {
+        let ds = row[j] * (scratch[j] - pdp) * scale;
+        let kr = j * kd + kh * hd..j * kd + (kh + 1) * hd;
+        // zipped slices: no bounds checks in the loop, so it vectorises
+        for (g, kv) in dqi.iter_mut().zip(&k[kr.clone()]) {
+            *g += ds * *kv;
+        }
+        for (g, qv) in dk[kr].iter_mut().zip(qi) {
+            *g += ds * *qv;
         }
     }
 }
@@ -603,7 +718,8 @@ pub fn residual_fwd<T: Float>(out: &mut [T], a: &[T], b: &[T]) {
     }
 }
 
-/// Log-probs of the sampling distribution: for each row `r` of `logits[rows, v]`,
+/// Log-probs of the sampling distribution: for each row `r` of `logits[rows, v]` (the unfused
+/// reference of `cpu::lm_head`, which the model uses),
 /// `logp[r] = log_softmax(logits[r]/temperature)[targets[r]]`, `entropy[r]` of that
 /// distribution, and `lse[r] = logsumexp(logits[r]/temperature)` kept for the backward.
 /// `temperature > 0`.
@@ -622,17 +738,19 @@ pub fn logprob_fwd<T: Float>(
         for x in z {
             mx = mx.max(*x * it);
         }
-        let mut s = T::ZERO;
-        let mut sz = T::ZERO;
+        // The vocabulary sums accumulate in f64: an f32 serial sum over 151,936 terms drifts.
+        let mx = mx.to_f64();
+        let (mut s, mut sz) = (0.0f64, 0.0f64);
         for x in z {
-            let e = (*x * it - mx).exp();
+            let y = (*x * it).to_f64();
+            let e = (y - mx).exp();
             s += e;
-            sz += e * *x * it;
+            sz += e * y;
         }
         let l = mx + s.ln();
-        lse[r] = l;
-        logp[r] = z[targets[r] as usize] * it - l;
-        entropy[r] = l - sz / s;
+        lse[r] = T::from_f64(l);
+        logp[r] = T::from_f64((z[targets[r] as usize] * it).to_f64() - l);
+        entropy[r] = T::from_f64(l - sz / s);
     }
 }
 
@@ -851,22 +969,7 @@ pub fn sample(
             .enumerate()
             .map(|(j, z)| (((*z as f64 * it - mx).exp()) as f32, j as u32)),
     );
-    scratch.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    let mut keep = scratch.len();
-    if params.top_k > 0 {
-        keep = keep.min(params.top_k);
-    }
-    if params.top_p < 1.0 {
-        let sum: f64 = scratch[..keep].iter().map(|x| x.0 as f64).sum();
-        let mut acc = 0.0;
-        for (i, (p, _)) in scratch[..keep].iter().enumerate() {
-            acc += *p as f64 / sum;
-            if acc >= params.top_p as f64 {
-                keep = i + 1;
-                break;
-            }
-        }
-    }
+    let keep = truncated_prefix(scratch, params.top_k, params.top_p);
     let kept = &scratch[..keep.max(1)];
     let sum: f64 = kept.iter().map(|x| x.0 as f64).sum();
     let target = u * sum;
@@ -879,6 +982,54 @@ pub fn sample(
     }
     let j = kept[kept.len() - 1].1;
     (j, logp(j as usize))
+}
+
+/// Candidate order of the sampler: larger weight first, ties to the lower token id (a strict
+/// total order, so any selection algorithm yields the same prefix as a full sort).
+fn by_weight(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+/// Puts the top-k / top-p survivors, sorted by [`by_weight`], at the front of `cand` and
+/// returns how many there are (at least one).
+///
+/// Selection instead of a full sort: top-k partitions around the k-th candidate and sorts only
+/// those k; top-p sorts a growing prefix (64, 256, … candidates) until its mass reaches `top_p`,
+/// which on a peaked distribution is a few hundred of the 151,936 tokens. The survivors are
+/// exactly the first ones of the fully sorted list. The only difference from summing in sorted
+/// order is that the total mass of an untruncated top-k is summed in token order (f64; relative
+/// difference ≲ 1e-16, which could only matter if the running mass hit `top_p` that closely).
+fn truncated_prefix(cand: &mut [(f32, u32)], top_k: usize, top_p: f32) -> usize {
+    let mut keep = cand.len();
+    if top_k > 0 && top_k < keep {
+        cand.select_nth_unstable_by(top_k - 1, by_weight);
+        keep = top_k;
+    }
+    if top_p >= 1.0 {
+        cand[..keep].sort_unstable_by(by_weight);
+        return keep.max(1);
+    }
+    let sum: f64 = cand[..keep].iter().map(|x| x.0 as f64).sum();
+    let mut sorted = 0;
+    let mut acc = 0.0;
+    let mut want = 64.min(keep);
+    loop {
+        if want < keep {
+            cand[sorted..keep].select_nth_unstable_by(want - sorted - 1, by_weight);
+        }
+        cand[sorted..want].sort_unstable_by(by_weight);
+        for (i, (p, _)) in cand[sorted..want].iter().enumerate() {
+            acc += *p as f64 / sum;
+            if acc >= top_p as f64 {
+                return sorted + i + 1;
+            }
+        }
+        if want == keep {
+            return keep.max(1);
+        }
+        sorted = want;
+        want = (want * 4).min(keep);
+    }
 }
 
 #[cfg(test)]
@@ -1041,6 +1192,23 @@ mod tests {
             check("attention dq", &q, &dq, |q| f(q, &k, &v));
             check("attention dk", &k, &dk, |k| f(&q, k, &v));
             check("attention dv", &v, &dv, |v| f(&q, &k, v));
+            // The recomputing form: same output bits, and gradients equal to the saved-probability
+            // backward up to the rounding of exp(s − lse) against exp(s − max)/Σ (f64 here).
+            let mut o2 = vec![0.0; nq * h * hd];
+            let mut lse = vec![0.0; h * nq];
+            let mut s2 = vec![0.0; 2 * nk];
+            attention_fwd_lse(&mut o2, &mut lse, &mut s2, &q, &k, &v, nq, nk, h, kvh, hd);
+            assert_eq!(o, o2);
+            let (mut dq2, mut dk2, mut dv2) =
+                (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+            attention_bwd_lse(
+                &mut dq2, &mut dk2, &mut dv2, &mut s2, &dout, &lse, &q, &k, &v, nq, nk, h, kvh, hd,
+            );
+            for (a, b) in [(&dq, &dq2), (&dk, &dk2), (&dv, &dv2)] {
+                for (x, y) in a.iter().zip(b.iter()) {
+                    assert!((x - y).abs() < 1e-12, "{x} vs {y}");
+                }
+            }
         }
     }
 
@@ -1313,6 +1481,40 @@ mod tests {
             } else if top_k > 0 {
                 proptest::prop_assert!(better < top_k, "token ranked below the top {}", top_k);
             }
+        }
+
+        /// Selection keeps exactly the candidates the full sort kept (the previous
+        /// implementation, inlined here as the reference), in the same order, over vocabularies
+        /// large enough for several rounds of the growing top-p prefix and with many ties.
+        #[test]
+        fn truncation_by_selection_equals_full_sort(
+            weights in proptest::collection::vec(
+                proptest::prop_oneof![proptest::strategy::Just(0.5f32), 0.0f32..1.0], 1..3000),
+            top_k in proptest::prop_oneof![proptest::strategy::Just(0usize), 1usize..200],
+            top_p in proptest::prop_oneof![proptest::strategy::Just(1.0f32), 0.01f32..1.0],
+        ) {
+            let cand: Vec<(f32, u32)> =
+                weights.iter().enumerate().map(|(j, w)| (w * w * w, j as u32)).collect();
+            let mut full = cand.clone();
+            full.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            let mut keep = full.len();
+            if top_k > 0 {
+                keep = keep.min(top_k);
+            }
+            if top_p < 1.0 {
+                let sum: f64 = full[..keep].iter().map(|x| x.0 as f64).sum();
+                let mut acc = 0.0;
+                for (i, (p, _)) in full[..keep].iter().enumerate() {
+                    acc += *p as f64 / sum;
+                    if acc >= top_p as f64 {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+            }
+            let mut sel = cand.clone();
+            let n = truncated_prefix(&mut sel, top_k, top_p);
+            proptest::prop_assert_eq!(&sel[..n], &full[..keep.max(1)]);
         }
     }
 }

@@ -4,8 +4,22 @@
 //! and a trainer that consumes each micro-batch as soon as it is released.
 
 use rolloutpipe_core::{
-    Plan, PolicyVersion, RequestError, RequestId, RequestState, Scheduler, StepId, Tick,
+    Allocate, Allocation, GroupId, Plan, PolicyVersion, RequestError, RequestId, RequestState,
+    Scheduler, StepId, Tick, View,
 };
+
+/// A variable-G allocation policy for plans with `hold_scored`: a group whose rewards vary gets
+/// 8 more samples once (16 -> 24), the rest commit as scored.
+pub struct ExtendVarying;
+
+impl Allocate for ExtendVarying {
+    fn decide(&self, v: &View<'_, '_>, g: GroupId) -> Allocation {
+        match v.reward_stats(g) {
+            Some(st) if st.var > 0.0 && st.count <= 16 => Allocation::Extend(8),
+            _ => Allocation::Commit,
+        }
+    }
+}
 
 /// Most requests the pretend engine runs at once.
 pub const MAX_SLOTS: usize = 1024;
@@ -50,6 +64,7 @@ pub fn run_step(s: &mut Scheduler<'_>, step: u64, plan: Plan, seed: u64) -> Step
         if let Some(n) = s.poll_draw(now) {
             s.on_prompts_drawn(now, n).expect("draw accepted");
         }
+        while s.poll_allocation_with(now, &ExtendVarying).is_some() {}
         while let Some(a) = s.poll_admit(now) {
             in_flight.push(a.request).expect("slot cap respected");
         }
@@ -60,12 +75,14 @@ pub fn run_step(s: &mut Scheduler<'_>, step: u64, plan: Plan, seed: u64) -> Step
         }
         while s.poll_dispatch(now).is_some() {}
         while s.poll_micro_batch(now).is_some() {
-            if s.on_micro_batch_consumed(now)
-                .expect("released micro-batch")
-                .ends_optimizer_step
-            {
+            s.on_micro_batch_consumed(now)
+                .expect("released micro-batch");
+            if s.poll_optimizer_step(now).is_some() {
                 s.on_optimizer_step_done(now).expect("optimizer step due");
             }
+        }
+        if s.poll_optimizer_step(now).is_some() {
+            s.on_optimizer_step_done(now).expect("optimizer step due");
         }
         if let Some(sum) = s.poll_step_done() {
             let c = sum.counters;

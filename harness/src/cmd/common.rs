@@ -78,6 +78,8 @@ pub fn open_backend(
         ),
         ModelSource::Weights { config, weights } => (config.clone(), weights.clone()),
     };
+    // Weights, gradients and two optimizer moments: refuse absurd shapes before allocating.
+    crate::limits::check_model_fits(&config, 4, "the model's size")?;
     match kind {
         BackendKind::Cpu => Ok(Box::new(
             CpuBackend::new(&config, &weights, threads).context("creating the CPU backend")?,
@@ -179,5 +181,5 @@ pub fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
     .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
     bar.set_style(style);
     bar.set_message(what.to_owned());
-    bar
+    crate::logging::add(bar)
 }

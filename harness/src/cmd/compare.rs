@@ -26,6 +26,13 @@ pub struct Args {
     /// Output directory (one run directory per mode inside).
     #[arg(long, default_value = "runs/compare")]
     pub out: PathBuf,
+    /// Backend of the engines and the trainer: cpu or wgpu (overrides run.backend).
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// Replace the runs already in --out (only the files a run writes); without it an
+    /// existing run there is refused, never deleted.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// Mean and median of one metric over a run's steps.
@@ -101,7 +108,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         None => TrainConfig::default_config()?,
     };
-    base = base.with_overrides(&args.sets)?;
+    let mut sets = args.sets.clone();
+    if let Some(b) = &args.backend {
+        sets.push(format!("run.backend=\"{b}\""));
+    }
+    base = base.with_overrides(&sets)?;
     anyhow::ensure!(!args.modes.is_empty(), "--modes is empty");
     let modes: Vec<Mode> = args
         .modes
@@ -109,8 +120,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .map(|m| Mode::parse(m))
         .collect::<anyhow::Result<_>>()?;
     base.validate()?;
+    // Refuse before the first run starts, not after it finished.
+    for mode in &modes {
+        let dir = args.out.join(mode.name());
+        if !args.force && crate::rundir::has_contents(&dir) {
+            anyhow::bail!(
+                "{} already holds a run; pass --force to replace it or pick another --out",
+                dir.display()
+            );
+        }
+    }
     super::train::pin_gemm_threads();
-    std::fs::create_dir_all(&args.out)?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
     let mut outcomes: Vec<(Mode, RunOutcome)> = Vec::new();
     for (i, &mode) in modes.iter().enumerate() {
         let mut cfg = base.clone();
@@ -125,11 +147,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         cfg.validate()?;
         let dir = args.out.join(mode.name());
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).with_context(|| format!("clearing {}", dir.display()))?;
-        }
         tracing::info!(mode = mode.name(), "compare: running");
-        let o = crate::train::run(&cfg, &dir, false)?;
+        let opts = crate::train::RunOptions {
+            resume: false,
+            force: args.force,
+        };
+        let o = crate::train::run_with(&cfg, &dir, opts)?;
         outcomes.push((mode, o));
     }
 
@@ -138,9 +161,49 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .map(|(m, o)| row_of(m.name(), "measured", &o.metrics))
         .collect();
 
-    // The simulator, fed what this machine measured.
+    // The simulator, fed what this machine measured. Its failure must not lose the measured
+    // runs' table: that is written either way, with the reason.
+    let simulated = simulate_measured(&args.out, &base, &modes, &outcomes);
+    let sim_error = match simulated {
+        Ok(sim_rows) => {
+            rows.extend(sim_rows);
+            None
+        }
+        Err(e) => Some(format!("{e:#}")),
+    };
+
+    let mut table = render(&rows, &modes, &outcomes);
+    if let Some(e) = &sim_error {
+        table.push_str(&format!(
+            "\nThe simulation of these runs failed, so only measured rows are shown: {e}\n"
+        ));
+    }
+    std::fs::write(args.out.join("compare.md"), &table)?;
+    std::fs::write(
+        args.out.join("compare.json"),
+        serde_json::to_string_pretty(&rows)?,
+    )?;
+    plots(&args.out, &rows, &outcomes)?;
+    print!("{table}");
+    if let Some(e) = sim_error {
+        anyhow::bail!(
+            "the measured table is in {}, but simulating the measured runs failed: {e}",
+            args.out.join("compare.md").display()
+        );
+    }
+    Ok(())
+}
+
+/// The simulator's rows for every mode, from the parameters the real runs measured.
+fn simulate_measured(
+    out: &Path,
+    base: &TrainConfig,
+    modes: &[Mode],
+    outcomes: &[(Mode, RunOutcome)],
+) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
     let mut all = Measured::default();
-    for (_, o) in &outcomes {
+    for (_, o) in outcomes {
         merge_measured(&mut all, &o.measured);
     }
     let first = &outcomes[0].1.metrics;
@@ -148,12 +211,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         first.first().map(|m| m.train_accuracy).unwrap_or(0.5),
         first.last().map(|m| m.train_accuracy).unwrap_or(0.5),
     );
-    let sim_toml = simulator_config(&base, &all, acc0, acc1, &modes)?;
-    let sim_path = args.out.join("sim_measured.toml");
+    let sim_toml = simulator_config(base, &all, acc0, acc1, modes)?;
+    let sim_path = out.join("sim_measured.toml");
     std::fs::write(&sim_path, &sim_toml)?;
     let sim_cfg = SimConfig::load(&[(sim_path.display().to_string(), sim_toml)], &[])
         .context("the measured simulator config")?;
-    for &mode in &modes {
+    for &mode in modes {
         let sm = match mode {
             Mode::Sync => sim::Mode::Sync,
             Mode::Cgp => sim::Mode::Cgp,
@@ -176,16 +239,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .collect();
         rows.push(row_of(mode.name(), "simulated", &ms));
     }
-
-    let table = render(&rows, &modes, &outcomes);
-    std::fs::write(args.out.join("compare.md"), &table)?;
-    std::fs::write(
-        args.out.join("compare.json"),
-        serde_json::to_string_pretty(&rows)?,
-    )?;
-    plots(&args.out, &rows, &outcomes)?;
-    print!("{table}");
-    Ok(())
+    Ok(rows)
 }
 
 fn merge_measured(a: &mut Measured, b: &Measured) {

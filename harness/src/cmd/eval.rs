@@ -13,7 +13,8 @@ use super::common::{
     write_json,
 };
 use crate::tasks::{
-    Problem, Split, TaskOptions, Tokenizer, Verdict, Verifier, generate, load_jsonl, task_by_name,
+    JsonlKeys, Problem, Split, TaskOptions, Tokenizer, Verdict, Verifier, generate,
+    load_jsonl_with, task_by_name,
 };
 
 /// Task selection and difficulty flags shared by `sft` and `eval`.
@@ -22,10 +23,10 @@ pub struct TaskArgs {
     /// Task: add, mul or countdown.
     #[arg(long)]
     pub task: String,
-    /// add/mul: most digits per operand.
+    /// add/mul only: most digits per operand [default: 3 for add, 2 for mul].
     #[arg(long)]
     pub digits: Option<u32>,
-    /// countdown: how many numbers are given.
+    /// countdown only: how many numbers are given [default: 4].
     #[arg(long)]
     pub numbers: Option<usize>,
     /// Penalty for a malformed response (reward −penalty instead of 0).
@@ -34,6 +35,21 @@ pub struct TaskArgs {
 }
 
 impl TaskArgs {
+    /// Refuses a difficulty flag the chosen task would ignore.
+    pub fn check(&self) -> anyhow::Result<()> {
+        let arith = matches!(self.task.as_str(), "add" | "mul");
+        anyhow::ensure!(
+            !(arith && self.numbers.is_some()),
+            "--numbers applies to countdown only; {} takes --digits",
+            self.task
+        );
+        anyhow::ensure!(
+            !(self.task == "countdown" && self.digits.is_some()),
+            "--digits applies to add and mul only; countdown takes --numbers"
+        );
+        Ok(())
+    }
+
     /// The task's options.
     pub fn options(&self) -> TaskOptions {
         TaskOptions {
@@ -58,6 +74,12 @@ pub struct Args {
     /// the task's held-out split.
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Field of --data holding the prompt.
+    #[arg(long, default_value = "prompt")]
+    pub input_key: String,
+    /// Field of --data holding the answer.
+    #[arg(long, default_value = "answer")]
+    pub label_key: String,
     /// Number of held-out problems.
     #[arg(long, default_value_t = 200)]
     pub n: usize,
@@ -73,9 +95,13 @@ pub struct Args {
     /// Concurrent requests.
     #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
-    /// Write the JSON report here too (it always goes to stdout).
+    /// Write the JSON report here too (it always goes to stdout); must be a new file unless
+    /// --force.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Replace an existing --out file.
+    #[arg(long)]
+    pub force: bool,
     /// Backend selection.
     #[command(flatten)]
     pub backend: BackendArgs,
@@ -184,9 +210,28 @@ pub fn evaluate(
 
 /// Runs `eval`.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(path) = &args.out {
+        crate::rundir::ensure_new_file(path, args.force, "--out")?;
+    }
+    anyhow::ensure!(
+        args.data.is_some() || args.n >= 1,
+        "--n must be at least 1 (an accuracy over no problems means nothing)"
+    );
+    anyhow::ensure!(args.concurrency >= 1, "--concurrency must be at least 1");
+    anyhow::ensure!(args.max_tokens >= 1, "--max-tokens must be at least 1");
+    crate::limits::finite_nonneg("--temperature", f64::from(args.temperature))?;
+    // A generated problem, its prompt ids and its report entry: well under 1 KiB each.
+    crate::limits::check_fits("--n", args.n as u128, 1024)?;
+    args.task.check()?;
     let task = task_by_name(&args.task.task, &args.task.options())?;
     let problems = match &args.data {
-        Some(path) => load_jsonl(path, task.as_ref())?,
+        Some(path) => {
+            let keys = JsonlKeys {
+                input: args.input_key.clone(),
+                label: args.label_key.clone(),
+            };
+            load_jsonl_with(path, task.as_ref(), &keys)?
+        }
         None => generate(task.as_ref(), args.seed, Split::HeldOut, args.n)?,
     };
     let mut be = open_backend(

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::ValueEnum;
 use rolloutpipe_backends::{
-    AdamW, Aggregation, ModelConfig, Objective, StdMode, TrainBatch, TrainSequence, Weights,
-    advantages, normalizer, save_model_dir,
+    AdamW, Aggregation, ModelConfig, Objective, Policy, StdMode, TrainBatch, TrainSequence,
+    Weights, advantages, normalizer,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -65,9 +65,13 @@ pub struct Args {
     /// The batch of groups (JSON, see docs/batch-format.md).
     #[arg(long)]
     pub batch: PathBuf,
-    /// Output directory: result.json, the updated model, and grads.safetensors.
+    /// Output directory: result.json, the updated model, and grads.safetensors (must be new or
+    /// empty unless --force).
     #[arg(long)]
     pub out: PathBuf,
+    /// Write into a non-empty --out (files of the same names are replaced).
+    #[arg(long)]
+    pub force: bool,
     /// Also write the normalized gradient before clipping to `OUT/grads.safetensors`.
     #[arg(long)]
     pub save_grads: bool,
@@ -238,8 +242,63 @@ impl BatchFile {
     }
 }
 
+/// The first group's prompt and first response: the sequence whose logits probe the model.
+fn probe_ids(file: &BatchFile) -> Vec<u32> {
+    let mut ids = Vec::new();
+    if let Some(g) = file.groups.first() {
+        ids.extend(&g.prompt);
+        if let Some(r) = g.responses.first() {
+            ids.extend(&r.tokens);
+        }
+    }
+    ids
+}
+
+/// Whether the model's logits on the probe sequence are finite and not all equal.
+fn probe(be: &mut dyn Policy, file: &BatchFile) -> anyhow::Result<bool> {
+    let ids = probe_ids(file);
+    if ids.is_empty() {
+        return Ok(true);
+    }
+    let l = be.logits(&ids).context("probing the model's logits")?;
+    let finite = l.iter().all(|x| x.is_finite());
+    let (lo, hi) = l
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
+    Ok(finite && hi > lo)
+}
+
+/// Refuses to save a step that broke the model: non-finite weights, or logits that were
+/// informative before the step and are non-finite or constant after it (a huge `--lr`).
+fn check_usable(
+    be: &mut dyn Policy,
+    w: &Weights,
+    file: &BatchFile,
+    before: bool,
+) -> anyhow::Result<()> {
+    if let Some((name, _)) = w
+        .tensors
+        .iter()
+        .find(|(_, t)| t.data.iter().any(|x| !x.is_finite()))
+    {
+        bail!("the step made weight {name} non-finite (is --lr too large?); nothing was saved");
+    }
+    if before && !probe(be, file)? {
+        bail!(
+            "after the step the model's logits are non-finite or all equal (is --lr too large?); nothing was saved"
+        );
+    }
+    Ok(())
+}
+
 /// Runs `grpo-step`.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    crate::rundir::ensure_empty_dir(&args.out, args.force, "--out")?;
+    for (name, x) in [("--lr", args.lr), ("--wd", args.wd), ("--clip", args.clip)] {
+        crate::limits::finite_nonneg(name, x)?;
+    }
     let agg: Aggregation = args.agg.into();
     let file = BatchFile::load(&args.batch)?;
     let batch = file.to_train_batch(agg, args.std.into())?;
@@ -249,6 +308,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.backend.threads,
     )?;
     file.check_model(be.config())?;
+    let before = probe(be.as_mut(), &file)?;
     let obj = Objective::Grpo {
         eps_low: args.eps_low,
         eps_high: args.eps_high,
@@ -291,8 +351,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let opt_stats = be.optimizer_step(norm, &opt).context("optimizer step")?;
     let weights = be.export_weights()?;
-    save_model_dir(&args.out, be.config(), &weights)
-        .with_context(|| format!("saving the updated model to {}", args.out.display()))?;
+    check_usable(be.as_mut(), &weights, &file, before)?;
+    crate::rundir::save_model(&args.out, be.config(), &weights, Some(&args.model))?;
 
     let tokens = stats.tokens.max(1) as f64;
     let result = json!({

@@ -10,7 +10,6 @@ use anyhow::Context;
 use clap::ValueEnum;
 use rolloutpipe_backends::{
     AdamW, Aggregation, ModelConfig, Objective, SamplingParams, TrainBatch, TrainSequence,
-    save_model_dir,
 };
 use serde_json::json;
 
@@ -63,9 +62,12 @@ pub struct Args {
     /// Held-out problems evaluated (greedy) at the end; 0 skips it.
     #[arg(long, default_value_t = 200)]
     pub eval_n: usize,
-    /// Output model directory.
+    /// Output model directory (must be new or empty unless --force).
     #[arg(long)]
     pub out: PathBuf,
+    /// Write into a non-empty --out (files of the same names are replaced).
+    #[arg(long)]
+    pub force: bool,
     /// Backend selection.
     #[command(flatten)]
     pub backend: BackendArgs,
@@ -87,6 +89,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.steps > 0 && args.batch_size > 0,
         "--steps and --batch-size must be positive"
     );
+    args.task.check()?;
+    crate::limits::finite_positive("--lr", args.lr)?;
+    crate::limits::finite_nonneg("--wd", args.wd)?;
+    crate::limits::finite_nonneg("--clip", args.clip)?;
+    // Every step's problems are generated and tokenized up front: a few hundred bytes each.
+    let problems_n = (args.steps as u128).saturating_mul(args.batch_size as u128);
+    crate::limits::check_fits("--steps x --batch-size", problems_n, 512)?;
+    crate::limits::check_fits("--eval-n", args.eval_n as u128, 1024)?;
+    crate::rundir::ensure_empty_dir(&args.out, args.force, "--out")?;
     let task = task_by_name(&args.task.task, &args.task.options())?;
     let source = match &args.model {
         Some(dir) => ModelSource::Dir(dir.clone()),
@@ -177,8 +188,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let train_seconds = start.elapsed().as_secs_f64();
 
     let weights = be.export_weights()?;
-    save_model_dir(&args.out, be.config(), &weights)
-        .with_context(|| format!("saving {}", args.out.display()))?;
+    crate::rundir::save_model(&args.out, be.config(), &weights, args.model.as_deref())?;
 
     let mut eval = serde_json::Value::Null;
     if args.eval_n > 0 {

@@ -2,7 +2,7 @@
 //!
 //! Runs every selected (profile, setting) in every selected mode, prints the comparison table
 //! and writes it (CSV, JSON) with plots and a Chrome trace under `--out`. `--sweep` adds the
-//! sensitivity sweeps (frontier width, trainer pool size); `--bench` only times the runs.
+//! sensitivity sweeps (over-sampling chunk and concurrency, frontier width, trainer pool size); `--bench` only times the runs.
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -235,7 +235,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 fn bench(cfg: &SimConfig, threads: usize) -> anyhow::Result<()> {
     let mut c = cfg.clone();
-    c.run.modes = vec![Mode::Sync, Mode::Cgp, Mode::Rolloutpipe, Mode::OneStepOff];
+    c.run.modes = vec![
+        Mode::Sync,
+        Mode::Cgp,
+        Mode::Rolloutpipe,
+        Mode::OneStepOff,
+        Mode::CgpMux,
+        Mode::CgpMigrate,
+        Mode::CgpMuxMigrate,
+    ];
     let work = jobs_of(&c, None);
     for t in [1, threads] {
         let t0 = Instant::now();
@@ -272,7 +280,121 @@ fn mean_cut(results: &[RunResult], sync: &[RunResult], mode: Mode) -> f64 {
     cuts.iter().sum::<f64>() / cuts.len().max(1) as f64
 }
 
+/// The swept axes: the baseline's over-sampling chunk (`draw_batch` B or 2B) and the per-engine
+/// concurrency (`sglang_server_concurrency`), for every setting and the on-policy modes. Writes
+/// `sweep_axes.csv` (one line per run) and `sweep_axes.txt` (per mode: the range of the r2t cut
+/// over all settings at each axis point, and over everything).
+fn sweep_axes(cfg: &SimConfig, out: &Path, threads: usize) -> anyhow::Result<()> {
+    let modes: Vec<Mode> = [
+        Mode::Cgp,
+        Mode::Rolloutpipe,
+        Mode::CgpMux,
+        Mode::CgpMigrate,
+        Mode::CgpMuxMigrate,
+    ]
+    .into_iter()
+    .filter(|m| cfg.run.modes.contains(m))
+    .collect();
+    let mut csv = String::from(
+        "draw_factor,concurrency,profile,setting,mode,r2t_s,r2t_cut,bound_cut,wait_ratio,slime_wait\n",
+    );
+    // (draw factor, concurrency) -> mode -> cuts over settings.
+    let mut summary: Vec<((u32, u32), Vec<(Mode, Vec<f64>)>)> = Vec::new();
+    for draw in [1u32, 2] {
+        for conc in [32u32, 128, 512] {
+            let mut c = cfg.clone();
+            c.rollout.max_running = conc;
+            for s in c.setting.values_mut() {
+                s.max_running = None;
+                s.draw_batch = s.batch * draw;
+            }
+            c.run.modes = std::iter::once(Mode::Sync)
+                .chain(modes.iter().copied())
+                .collect();
+            let results: Vec<RunResult> = run_all(&c, &jobs_of(&c, None), threads)?
+                .into_iter()
+                .map(|s| s.result)
+                .collect();
+            let mut per_mode: Vec<(Mode, Vec<f64>)> = modes.iter().map(|&m| (m, vec![])).collect();
+            for r in results.iter().filter(|r| r.mode != Mode::Sync) {
+                let Some(s) = results.iter().find(|s| {
+                    s.mode == Mode::Sync && s.profile == r.profile && s.setting == r.setting
+                }) else {
+                    continue;
+                };
+                let cut = (s.mean_r2t() - r.mean_r2t()) / s.mean_r2t();
+                let bound = (s.mean_r2t() - s.mean_ideal()) / s.mean_r2t();
+                csv.push_str(&format!(
+                    "{draw},{conc},{},{},{},{:.6},{:.6},{:.6},{:.6},{:.6}\n",
+                    r.profile,
+                    r.setting,
+                    r.mode,
+                    r.mean_r2t(),
+                    cut,
+                    bound,
+                    r.mean_wait_ratio(),
+                    r.mean_slime_wait_ratio()
+                ));
+                if let Some((_, v)) = per_mode.iter_mut().find(|(m, _)| *m == r.mode) {
+                    v.push(cut);
+                }
+            }
+            summary.push(((draw, conc), per_mode));
+        }
+    }
+    std::fs::write(out.join("sweep_axes.csv"), csv).context("writing sweep_axes.csv")?;
+    let range = |v: &[f64]| {
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        format!("{:.1}% .. {:.1}%", 100.0 * lo, 100.0 * hi)
+    };
+    let mut txt = String::from(
+        "r2t cut vs sync (same draw_batch and concurrency), range over the selected settings\n",
+    );
+    // Which axis point the main table ran at, if any.
+    let draw_default = cfg
+        .setting
+        .values()
+        .all(|s| s.draw_batch == s.batch)
+        .then_some(1)
+        .or_else(|| {
+            cfg.setting
+                .values()
+                .all(|s| s.draw_batch == 2 * s.batch)
+                .then_some(2)
+        });
+    let conc = cfg.rollout.max_running;
+    let conc_default = cfg
+        .setting
+        .values()
+        .all(|s| s.max_running(&cfg.rollout) == conc);
+    match draw_default {
+        Some(d) if conc_default && [32, 128, 512].contains(&conc) => txt.push_str(&format!(
+            "default (table.txt): draw_batch {d}B, {conc} per engine\n"
+        )),
+        _ => txt.push_str("default (table.txt): not an axis point of this sweep\n"),
+    }
+    for &m in &modes {
+        txt.push_str(&format!("\n{m}\n"));
+        let mut all = Vec::new();
+        for ((draw, conc), per_mode) in &summary {
+            if let Some((_, v)) = per_mode.iter().find(|(x, _)| *x == m) {
+                txt.push_str(&format!(
+                    "  draw_batch {draw}B, {conc:>3} per engine: {}\n",
+                    range(v)
+                ));
+                all.extend_from_slice(v);
+            }
+        }
+        txt.push_str(&format!("  over all axis points: {}\n", range(&all)));
+    }
+    std::fs::write(out.join("sweep_axes.txt"), &txt).context("writing sweep_axes.txt")?;
+    print!("{txt}");
+    Ok(())
+}
+
 fn sweeps(cfg: &SimConfig, out: &Path, threads: usize, base: &[RunResult]) -> anyhow::Result<()> {
+    sweep_axes(cfg, out, threads)?;
     let sync: Vec<RunResult> = base
         .iter()
         .filter(|r| r.mode == Mode::Sync)

@@ -27,9 +27,34 @@ pub struct Args {
     /// Continue the run in this directory from its latest checkpoint.
     #[arg(long, conflicts_with = "out")]
     pub resume: Option<PathBuf>,
-    /// Print the resolved config and exit.
+    /// Print the resolved config (every section and key, with the values this run would use)
+    /// and exit.
     #[arg(long)]
     pub print_config: bool,
+    /// Let a fresh run replace an earlier run's files in --out (only the files a run writes).
+    #[arg(long, conflicts_with = "resume")]
+    pub force: bool,
+}
+
+/// The `--help` epilogue: every config section with its keys and default values, and where to
+/// see them resolved.
+pub fn config_help() -> String {
+    let mut s = String::from(
+        "Config: TOML sections and keys with their defaults. Change them with --config FILE (any\n\
+         subset) or --set section.key=value; --print-config shows the resolved config.\n",
+    );
+    let table: toml::Table = match toml::from_str(crate::train::config::DEFAULT_TOML) {
+        Ok(t) => t,
+        Err(_) => return s,
+    };
+    for (section, keys) in &table {
+        let Some(keys) = keys.as_table() else {
+            continue;
+        };
+        let items: Vec<String> = keys.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        s.push_str(&format!("  [{section}] {}\n", items.join(" ")));
+    }
+    s
 }
 
 /// Resolves the config of `args` (default, file or resumed run's, then flags and --set).
@@ -73,8 +98,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     pin_gemm_threads();
+    // Ctrl-C / SIGTERM now end the current step with a checkpoint instead of killing the run.
+    crate::interrupt::install()?;
     let out = cfg.run.out.clone();
-    let o = crate::train::run(&cfg, &out, args.resume.is_some())?;
+    let opts = crate::train::RunOptions {
+        resume: args.resume.is_some(),
+        force: args.force,
+    };
+    let o = crate::train::run_with(&cfg, &out, opts)?;
     let last = o.metrics.last();
     println!(
         "run {}: {} steps, held-out accuracy {}{:.3} -> {:.3}; last step: reward {:.3}, rollout-to-train-end {:.2}s, trainer waiting {:.2}",
@@ -117,6 +148,7 @@ mod tests {
             out: None,
             resume: None,
             print_config: false,
+            force: false,
         }
     }
 

@@ -27,6 +27,8 @@ pub struct SimConfig {
     pub trainer: TrainerConfig,
     /// Scheduler parameters passed to the core.
     pub scheduler: SchedulerConfig,
+    /// The bound-moving policies (tail multiplexing, long-tail migration).
+    pub policy: PolicyConfig,
     /// Benchmark profiles by name.
     pub profile: BTreeMap<String, Profile>,
     /// Rollout settings by name.
@@ -63,6 +65,13 @@ pub enum Mode {
     Rolloutpipe,
     /// Asynchronous contrast: rollout of step k+1 overlaps training of step k, one version stale.
     OneStepOff,
+    /// CGP plus tail multiplexing: idle rollout engines compute the old/ref log-probs of
+    /// complete groups with the same weights v_k, so the trainer runs only forward-backward.
+    CgpMux,
+    /// CGP plus long-tail migration: a few long requests move off an engine to idle ones.
+    CgpMigrate,
+    /// CGP with both.
+    CgpMuxMigrate,
 }
 
 impl Mode {
@@ -73,7 +82,25 @@ impl Mode {
             Mode::Cgp => "cgp",
             Mode::Rolloutpipe => "rolloutpipe",
             Mode::OneStepOff => "one-step-off",
+            Mode::CgpMux => "cgp-mux",
+            Mode::CgpMigrate => "cgp-migrate",
+            Mode::CgpMuxMigrate => "cgp-mux-migrate",
         }
+    }
+
+    /// Whether complete groups go to the trainer at once (CGP dispatch).
+    pub fn pipelined(self) -> bool {
+        !matches!(self, Mode::Sync | Mode::OneStepOff)
+    }
+
+    /// Whether idle engines take the trainer's forward-only log-prob work.
+    pub fn multiplexes(self) -> bool {
+        matches!(self, Mode::CgpMux | Mode::CgpMuxMigrate)
+    }
+
+    /// Whether long-tail requests migrate to idle engines.
+    pub fn migrates(self) -> bool {
+        matches!(self, Mode::CgpMigrate | Mode::CgpMuxMigrate)
     }
 }
 
@@ -105,6 +132,32 @@ pub struct RolloutConfig {
     pub prefill_tok_per_s: f64,
     /// Reward (verifier) latency per response, s.
     pub verifier_latency_s: f64,
+    /// SGLang's `SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`: the admission estimate of a request's
+    /// remaining tokens is clipped at this many.
+    pub clip_max_new_tokens: u32,
+    /// How requests reach an engine.
+    pub routing: Routing,
+    /// cache_aware: rebalance to the least-loaded engine when max - min load exceeds this.
+    pub router_balance_abs: u32,
+    /// cache_aware: ... and max load exceeds min load times this.
+    pub router_balance_rel: f64,
+    /// Slime's abort of the surplus once the batch is full (`abort_servers_until_idle`), s.
+    pub abort_s: f64,
+}
+
+/// The router between Slime's rollout and the engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// sgl-router's default `cache_aware` policy, which Slime launches: a request is bound to an
+    /// engine when it is submitted. Samples of a group share their prompt, so they follow the
+    /// engine that holds that prefix unless the loads are unbalanced; a new prompt goes to the
+    /// least-loaded engine (est. for the smallest radix tree).
+    CacheAware,
+    /// Bound at submission to the engine with the fewest requests.
+    LeastLoaded,
+    /// Not Slime: one central queue, a request is bound only when an engine can run it.
+    Central,
 }
 
 /// The trainer pool.
@@ -125,6 +178,40 @@ pub struct TrainerConfig {
     pub optimizer_step_s: f64,
     /// Weight sync from trainer to engines between steps, s.
     pub weight_sync_s: f64,
+    /// Moving rollout data to the trainer (Slime: `_convert_samples_to_train_data`,
+    /// `_split_train_data_by_dp`, `ray.put`), s per million prompt+response tokens.
+    pub data_transfer_s_per_mtok: f64,
+}
+
+/// The bound-moving policies' parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// Log-prob (forward-only) throughput of one rollout engine's GPU, tokens/s.
+    pub mux_logprob_tok_per_s: f64,
+    /// Fixed cost per multiplexed group (launch, moving its tokens to the engine), s.
+    pub mux_overhead_s: f64,
+    /// Only requests that have generated at least this many tokens move (the live signal that
+    /// a request is a long tail).
+    pub migrate_min_generated: u32,
+    /// An engine running fewer requests than this receives long-tail requests.
+    pub migrate_receiver_max: u32,
+    /// How migrated requests carry their state.
+    pub migrate_via: MigrateVia,
+    /// KV transfer bandwidth between engines, GB/s.
+    pub migrate_kv_gb_per_s: f64,
+    /// KV bytes per token (Qwen3-1.7B: 28 layers x 8 KV heads x 128 x 2 x 2 bytes).
+    pub kv_bytes_per_token: u32,
+}
+
+/// How a migrated request's state reaches the target engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MigrateVia {
+    /// Copy its KV (prompt + generated tokens) at `migrate_kv_gb_per_s`.
+    KvTransfer,
+    /// Prefill prompt + generated tokens again on the target.
+    Reprefill,
 }
 
 /// Scheduler parameters handed to the core.
@@ -286,6 +373,29 @@ impl SimConfig {
         non_negative("rollout.decode_per_kilo_kv_ms", ro.decode_per_kilo_kv_ms)?;
         positive("rollout.prefill_tok_per_s", ro.prefill_tok_per_s)?;
         non_negative("rollout.verifier_latency_s", ro.verifier_latency_s)?;
+        ensure!(
+            ro.clip_max_new_tokens >= 1,
+            "rollout.clip_max_new_tokens must be at least 1"
+        );
+        ensure!(
+            ro.router_balance_rel.is_finite() && ro.router_balance_rel >= 1.0,
+            "rollout.router_balance_rel must be at least 1, got {}",
+            ro.router_balance_rel
+        );
+        non_negative("rollout.abort_s", ro.abort_s)?;
+        non_negative(
+            "trainer.data_transfer_s_per_mtok",
+            self.trainer.data_transfer_s_per_mtok,
+        )?;
+        let po = &self.policy;
+        positive("policy.mux_logprob_tok_per_s", po.mux_logprob_tok_per_s)?;
+        non_negative("policy.mux_overhead_s", po.mux_overhead_s)?;
+        positive("policy.migrate_kv_gb_per_s", po.migrate_kv_gb_per_s)?;
+        ensure!(
+            po.migrate_receiver_max >= 1,
+            "policy.migrate_receiver_max must be at least 1"
+        );
+
         ensure!(
             (0.0..=1.0).contains(&ro.kv_new_token_ratio),
             "rollout.kv_new_token_ratio must be in [0, 1], got {}",

@@ -16,8 +16,8 @@ use rolloutpipe_core::{
     PolicyVersion, RequestId, RequestSlot, Scheduler, StepId, SubmitOrder, Tick,
 };
 
-use super::config::{Mode, SimConfig, SubmitOrderConfig};
-use super::engine::{Engine, Ns};
+use super::config::{MigrateVia, Mode, Routing, SimConfig, SubmitOrderConfig};
+use super::engine::{Engine, Ns, Waiting, secs_to_ns};
 use super::metrics::{RunResult, StepMetrics, secs};
 use super::queue::EventQueue;
 use super::trainer::TrainerModel;
@@ -36,6 +36,10 @@ pub struct Recording {
     pub completions: Vec<(u64, u32, Ns)>,
     /// Requests held per engine after each change: (time, engine, held).
     pub held: Vec<(Ns, u16, u32)>,
+    /// Multiplexed log-prob work on rollout engines: (step, engine, group, start, end).
+    pub mux: Vec<(u64, u16, u32, Ns, Ns)>,
+    /// Migrations: (step, group, sample, from, to, time, tokens moved).
+    pub migrations: Vec<(u64, u32, u16, u16, u16, Ns, u32)>,
 }
 
 /// One request's life on an engine.
@@ -70,12 +74,27 @@ pub struct Simulated {
 
 #[derive(Debug, Clone, Copy)]
 enum Ev {
-    Boundary { engine: usize, epoch: u64 },
-    Reward { key: usize },
-    MicroBatchDone { step: u64 },
-    OptimizerDone { step: u64 },
-    StartRollout { step: u64 },
-    StartTrain { step: u64 },
+    Boundary {
+        engine: usize,
+        epoch: u64,
+    },
+    /// A multiplexed log-prob pass ended on an engine: wake the loop to reuse the engine.
+    MuxDone,
+    Reward {
+        key: usize,
+    },
+    MicroBatchDone {
+        step: u64,
+    },
+    OptimizerDone {
+        step: u64,
+    },
+    StartRollout {
+        step: u64,
+    },
+    StartTrain {
+        step: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +135,17 @@ struct StepCtx {
     retractions_at_start: u64,
     retractions: u64,
     completions: Vec<Ns>,
+    /// Per group: when its data has reached the trainer.
+    data_ready: Vec<Ns>,
+    /// Per group: when an engine finished its log-prob pass (tail multiplexing).
+    logprob_ready: Vec<Option<Ns>>,
+    /// Per group: its micro-batch has started (no engine may take its log-prob pass).
+    mb_started: Vec<bool>,
+    /// Engines' busy time when the step started (for its rollout idle time).
+    engine_busy_at_start: Ns,
+    mux_ns: Ns,
+    mux_groups: u32,
+    migrations: u32,
     metrics: Option<StepMetrics>,
     /// One-step-off: the barrier after this step's rollout has fired.
     barrier_passed: bool,
@@ -144,6 +174,12 @@ struct Sim<'c> {
     held_total: u64,
     held_since: Ns,
     expected_filter_ppm: u32,
+    /// The link that ships rollout data to the trainer is free from this time.
+    link_free: Ns,
+    /// Cache-aware routing: the engine holding each live group's prompt prefix.
+    prefix_home: HashMap<(u64, u32), u16>,
+    /// Train end of the previous step (Slime's wait_time_ratio window starts there).
+    last_train_end: Ns,
     events: u64,
     conserved: bool,
     record: bool,
@@ -215,6 +251,9 @@ pub fn simulate(
         held_total: 0,
         held_since: 0,
         expected_filter_ppm: 0,
+        link_free: 0,
+        prefix_home: HashMap::new(),
+        last_train_end: 0,
         events: 0,
         conserved: true,
         record,
@@ -291,9 +330,10 @@ impl<'c> Sim<'c> {
             },
             _ => AdmissionPolicy::Fifo { order },
         };
-        plan.dispatch = match self.mode {
-            Mode::Cgp | Mode::Rolloutpipe => DispatchPolicy::Pipelined,
-            Mode::Sync | Mode::OneStepOff => DispatchPolicy::Sync,
+        plan.dispatch = if self.mode.pipelined() {
+            DispatchPolicy::Pipelined
+        } else {
+            DispatchPolicy::Sync
         };
         plan
     }
@@ -322,11 +362,13 @@ impl<'c> Sim<'c> {
                 }
             }
             Ev::Reward { key } => self.on_reward(scheds, key)?,
+            Ev::MuxDone => {}
             Ev::MicroBatchDone { step } => {
                 let sched = &mut scheds[(step % 2) as usize];
                 let mb = sched
                     .on_micro_batch_consumed(tick(self.now))
                     .map_err(|e| anyhow!("step {step}: micro-batch consumed: {e}"))?;
+
                 self.trainer_busy = false;
                 if mb.ends_optimizer_step {
                     let dt = self.trainer_model.optimizer_ns();
@@ -382,6 +424,7 @@ impl<'c> Sim<'c> {
             progress,
         )?;
         let retractions: u64 = self.engines.iter().map(Engine::retractions).sum();
+        let engine_busy_at_start: Ns = self.engines.iter().map(Engine::busy_ns).sum();
         ensure!(
             self.ctxs.len() as u64 == step,
             "step {step} started out of order"
@@ -403,6 +446,13 @@ impl<'c> Sim<'c> {
             retractions_at_start: retractions,
             retractions: 0,
             completions: Vec::new(),
+            data_ready: Vec::new(),
+            logprob_ready: Vec::new(),
+            mb_started: Vec::new(),
+            engine_busy_at_start,
+            mux_ns: 0,
+            mux_groups: 0,
+            migrations: 0,
             metrics: None,
             barrier_passed: false,
         });
@@ -457,7 +507,7 @@ impl<'c> Sim<'c> {
             }
             // The request's group ended while it ran (an abort crossed the finish); the core
             // counted it and freed the slot.
-            Ok(Completion::Discarded) => self.reqs[key].status = ReqStatus::Done,
+            Ok(_) => self.reqs[key].status = ReqStatus::Done,
             Err(e) => bail!("{}: generated: {e}", r.id),
         }
         Ok(())
@@ -476,7 +526,7 @@ impl<'c> Sim<'c> {
         }
         let g = r.id.group;
         match sched.on_reward(tick(self.now), r.id, r.reward) {
-            Ok(state) => {
+            Ok(Completion::Accepted { group_state: state }) => {
                 let c = &mut self.ctxs[step as usize];
                 let gi = g.0 as usize;
                 if !c.completed[gi]
@@ -489,6 +539,8 @@ impl<'c> Sim<'c> {
                     }
                 }
             }
+            // Discarded: the group ended meanwhile (aborted as surplus or filtered).
+            Ok(_) => {}
             Err(e) => {
                 // A reward for a group that ended meanwhile (aborted as surplus) is refused by
                 // the core; anything else is a simulator bug.
@@ -547,6 +599,9 @@ impl<'c> Sim<'c> {
                     let g = c.workload.group(step, u64::from(first.0 + i));
                     c.groups.push(g);
                     c.completed.push(false);
+                    c.data_ready.push(Ns::MAX);
+                    c.logprob_ready.push(None);
+                    c.mb_started.push(false);
                 }
                 ensure!(
                     c.groups.len() == (first.0 + n) as usize,
@@ -557,11 +612,23 @@ impl<'c> Sim<'c> {
             if sched.is_batch_final() && self.ctxs[step as usize].rollout_end.is_none() {
                 self.rollout_ended(step);
             }
+            let no_admissible = sched.view().pending_requests() == 0;
+            if self.mode.migrates() && no_admissible {
+                self.migrate(step);
+            }
         }
         self.kick_trainer(scheds)?;
+        if self.mode.multiplexes() {
+            let no_admissible = self
+                .rolling
+                .is_none_or(|r| scheds[(r % 2) as usize].view().pending_requests() == 0);
+            if no_admissible {
+                self.multiplex();
+            }
+        }
         for e in 0..self.engines.len() {
             if std::mem::take(&mut self.dirty[e]) {
-                self.engines[e].resume_retracted();
+                self.engines[e].admit_waiting();
                 self.engines[e].prefill();
                 if let Some((at, epoch)) = self.engines[e].schedule() {
                     self.queue.push(at, Ev::Boundary { engine: e, epoch });
@@ -571,9 +638,19 @@ impl<'c> Sim<'c> {
         self.check_step_done(scheds)
     }
 
-    /// Admits pending requests into engines with room, least-loaded engine first (the router).
+    /// Hands pending requests to engines (the router; see `config::Routing`).
     fn fill(&mut self, sched: &mut Scheduler<'_>, step: u64) -> anyhow::Result<()> {
         if sched.view().pending_requests() == 0 {
+            return Ok(());
+        }
+        if self.cfg.rollout.routing != Routing::Central {
+            // Bound at submission: Slime's semaphore (`plan.slots`, enforced by the core) lets a
+            // request through, the router picks an engine at once, and the request waits in
+            // that engine's queue until SGLang admits it.
+            while let Some(adm) = sched.poll_admit(tick(self.now)) {
+                let e = self.route(step, adm.request.group.0);
+                self.place(step, e, adm.request, adm.version, false)?;
+            }
             return Ok(());
         }
         for e in 0..self.engines.len() {
@@ -581,11 +658,11 @@ impl<'c> Sim<'c> {
             // boundary so the KV check sees current occupancy.
             if self.engines[e].has_free_slot() {
                 self.engines[e].advance_to(self.now);
-                self.engines[e].resume_retracted();
+                self.engines[e].admit_waiting();
                 self.dirty[e] = true;
             }
         }
-        // The router: the least-loaded engine that can take a request, lowest index on ties.
+        // A central queue: the least-loaded engine that can run a request now takes it.
         while let Some(e) = (0..self.engines.len())
             .filter(|&e| self.engines[e].can_admit(self.prompt_tokens))
             .min_by_key(|&e| (self.engines[e].held(), e))
@@ -593,33 +670,79 @@ impl<'c> Sim<'c> {
             let Some(adm) = sched.poll_admit(tick(self.now)) else {
                 break;
             };
-            let c = &self.ctxs[step as usize];
-            let draw = c
-                .groups
-                .get(adm.request.group.0 as usize)
-                .and_then(|g| {
-                    g.samples
-                        .get(usize::from(adm.request.sample))
-                        .map(|s| (g.prompt_tokens, *s))
-                })
-                .with_context(|| {
-                    format!("{}: admitted a request that was never drawn", adm.request)
-                })?;
-            let key = self.reqs.len();
-            self.reqs.push(ReqInfo {
-                id: adm.request,
-                version: adm.version,
-                engine: e as u16,
-                start: self.now,
-                tokens: draw.1.response_tokens,
-                reward: draw.1.reward,
-                status: ReqStatus::Running,
-            });
-            self.inflight.insert(adm.request, key);
-            self.engines[e].admit(key as u64, draw.0, draw.1.response_tokens);
-            self.dirty[e] = true;
-            self.held_changed(e as u16, 1);
+            self.place(step, e, adm.request, adm.version, true)?;
         }
+        Ok(())
+    }
+
+    /// The engine a newly submitted request of `group` is bound to. sgl-router's cache_aware
+    /// policy (`CacheAwarePolicy::select_worker`): when the loads are unbalanced (max - min >
+    /// balance_abs and max > min * balance_rel) the least-loaded engine; otherwise the engine
+    /// whose radix tree holds the prompt, which is where the group's earlier samples went; a
+    /// prompt seen nowhere goes to the least-loaded engine.
+    fn route(&mut self, step: u64, group: u32) -> usize {
+        let loads: Vec<usize> = self.engines.iter().map(Engine::held).collect();
+        let least = (0..loads.len()).min_by_key(|&e| (loads[e], e)).unwrap_or(0);
+        if self.cfg.rollout.routing == Routing::LeastLoaded {
+            return least;
+        }
+        let (min, max) = (loads[least], loads.iter().copied().max().unwrap_or(0));
+        let r = &self.cfg.rollout;
+        let unbalanced = max - min > r.router_balance_abs as usize
+            && max as f64 > min as f64 * r.router_balance_rel;
+        let e = match self.prefix_home.get(&(step, group)) {
+            Some(&home) if !unbalanced => usize::from(home),
+            _ => least,
+        };
+        self.prefix_home.insert((step, group), e as u16);
+        e
+    }
+
+    /// Puts an admitted request on engine `e`: straight into the batch (`now`, central queue)
+    /// or at the back of the engine's waiting queue.
+    fn place(
+        &mut self,
+        step: u64,
+        e: usize,
+        id: RequestId,
+        version: PolicyVersion,
+        now: bool,
+    ) -> anyhow::Result<()> {
+        let c = &self.ctxs[step as usize];
+        let draw = c
+            .groups
+            .get(id.group.0 as usize)
+            .and_then(|g| {
+                g.samples
+                    .get(usize::from(id.sample))
+                    .map(|s| (g.prompt_tokens, *s))
+            })
+            .with_context(|| format!("{id}: admitted a request that was never drawn"))?;
+        let key = self.reqs.len();
+        self.reqs.push(ReqInfo {
+            id,
+            version,
+            engine: e as u16,
+            start: self.now,
+            tokens: draw.1.response_tokens,
+            reward: draw.1.reward,
+            status: ReqStatus::Running,
+        });
+        self.inflight.insert(id, key);
+        if now {
+            self.engines[e].admit(key as u64, draw.0, draw.1.response_tokens);
+        } else {
+            self.engines[e].advance_to(self.now);
+            self.engines[e].enqueue(Waiting {
+                key: key as u64,
+                prompt: draw.0,
+                target: draw.1.response_tokens,
+                generated: 0,
+                resident: false,
+            });
+        }
+        self.dirty[e] = true;
+        self.held_changed(e as u16, 1);
         Ok(())
     }
 
@@ -671,19 +794,32 @@ impl<'c> Sim<'c> {
             return Ok(());
         };
         let sched = &mut scheds[(step % 2) as usize];
+        let per_mtok = self.cfg.trainer.data_transfer_s_per_mtok;
         while let Some(d) = sched.poll_dispatch(tick(self.now)) {
+            // Slime hands the batch over only after `abort` returned; CGP ships each group as
+            // it is dispatched. Either way the data crosses one link, group after group.
+            let mut from = self.link_free.max(self.now);
+            if !self.mode.pipelined() && d.seq == 0 {
+                from = from.max(self.now + secs_to_ns(self.cfg.rollout.abort_s));
+            }
             let c = &mut self.ctxs[step as usize];
             ensure!(
                 d.seq as usize == c.dispatched.len(),
                 "step {step}: dispatch sequence skipped"
             );
             c.dispatched.push(d.group);
+            let gi = d.group.0 as usize;
+            let tokens = c.groups[gi].train_tokens();
+            let ready = from + secs_to_ns(per_mtok * tokens as f64 * 1e-6);
+            c.data_ready[gi] = ready;
+            self.link_free = ready;
         }
         if self.trainer_busy {
             return Ok(());
         }
         if let Some(mb) = sched.poll_micro_batch(tick(self.now)) {
-            let c = &self.ctxs[step as usize];
+            let now = self.now;
+            let c = &mut self.ctxs[step as usize];
             let first = mb.first_seq as usize;
             let groups = c
                 .dispatched
@@ -693,24 +829,153 @@ impl<'c> Sim<'c> {
                         "step {step}: micro-batch {} beyond dispatched groups",
                         mb.index
                     )
-                })?;
-            let tokens: u64 = groups
+                })?
+                .to_vec();
+            // The micro-batch starts once its groups' data has arrived.
+            let start = groups
                 .iter()
-                .map(|g| c.groups[g.0 as usize].train_tokens())
-                .sum();
-            let dt = self.trainer_model.micro_batch_ns(tokens);
-            let c = self.ctx(step);
+                .map(|g| c.data_ready[g.0 as usize])
+                .fold(now, Ns::max);
+            let (mut tokens, mut precomputed) = (0u64, 0u64);
+            for g in &groups {
+                let gi = g.0 as usize;
+                let t = c.groups[gi].train_tokens();
+                tokens += t;
+                // Log-probs an engine finished by now need no pass on the trainer; a pass
+                // still running on an engine is wasted (the trainer computes it itself).
+                if c.logprob_ready[gi].is_some_and(|at| at <= start) {
+                    precomputed += t;
+                }
+                c.mb_started[gi] = true;
+            }
+            let dt = self.trainer_model.micro_batch_ns_split(tokens, precomputed);
             c.trainer_busy += dt;
             c.last_mb = dt;
             self.trainer_busy = true;
             if self.record {
                 self.rec
                     .trainer
-                    .push((step, format!("mb {}", mb.index), self.now, self.now + dt));
+                    .push((step, format!("mb {}", mb.index), start, start + dt));
             }
-            self.queue.push(self.now + dt, Ev::MicroBatchDone { step });
+            self.queue.push(start + dt, Ev::MicroBatchDone { step });
         }
         Ok(())
+    }
+
+    /// Tail multiplexing: each idle engine (nothing running or waiting, no admissible request
+    /// anywhere) takes the old/ref log-prob pass of one complete group the trainer has not
+    /// started. The engines hold the weights v_k the rollout used, which are the weights the
+    /// trainer would compute the pass with, so step k stays on-policy. It takes the most
+    /// recently dispatched group: the trainer consumes groups in dispatch order, so work from
+    /// the back is the least likely to be overtaken.
+    fn multiplex(&mut self) {
+        let Some(step) = self.training else { return };
+        let po = &self.cfg.policy;
+        let passes = f64::from(self.cfg.trainer.logprob_passes);
+        if passes == 0.0 {
+            return;
+        }
+        for e in 0..self.engines.len() {
+            if !self.engines[e].is_idle() || self.engines[e].time() > self.now {
+                continue;
+            }
+            let c = &mut self.ctxs[step as usize];
+            let Some(&g) = c.dispatched.iter().rev().find(|g| {
+                let gi = g.0 as usize;
+                !c.mb_started[gi] && c.logprob_ready[gi].is_none()
+            }) else {
+                return;
+            };
+            let gi = g.0 as usize;
+            let tokens = c.groups[gi].train_tokens();
+            let dt =
+                secs_to_ns(po.mux_overhead_s + passes * tokens as f64 / po.mux_logprob_tok_per_s);
+            let start = self.now.max(c.data_ready[gi].min(self.now));
+            let end = self.engines[e].occupy(start, dt);
+            c.logprob_ready[gi] = Some(end);
+            c.mux_ns += dt;
+            c.mux_groups += 1;
+            self.dirty[e] = true;
+            self.queue.push(end, Ev::MuxDone);
+            if self.record {
+                self.rec.mux.push((step, e as u16, g.0, end - dt, end));
+            }
+        }
+    }
+
+    /// Long-tail migration: when no request waits to be admitted, the rollout's tail is what is
+    /// left on the engines. A lightly loaded engine (fewer than `migrate_receiver_max` running)
+    /// receives, one at a time, the request that has generated the most tokens (at least
+    /// `migrate_min_generated`) on the engine with the largest batch, when that batch is more
+    /// than twice its own. A long-running request is the likeliest long tail (lengths are
+    /// heavy-tailed), and in a small batch it decodes near the base iteration time instead of
+    /// the crowded batch's, so the tail is consolidated on few engines and runs faster. The
+    /// policy knows only what a live system knows (tokens generated so far), never the
+    /// remaining length. The core keeps the request in flight: a move is not a failure. State
+    /// moves by KV transfer (the receiver's decode stalls for the copy) or by re-prefill.
+    fn migrate(&mut self, step: u64) {
+        let po = &self.cfg.policy;
+        let max_moves = self.engines.len() * po.migrate_receiver_max as usize;
+        for _ in 0..max_moves {
+            // The receiver: the least-loaded engine that is not busy with other work.
+            let Some(dst) = (0..self.engines.len())
+                .filter(|&e| {
+                    let en = &self.engines[e];
+                    en.running() < po.migrate_receiver_max as usize
+                        && en.waiting() == 0
+                        && !(en.is_idle() && en.time() > self.now)
+                })
+                .min_by_key(|&e| (self.engines[e].running(), e))
+            else {
+                return;
+            };
+            let floor = 2 * (self.engines[dst].running() + 1);
+            let mut best: Option<(usize, usize, u32, u64)> = None;
+            for src in 0..self.engines.len() {
+                let n = self.engines[src].running();
+                if src == dst || n <= floor || self.engines[src].waiting() > 0 {
+                    continue;
+                }
+                let Some((key, generated)) = self.engines[src].most_generated() else {
+                    continue;
+                };
+                if generated < po.migrate_min_generated {
+                    continue;
+                }
+                if best.is_none_or(|(_, bn, bg, _)| (n, generated) > (bn, bg)) {
+                    best = Some((src, n, generated, key));
+                }
+            }
+            let Some((src, _, _, key)) = best else { return };
+            self.engines[src].advance_to(self.now);
+            self.dirty[src] = true;
+            {
+                let Some(mut w) = self.engines[src].take(key) else {
+                    continue;
+                };
+                let tokens = w.prompt + w.generated;
+                self.engines[dst].advance_to(self.now);
+                if po.migrate_via == MigrateVia::KvTransfer {
+                    let bytes = f64::from(tokens) * f64::from(po.kv_bytes_per_token);
+                    let dt = secs_to_ns(bytes / (po.migrate_kv_gb_per_s * 1e9));
+                    self.engines[dst].occupy(self.now, dt);
+                    w.resident = true;
+                }
+                self.engines[dst].enqueue(w);
+                self.dirty[dst] = true;
+                let r = &mut self.reqs[key as usize];
+                r.engine = dst as u16;
+                let id = r.id;
+                self.held_changed(src as u16, -1);
+                self.held_changed(dst as u16, 1);
+                self.ctxs[step as usize].migrations += 1;
+                if self.record {
+                    self.rec.migrations.push((
+                        step, id.group.0, id.sample, src as u16, dst as u16, self.now, tokens,
+                    ));
+                }
+            }
+        }
     }
 
     fn check_step_done(&mut self, scheds: &mut [Scheduler<'_>; 2]) -> anyhow::Result<()> {
@@ -727,9 +992,18 @@ impl<'c> Sim<'c> {
         let m_groups = self.setting().micro_batch as usize;
         let counters = summary.counters;
         self.conserved &= counters.is_conserved();
+        let engine_busy: Ns = self.engines.iter().map(Engine::busy_ns).sum();
+        let engines = self.engines.len() as f64;
+        let prev_train_end = self.last_train_end;
+        self.last_train_end = now;
         let c = &mut self.ctxs[step as usize];
         let rollout_end = c.rollout_end.unwrap_or(now);
         c.train_end = Some(now);
+        // Engines' busy time counts everything they did in the window, work of the next step's
+        // rollout included (one-step-off), so idle is clamped at 0.
+        let window = (now - c.start) as f64 * engines;
+        let busy = engine_busy.saturating_sub(c.engine_busy_at_start) as f64;
+        let rollout_idle = ((window - busy) / engines).max(0.0) * 1e-9;
         let rollout_ns = rollout_end - c.start;
         let slot_occupancy = if rollout_ns == 0 {
             0.0
@@ -761,6 +1035,11 @@ impl<'c> Sim<'c> {
             retractions: c.retractions,
             group_completion: c.completions.iter().map(|&t| secs(t)).collect(),
             staleness: step - c.version,
+            prev_train_end: secs(prev_train_end),
+            rollout_idle,
+            mux_s: secs(c.mux_ns),
+            mux_groups: c.mux_groups,
+            migrations: c.migrations,
         });
         // FGD widens its frontier by the filter rate seen so far (what a live system can know).
         self.expected_filter_ppm = (observed_filter.clamp(0.0, 0.95) * 1e6) as u32;

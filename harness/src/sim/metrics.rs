@@ -49,6 +49,16 @@ pub struct StepMetrics {
     pub group_completion: Vec<f64>,
     /// Weight versions between the data's policy and the weights it updates (0 = on-policy).
     pub staleness: u64,
+    /// The previous step's train end (0 for the first step): Slime's wait window starts there.
+    pub prev_train_end: f64,
+    /// Rollout engines' idle time in this step's r2t window, s per engine.
+    pub rollout_idle: f64,
+    /// Log-prob work multiplexed onto rollout engines, engine-s.
+    pub mux_s: f64,
+    /// Groups whose log-prob pass ran on a rollout engine.
+    pub mux_groups: u32,
+    /// Requests migrated between engines.
+    pub migrations: u32,
 }
 
 impl StepMetrics {
@@ -72,7 +82,19 @@ impl StepMetrics {
         }
     }
 
-    /// The ideal bound of this step (see [`RunResult::mean_ideal`]).
+    /// Slime's `perf/wait_time_ratio` (slime/backends/megatron_utils/actor.py: `inverse_timer(
+    /// "train_wait")` around `timer("train")`): the trainer's idle share of the time since the
+    /// previous step's training ended, which includes the weight update.
+    pub fn slime_wait_ratio(&self) -> f64 {
+        let window = self.train_end - self.prev_train_end;
+        if window <= 0.0 {
+            0.0
+        } else {
+            ((window - self.trainer_busy) / window).clamp(0.0, 1.0)
+        }
+    }
+
+    /// The bound given this rollout (see [`RunResult::mean_ideal`]).
     pub fn ideal(&self) -> f64 {
         (self.rollout() + self.last_tail).max(self.first_micro_batch_ready + self.trainer_busy)
     }
@@ -147,6 +169,27 @@ impl RunResult {
             (Some(a), _) => a.train_end,
             _ => f64::NAN,
         }
+    }
+
+    /// Mean of Slime's `perf/wait_time_ratio` (includes the weight update).
+    pub fn mean_slime_wait_ratio(&self) -> f64 {
+        mean(self.steps.iter().map(StepMetrics::slime_wait_ratio))
+    }
+
+    /// Mean rollout engines' idle time inside the r2t window, s per engine.
+    pub fn mean_engine_idle(&self) -> f64 {
+        mean(self.steps.iter().map(|s| s.rollout_idle))
+    }
+
+    /// Totals of the bound-moving policies: (multiplexed engine-s, groups, migrations).
+    pub fn policy_totals(&self) -> (f64, u64, u64) {
+        self.steps.iter().fold((0.0, 0, 0), |t, s| {
+            (
+                t.0 + s.mux_s,
+                t.1 + u64::from(s.mux_groups),
+                t.2 + u64::from(s.migrations),
+            )
+        })
     }
 
     /// Mean trainer busy time per step, s.

@@ -30,15 +30,18 @@ pub struct Row {
     pub rollout_s: f64,
     /// Mean trainer busy time per step, s.
     pub train_s: f64,
-    /// Mean trainer waiting ratio.
+    /// Mean trainer waiting ratio inside the r2t window (SPEC §3).
     pub wait_ratio: f64,
+    /// Mean of Slime's `perf/wait_time_ratio`: train end to train end, weight update included.
+    pub slime_wait: f64,
     /// Cut of r2t against sync (0.3 = 30% shorter).
     pub r2t_cut: f64,
     /// Cut of the waiting ratio against sync.
     pub wait_cut: f64,
     /// Cut of the step period against sync.
     pub period_cut: f64,
-    /// (T_sync - T) / (T_sync - T_ideal).
+    /// Overlap efficiency: (T_sync - T) / (T_sync - T_bound), T_bound the bound given this
+    /// rollout (above 1 when a policy moves the bound).
     pub overlap_eff: f64,
     /// Rollout throughput, tokens/s.
     pub tok_per_s: f64,
@@ -46,6 +49,12 @@ pub struct Row {
     pub occupancy: f64,
     /// Mean rollout idle time between steps (training tail and weight sync), s.
     pub rollout_idle_s: f64,
+    /// Mean rollout engines' idle time inside the r2t window, s per engine.
+    pub engine_idle_s: f64,
+    /// Groups whose log-prob pass ran on a rollout engine (all steps).
+    pub mux_groups: u64,
+    /// Requests migrated between engines (all steps).
+    pub migrations: u64,
     /// Prompts drawn (all steps).
     pub drawn: u64,
     /// Groups trained.
@@ -64,6 +73,7 @@ pub struct Row {
 
 fn row(r: &RunResult, sync: Option<&RunResult>) -> Row {
     let (drawn, trained, filtered, aborted, aborted_requests) = r.totals();
+    let (_, mux_groups, migrations) = r.policy_totals();
     let cut = |base: f64, x: f64| {
         if base > 0.0 {
             (base - x) / base
@@ -98,6 +108,7 @@ fn row(r: &RunResult, sync: Option<&RunResult>) -> Row {
         rollout_s: r.mean_rollout(),
         train_s: r.mean_trainer_busy(),
         wait_ratio: wait,
+        slime_wait: r.mean_slime_wait_ratio(),
         r2t_cut,
         wait_cut,
         period_cut,
@@ -105,6 +116,9 @@ fn row(r: &RunResult, sync: Option<&RunResult>) -> Row {
         tok_per_s: r.mean_throughput(),
         occupancy: r.mean_occupancy(),
         rollout_idle_s: r.mean_rollout_idle(),
+        engine_idle_s: r.mean_engine_idle(),
+        mux_groups,
+        migrations,
         drawn,
         trained,
         filtered,
@@ -115,15 +129,17 @@ fn row(r: &RunResult, sync: Option<&RunResult>) -> Row {
     }
 }
 
-/// The ideal bound's row, from the sync run (see `RunResult::mean_ideal`); in the ideal schedule
-/// the trainer waits only for what it cannot overlap.
+/// The row of the bound given this rollout, from the sync run (see `RunResult::mean_ideal`); in
+/// that schedule the trainer waits only for what it cannot overlap.
 fn ideal_row(sync: &RunResult) -> Row {
     let ideal = sync.mean_ideal();
     let mut r = row(sync, Some(sync));
-    r.mode = "ideal".into();
+    r.mode = BOUND.into();
     r.r2t_s = ideal;
     r.period_s = f64::NAN;
     r.rollout_idle_s = f64::NAN;
+    r.engine_idle_s = f64::NAN;
+    r.slime_wait = f64::NAN;
     // In the ideal schedule the trainer waits only for what it cannot overlap; averaged per
     // step like every other waiting ratio.
     let ratios: Vec<f64> = sync
@@ -144,6 +160,9 @@ fn ideal_row(sync: &RunResult) -> Row {
     r.overlap_eff = 1.0;
     r
 }
+
+/// The table's name for the bound given this rollout (SPEC §3's ideal, tightened).
+pub const BOUND: &str = "bound";
 
 /// Table rows for every run, grouped by (profile, setting) in run order, the ideal after sync.
 pub fn rows(results: &[RunResult]) -> Vec<Row> {
@@ -196,6 +215,7 @@ pub fn table_text(rows: &[Row]) -> String {
         "vs sync",
         "wait",
         "vs sync",
+        "slime wait",
         "overlap",
         "period s",
         "rollout s",
@@ -203,8 +223,12 @@ pub fn table_text(rows: &[Row]) -> String {
         "tok/s",
         "occ",
         "idle s",
+        "eng idle s",
         "filtered",
         "aborted",
+        "retract",
+        "mux",
+        "migr",
         "stale",
     ];
     let mut lines: Vec<Vec<String>> = vec![header.iter().map(|s| (*s).to_owned()).collect()];
@@ -225,6 +249,7 @@ pub fn table_text(rows: &[Row]) -> String {
             } else {
                 pct(r.wait_cut)
             },
+            num(r.slime_wait, 3),
             if r.mode == "sync" {
                 String::new()
             } else {
@@ -236,8 +261,12 @@ pub fn table_text(rows: &[Row]) -> String {
             format!("{:.0}", r.tok_per_s),
             num(r.occupancy, 2),
             num(r.rollout_idle_s, 1),
+            num(r.engine_idle_s, 1),
             r.filtered.to_string(),
             r.aborted.to_string(),
+            r.retractions.to_string(),
+            r.mux_groups.to_string(),
+            r.migrations.to_string(),
             num(r.staleness, 1),
         ]);
     }
@@ -272,7 +301,7 @@ pub fn table_text(rows: &[Row]) -> String {
 /// The table as CSV (one row per line, the fields of [`Row`]).
 pub fn table_csv(rows: &[Row]) -> String {
     let mut out = String::from(
-        "profile,setting,mode,r2t_s,period_s,rollout_s,train_s,wait_ratio,r2t_cut,wait_cut,period_cut,overlap_eff,tok_per_s,occupancy,rollout_idle_s,drawn,trained,filtered,aborted,aborted_requests,staleness,retractions\n",
+        "profile,setting,mode,r2t_s,period_s,rollout_s,train_s,wait_ratio,slime_wait,r2t_cut,wait_cut,period_cut,overlap_eff,tok_per_s,occupancy,rollout_idle_s,engine_idle_s,drawn,trained,filtered,aborted,aborted_requests,staleness,retractions,mux_groups,migrations\n",
     );
     for r in rows {
         let f = |x: f64| {
@@ -284,7 +313,7 @@ pub fn table_csv(rows: &[Row]) -> String {
         };
         let _ = writeln!(
             out,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
             r.profile,
             r.setting,
             r.mode,
@@ -293,6 +322,7 @@ pub fn table_csv(rows: &[Row]) -> String {
             f(r.rollout_s),
             f(r.train_s),
             f(r.wait_ratio),
+            f(r.slime_wait),
             f(r.r2t_cut),
             f(r.wait_cut),
             f(r.period_cut),
@@ -300,13 +330,16 @@ pub fn table_csv(rows: &[Row]) -> String {
             f(r.tok_per_s),
             f(r.occupancy),
             f(r.rollout_idle_s),
+            f(r.engine_idle_s),
             r.drawn,
             r.trained,
             r.filtered,
             r.aborted,
             r.aborted_requests,
             f(r.staleness),
-            r.retractions
+            r.retractions,
+            r.mux_groups,
+            r.migrations
         );
     }
     out
@@ -422,7 +455,7 @@ pub fn plot_bars(dir: &Path, rows: &[Row]) -> anyhow::Result<()> {
         "Step period incl. weight sync (one-step-off is asynchronous)",
         "seconds",
         &names,
-        &series(&|r| r.period_s, &["ideal"]),
+        &series(&|r| r.period_s, &[BOUND]),
     )
 }
 
@@ -639,6 +672,31 @@ pub fn write_trace(
             t.instant(&format!("g{g} ready"), "group", 2, 2, us(time));
         }
     }
+    // The bound-moving policies: log-prob passes run on rollout engines, and request moves.
+    for &(s, e, g, a, b) in &rec.mux {
+        if overlaps(a, b, lo, hi) {
+            t.complete(
+                &format!("log-probs s{s}/g{g}"),
+                "multiplexed",
+                1,
+                u32::from(e),
+                us(a),
+                us(b) - us(a),
+                json!({"step": s, "group": g}),
+            );
+        }
+    }
+    for &(s, g, sample, from, to, time, tokens) in &rec.migrations {
+        if secs(time) >= lo && secs(time) <= hi {
+            t.instant(
+                &format!("migrate s{s}/g{g}/{sample} -> e{to} ({tokens} tokens)"),
+                "migration",
+                1,
+                u32::from(from),
+                us(time),
+            );
+        }
+    }
     t.write(path)
 }
 
@@ -660,7 +718,7 @@ mod tests {
     fn rows_put_the_ideal_after_sync_and_cut_against_it() {
         let rows = rows(&results());
         let modes: Vec<&str> = rows.iter().map(|r| r.mode.as_str()).collect();
-        assert_eq!(modes, ["sync", "ideal", "cgp", "one-step-off"]);
+        assert_eq!(modes, ["sync", "bound", "cgp", "one-step-off"]);
         let (sync, ideal, cgp) = (&rows[0], &rows[1], &rows[2]);
         assert!((cgp.r2t_cut - (sync.r2t_s - cgp.r2t_s) / sync.r2t_s).abs() < 1e-12);
         // CGP lies between sync and the ideal bound.

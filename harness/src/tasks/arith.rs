@@ -131,7 +131,25 @@ macro_rules! arith_task {
                 self.format_penalty
             }
             fn check_problem(&self, problem: &Problem) -> Result<(), TaskError> {
-                check_int_problem(problem)
+                check_int_problem(problem)?;
+                // A prompt in the task's own `a op b=` form can be checked: its answer must be
+                // the true result, or training would reward wrong arithmetic.
+                if let Some((a, b)) = parse_operands(&problem.prompt, $op) {
+                    let truth = match $op {
+                        '+' => a.checked_add(b),
+                        _ => a.checked_mul(b),
+                    };
+                    let given = canonical_int(&problem.answer);
+                    if truth.map(|t| t.to_string()) != given {
+                        return Err(TaskError::BadProblem(format!(
+                            "answer {:?} is wrong: {a}{}{b} = {}",
+                            problem.answer,
+                            $op,
+                            truth.map_or("(too large)".to_owned(), |t| t.to_string())
+                        )));
+                    }
+                }
+                Ok(())
             }
         }
 

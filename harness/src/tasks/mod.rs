@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 
 pub use arith::{AddTask, MulTask};
 pub use countdown::{CountdownTask, eval_countdown_expr};
-pub use jsonl::{load_jsonl, parse_jsonl};
+pub use jsonl::{JsonlKeys, load_jsonl, load_jsonl_with, parse_jsonl, parse_jsonl_with};
 pub use split::{Split, split_of};
 pub use tokenizer::{CharTokenizer, HfTokenizer, Tokenizer, TokenizerError};
 

@@ -113,8 +113,64 @@ impl ChromeTrace {
     }
 }
 
+/// The events of an earlier trace file (empty when there is none or it cannot be read) and the
+/// time just after its last event, µs: a resumed run's events are placed after it.
+pub fn read_events(path: &Path) -> (Vec<Value>, f64) {
+    let events: Vec<Value> = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v.get("traceEvents")?.as_array().cloned())
+        .unwrap_or_default();
+    let end = events
+        .iter()
+        .filter_map(|e| {
+            let ts = e.get("ts")?.as_f64()?;
+            Some(ts + e.get("dur").and_then(Value::as_f64).unwrap_or(0.0))
+        })
+        .fold(0.0f64, f64::max);
+    let offset = if events.is_empty() { 0.0 } else { end + 1000.0 };
+    (events, offset)
+}
+
+impl ChromeTrace {
+    /// Writes `base` (an earlier invocation's events) followed by these events shifted by
+    /// `offset_us`, through a temporary file so a kill mid-write keeps the previous file.
+    pub fn write_merged(&self, path: &Path, base: &[Value], offset_us: f64) -> anyhow::Result<()> {
+        let mut events = base.to_vec();
+        events.extend(self.events.iter().map(|e| {
+            let mut e = e.clone();
+            if let Some(ts) = e.get("ts").and_then(Value::as_f64) {
+                e["ts"] = json!(ts + offset_us);
+            }
+            e
+        }));
+        let text = serde_json::to_string(&json!({"traceEvents": events, "displayTimeUnit": "ms"}))
+            .context("serializing the trace")?;
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_resumed_trace_is_appended_after_the_earlier_one() {
+        let p = std::env::temp_dir().join(format!("rp-trace-merge-{}.json", std::process::id()));
+        let mut a = ChromeTrace::new();
+        a.complete("mb", "train", 1, 0, 10.0, 5.0, json!({}));
+        a.write(&p).unwrap();
+        let (base, off) = read_events(&p);
+        assert_eq!((base.len(), off), (1, 1015.0));
+        let mut b = ChromeTrace::new();
+        b.complete("mb", "train", 1, 0, 0.0, 2.0, json!({}));
+        b.write_merged(&p, &base, off).unwrap();
+        let (all, _) = read_events(&p);
+        let ts: Vec<f64> = all.iter().map(|e| e["ts"].as_f64().unwrap()).collect();
+        assert_eq!(ts, [10.0, 1015.0]);
+        assert_eq!(read_events(&p.with_extension("missing")).0.len(), 0);
+    }
+
     use super::*;
 
     #[test]

@@ -113,10 +113,24 @@ pub struct TaskSection {
     /// A JSONL file of `{"prompt", "answer"}` problems to train on instead of generated ones
     /// (empty = generate). Its held-out set is every `1000 / heldout_per_mille`-th line.
     pub jsonl: PathBuf,
+    /// Field of `jsonl` holding the prompt (Slime's `--input-key`).
+    #[serde(default = "default_input_key")]
+    pub input_key: String,
+    /// Field of `jsonl` holding the answer (Slime's `--label-key`).
+    #[serde(default = "default_label_key")]
+    pub label_key: String,
     /// Share of problems held out for evaluation, per mille.
     pub heldout_per_mille: u32,
     /// Reward of a malformed response is minus this.
     pub format_penalty: f32,
+}
+
+fn default_input_key() -> String {
+    "prompt".into()
+}
+
+fn default_label_key() -> String {
+    "answer".into()
 }
 
 /// `[model]`.
@@ -309,6 +323,7 @@ impl TrainConfig {
     pub fn validate(&self) -> anyhow::Result<()> {
         let (r, rl, ro) = (&self.run, &self.rl, &self.rollout);
         ensure!(r.steps > 0, "run.steps must be at least 1");
+        self.validate_numbers()?;
         ensure!(
             r.backend == "cpu" || r.backend == "wgpu",
             "run.backend {:?} is not one of cpu, wgpu",
@@ -387,6 +402,70 @@ impl TrainConfig {
         self.plan()
             .validate()
             .map_err(|e| anyhow::anyhow!("rl/rollout settings: {e}"))?;
+        Ok(())
+    }
+
+    /// Every float finite and in range, and every size small enough for this machine, so a
+    /// typo fails here and not after the warm start or as an allocation failure.
+    fn validate_numbers(&self) -> anyhow::Result<()> {
+        use crate::limits::{check_fits, check_model_fits, finite_nonneg, finite_positive};
+        let rl = &self.rl;
+        finite_nonneg("rl.lr", rl.lr)?;
+        finite_nonneg("rl.weight_decay", rl.weight_decay)?;
+        finite_nonneg("rl.max_grad_norm", rl.max_grad_norm)?;
+        finite_nonneg("rl.eps_low", rl.eps_low)?;
+        finite_nonneg("rl.eps_high", rl.eps_high)?;
+        finite_nonneg("rl.beta", rl.beta)?;
+        finite_nonneg("task.format_penalty", f64::from(self.task.format_penalty))?;
+        finite_nonneg("rollout.expected_filter", self.rollout.expected_filter)?;
+        if self.sft.steps > 0 {
+            finite_positive("sft.lr", self.sft.lr)?;
+        }
+        // Sizes. Per-item costs are generous upper bounds of what the run keeps per item.
+        let m = &self.model;
+        if m.dir.as_os_str().is_empty() {
+            for (name, v) in [
+                ("model.hidden_size", m.hidden_size),
+                ("model.intermediate_size", m.intermediate_size),
+                ("model.layers", m.layers),
+                ("model.heads", m.heads),
+                ("model.kv_heads", m.kv_heads),
+                ("model.head_dim", m.head_dim),
+            ] {
+                ensure!(v >= 1, "{name} must be at least 1");
+            }
+            // Weights, gradients and two AdamW moments in the trainer, a copy per engine, the
+            // evaluator, a reference and the checkpoint being written.
+            let copies = 4 + u128::from(self.rollout.engines) + 3;
+            let mc = self.model_config(256);
+            check_model_fits(
+                &mc,
+                copies,
+                "model.hidden_size/intermediate_size/layers/heads",
+            )?;
+        }
+        let tokens = rl.max_new_tokens as u128 + 64;
+        let responses = u128::from(rl.batch_groups) * u128::from(rl.group_size);
+        // Each response keeps tokens, log-probs and activations for the backward pass.
+        check_fits("rl.batch_groups x rl.group_size", responses, tokens * 64)?;
+        let max_groups = (f64::from(rl.batch_groups) * self.rollout.max_groups_factor).ceil();
+        let max_groups = if max_groups.is_finite() {
+            max_groups as u128
+        } else {
+            u128::MAX
+        };
+        check_fits(
+            "rollout.max_groups_factor x rl.batch_groups",
+            max_groups.saturating_mul(u128::from(rl.group_size)),
+            tokens * 16,
+        )?;
+        let sft_problems = u128::from(self.sft.steps) * u128::from(self.sft.batch);
+        check_fits("sft.steps x sft.batch", sft_problems, 512)?;
+        check_fits(
+            "run.eval_problems",
+            u128::from(self.run.eval_problems),
+            1024,
+        )?;
         Ok(())
     }
 

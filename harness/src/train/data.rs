@@ -11,7 +11,7 @@ use rolloutpipe_backends::{
 
 use super::config::TrainConfig;
 use crate::tasks::{
-    Problem, Split, Task, TaskOptions, Tokenizer, generate, load_jsonl, split_of, task_by_name,
+    Problem, Split, Task, TaskOptions, Tokenizer, generate, load_jsonl_with, split_of, task_by_name,
 };
 
 /// Training problems drawn in a fixed order; `pos` is the data position of a checkpoint.
@@ -22,6 +22,15 @@ pub struct DataSource {
 }
 
 impl DataSource {
+    /// Tokens of the longest prompt in the pool.
+    pub fn longest_prompt(&self) -> usize {
+        self.problems
+            .iter()
+            .map(|(_, ids)| ids.len())
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The next problem and its prompt ids (the pool repeats in order once exhausted).
     pub fn draw(&mut self) -> (Arc<Problem>, Arc<Vec<u32>>) {
         let i = (self.pos % self.problems.len() as u64) as usize;
@@ -80,7 +89,11 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
         let sft = generate(task.as_ref(), seed ^ 0x5F7_5EED, Split::Train, n_sft)?;
         (train, held, sft)
     } else {
-        let all = load_jsonl(&t.jsonl, task.as_ref())
+        let keys = crate::tasks::JsonlKeys {
+            input: t.input_key.clone(),
+            label: t.label_key.clone(),
+        };
+        let all = load_jsonl_with(&t.jsonl, task.as_ref(), &keys)
             .with_context(|| format!("task.jsonl {}", t.jsonl.display()))?;
         let (mut train, mut held) = (Vec::new(), Vec::new());
         for p in all {
@@ -134,6 +147,14 @@ pub fn sft(
     let mut last = f64::NAN;
     let mut it = problems.iter().cycle();
     let steps = cfg.sft.steps as usize;
+    // Said at once: SFT can take a while before RL prints anything.
+    tracing::info!(steps, batch, "SFT warm start");
+    let bar = if cfg.run.progress {
+        crate::cmd::common::progress(steps as u64, "sft")
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let log_every = (steps / 10).max(1);
     for step in 0..steps {
         opt.lr = sft_lr(step, steps, cfg.sft.lr);
         let mut b = TrainBatch::default();
@@ -153,7 +174,24 @@ pub fn sft(
         let norm = b.response_tokens() as f64;
         backend.optimizer_step(norm, &opt)?;
         last = st.loss_sum / norm;
+        bar.inc(1);
+        bar.set_message(format!("sft loss {last:.3}"));
+        if !cfg.run.progress && (step + 1) % log_every == 0 {
+            tracing::info!(
+                step = step + 1,
+                of = steps,
+                loss = format_args!("{last:.3}"),
+                "SFT"
+            );
+        }
+        if crate::interrupt::requested() {
+            anyhow::bail!(
+                "interrupted during the SFT warm start (step {} of {steps}); no checkpoint exists yet: start the run again (with --force to reuse the directory)",
+                step + 1
+            );
+        }
     }
+    bar.finish_and_clear();
     backend.zero_grad()?;
     Ok(last)
 }

@@ -8,8 +8,10 @@
 //! harness only moves data. See `docs/training.md`.
 pub mod config;
 pub mod data;
+pub mod guard;
 pub mod run;
 pub mod workers;
 
 pub use config::{Mode, TrainConfig};
-pub use run::{Measured, RunOutcome, StepMetrics, TrainedRecord, read_metrics, run};
+pub use guard::RunOptions;
+pub use run::{Measured, RunOutcome, StepMetrics, TrainedRecord, read_metrics, run, run_with};

@@ -16,7 +16,7 @@ use anyhow::{Context, bail, ensure};
 use rolloutpipe_backends::optim::AdamState;
 use rolloutpipe_backends::{
     AccumStats, AdamW, BackendInfo, CpuBackend, ModelConfig, Objective, RolloutEngine,
-    SamplingParams, SyncTarget, Tensor, WeightSnapshot, Weights, load_model_dir, save_model_dir,
+    SamplingParams, SyncTarget, Tensor, WeightSnapshot, Weights, load_model_dir,
 };
 use rolloutpipe_core::{
     Counters, GroupId, GroupSlot, GroupState, PolicyVersion, RequestId, RequestSlot, Scheduler,
@@ -26,11 +26,13 @@ use serde::{Deserialize, Serialize};
 
 use super::config::{Mode, OldLogprobs, TrainConfig};
 use super::data::{self, DataSource};
+use super::guard::{self, RunOptions};
 use super::workers::{
     EngineCmd, Event, GroupBatch, Sample, TrainCmd, TrainerReply, TrainerSetup, VerifyJob,
     engine_thread, make_engine, make_trainer, trainer_thread, verifier_thread,
 };
 use crate::plot::{self, GanttRow, Series, Span};
+use crate::rundir::save_model;
 use crate::tasks::{CharTokenizer, HfTokenizer, Problem, Task, Tokenizer};
 use crate::trace::ChromeTrace;
 
@@ -188,20 +190,28 @@ struct SavedSample {
 
 /// Runs (or, with `resume`, continues) the training run of `cfg` in directory `out`.
 pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOutcome> {
+    run_with(
+        cfg,
+        out,
+        RunOptions {
+            resume,
+            force: false,
+        },
+    )
+}
+
+/// [`run`] with every option: see [`RunOptions`].
+pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Result<RunOutcome> {
+    let resume = opts.resume;
     cfg.validate()?;
+    // Held until the run returns: a second writer of `out` is refused meanwhile.
+    let _lock = guard::prepare(cfg, out, opts)?;
     let started = Instant::now();
     let ckpt_root = out.join("checkpoints");
     let latest = ckpt_root.join("latest");
-    if !resume && latest.exists() {
-        bail!(
-            "{} already holds a run (it has checkpoints); continue it with --resume {} or pick another --out",
-            out.display(),
-            out.display()
-        );
+    if !resume {
+        guard::write_config(cfg, out)?;
     }
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    std::fs::write(out.join("config.toml"), cfg.to_toml()?)
-        .with_context(|| format!("writing {}", out.join("config.toml").display()))?;
 
     // Model and tokenizer.
     let (model_cfg, init_weights, tok): (ModelConfig, Weights, Arc<dyn Tokenizer>) =
@@ -229,7 +239,13 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
         tok.vocab_size(),
         model_cfg.vocab_size
     );
+    crate::limits::check_model_fits(
+        &model_cfg,
+        7 + u128::from(cfg.rollout.engines),
+        "the model's size",
+    )?;
     let mut problems = data::problems(cfg, tok.as_ref())?;
+    check_positions(cfg, &problems, tok.as_ref(), &model_cfg)?;
     let task: Arc<dyn Task> = problems.task.clone();
     let max_new = cfg.rl.max_new_tokens;
     let mut eval_backend = CpuBackend::new(&model_cfg, &init_weights, cfg.trainer.threads)?;
@@ -268,6 +284,8 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
             cfg.run.steps
         );
         state = st;
+        // Every resume check has passed: only now may the run's config change.
+        guard::write_config(cfg, out)?;
         let reference = if cfg.rl.beta > 0.0 {
             Some(load_model_dir(&out.join("reference"))?.1)
         } else {
@@ -289,10 +307,10 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
                 secs = t.elapsed().as_secs_f64(),
                 "SFT warm start done"
             );
-            save_model_dir(&out.join("sft"), &model_cfg, &w)?;
+            save_model(&out.join("sft"), &model_cfg, &w, tok_src(cfg))?;
         }
         let reference = if cfg.rl.beta > 0.0 {
-            save_model_dir(&out.join("reference"), &model_cfg, &w)?;
+            save_model(&out.join("reference"), &model_cfg, &w, tok_src(cfg))?;
             Some(w.clone())
         } else {
             None
@@ -399,8 +417,17 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
         timeline: None,
         model_cfg: model_cfg.clone(),
         tok: tok.clone(),
+        trace_base: if resume {
+            crate::trace::read_events(&out.join("trace.json"))
+        } else {
+            (Vec::new(), 0.0)
+        },
+        summary: SummaryBase::read(out, resume, started),
+        interrupted: None,
     };
     ctx.trace_header();
+    ctx.summary.accuracy_initial = ctx.summary.accuracy_initial.or(accuracy_initial);
+    ctx.summary.accuracy_start = ctx.summary.accuracy_start.or(Some(accuracy_start));
     // Engines were built with these weights; tell them the version.
     ctx.sync_engines(weights.clone(), PolicyVersion(state.engine_version))?;
 
@@ -422,25 +449,26 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
     for h in handles {
         let _ = h.join();
     }
-    ctx.trace.write(&out.join("trace.json"))?;
+    ctx.write_trace(out)?;
     write_plots(out, &metrics, ctx.timeline.as_ref())?;
     let accuracy_end = acc_end;
+    ctx.summary.write(
+        out,
+        Some(accuracy_end).filter(|a| a.is_finite()),
+        ctx.interrupted.is_none(),
+    )?;
+    if let Some(next) = ctx.interrupted {
+        bail!(
+            "interrupted: stopped after step {} with a checkpoint, the trace and the summary written; continue with: rolloutpipe train --resume {}",
+            next.saturating_sub(1),
+            out.display()
+        );
+    }
     tracing::info!(
         start = accuracy_start,
         end = accuracy_end,
         "held-out accuracy"
     );
-    let summary = serde_json::json!({
-        "accuracy_initial": accuracy_initial,
-        "accuracy_start": accuracy_start,
-        "accuracy_end": accuracy_end,
-        "steps": metrics.len(),
-        "wall_s": started.elapsed().as_secs_f64(),
-    });
-    std::fs::write(
-        out.join("summary.json"),
-        serde_json::to_string_pretty(&summary)?,
-    )?;
     Ok(RunOutcome {
         metrics,
         weights: final_w,
@@ -541,6 +569,60 @@ struct Ctx<'c> {
     timeline: Option<Vec<GanttRow>>,
     model_cfg: ModelConfig,
     tok: Arc<dyn Tokenizer>,
+    /// An earlier invocation's trace events and the offset this one's are placed at.
+    trace_base: (Vec<serde_json::Value>, f64),
+    /// What `summary.json` carries over from earlier invocations and the start of this one.
+    summary: SummaryBase,
+    /// Set when a signal stopped the run: the step a resume continues at.
+    interrupted: Option<u64>,
+}
+
+/// `summary.json` across invocations: accuracies of the run's start come from the first
+/// invocation, wall time and invocations add up, steps count every line of `metrics.jsonl`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct SummaryBase {
+    accuracy_initial: Option<f64>,
+    accuracy_start: Option<f64>,
+    /// Wall time of earlier invocations, s.
+    wall_s_before: f64,
+    invocations: u32,
+    #[serde(skip)]
+    started: Option<Instant>,
+}
+
+impl SummaryBase {
+    fn read(out: &Path, resume: bool, started: Instant) -> Self {
+        let old: Option<serde_json::Value> = resume
+            .then(|| std::fs::read_to_string(out.join("summary.json")).ok())
+            .flatten()
+            .and_then(|t| serde_json::from_str(&t).ok());
+        let f = |k: &str| old.as_ref().and_then(|v| v.get(k)?.as_f64());
+        SummaryBase {
+            accuracy_initial: f("accuracy_initial"),
+            accuracy_start: f("accuracy_start"),
+            wall_s_before: f("wall_s").unwrap_or(0.0),
+            invocations: f("invocations").unwrap_or(0.0) as u32 + 1,
+            started: Some(started),
+        }
+    }
+
+    fn write(&self, out: &Path, accuracy_end: Option<f64>, complete: bool) -> anyhow::Result<()> {
+        let steps = read_metrics(out).map(|m| m.len()).unwrap_or(0);
+        let wall = self.wall_s_before + self.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
+        let v = serde_json::json!({
+            "accuracy_initial": self.accuracy_initial,
+            "accuracy_start": self.accuracy_start,
+            "accuracy_end": accuracy_end,
+            "steps": steps,
+            "wall_s": wall,
+            "invocations": self.invocations,
+            "complete": complete,
+        });
+        let (p, tmp) = (out.join("summary.json"), out.join(".summary.json.tmp"));
+        std::fs::write(&tmp, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &p).with_context(|| format!("writing {}", p.display()))
+    }
 }
 
 type EvalFn<'a> = dyn Fn(&mut CpuBackend, &Weights, &[Problem]) -> anyhow::Result<f64> + 'a;
@@ -551,6 +633,13 @@ const PID_TRAINER: u32 = 2;
 const PID_GROUPS: u32 = 3;
 
 impl Ctx<'_> {
+    /// Writes `trace.json`: earlier invocations' events, then this one's.
+    fn write_trace(&self, out: &Path) -> anyhow::Result<()> {
+        let (base, offset) = &self.trace_base;
+        self.trace
+            .write_merged(&out.join("trace.json"), base, *offset)
+    }
+
     fn now(&self) -> Tick {
         Tick(self.clock.elapsed().as_micros() as u64)
     }
@@ -695,6 +784,15 @@ impl Ctx<'_> {
             .pending_step
             .unwrap_or(state.next_step)
             .min(state.next_step);
+        // The boundary step's rollout half (reward, tokens, counts) was measured by the stopped
+        // run; only its training is redone, so keep those fields instead of zeros.
+        let boundary: Option<StepMetrics> = state.pending_step.and_then(|s| {
+            read_metrics(out)
+                .ok()?
+                .into_iter()
+                .rev()
+                .find(|m| m.step == s)
+        });
         let mut metrics_file = open_metrics(out, redo_from)?;
         let bar = progress_bar(cfg, steps, state.next_step);
         let mut metrics = Vec::new();
@@ -708,14 +806,18 @@ impl Ctx<'_> {
             .map(|(gs, e)| (gs.into_iter().map(restore_group).collect(), e))
             .collect();
         let mut pending_metrics: Option<(StepMetrics, Instant)> = state.pending_step.map(|s| {
-            (
-                StepMetrics {
+            let m = match boundary {
+                Some(m) => StepMetrics {
+                    heldout_accuracy: None,
+                    ..m
+                },
+                None => StepMetrics {
                     step: s,
                     mode: cfg.run.mode.name().into(),
                     ..Default::default()
                 },
-                Instant::now(),
-            )
+            };
+            (m, Instant::now())
         });
         let mut engine_version = PolicyVersion(state.engine_version);
         let last_phase = if one_off { steps } else { steps - 1 };
@@ -884,7 +986,10 @@ impl Ctx<'_> {
             // Step boundary: weight sync, then metrics, evaluation and checkpoint.
             let trainer_version = PolicyVersion(k + 1);
             let is_last = k == last_phase;
+            // A signal stops the run here, at a step boundary, with a checkpoint.
+            let stop = !is_last && k < steps && crate::interrupt::requested();
             let ckpt_now = is_last
+                || stop
                 || (cfg.run.checkpoint_every > 0 && (k + 1) % cfg.run.checkpoint_every as u64 == 0);
             let (w, adam) = self.export(ckpt_now && k < steps)?;
             let train_end = if one_off { prev.end } else { cur.end };
@@ -1006,15 +1111,23 @@ impl Ctx<'_> {
                     .map(|(gs, e)| (gs.iter().map(save_group).collect(), *e))
                     .collect();
                 state.pending_step = pending_metrics.as_ref().map(|(m, _)| m.step);
-                save_checkpoint(out, &self.model_cfg, &w, adam.as_ref(), state)?;
+                save_checkpoint(out, tok_src(cfg), &self.model_cfg, &w, adam.as_ref(), state)?;
+                // What a `kill -9` after this point would otherwise lose.
+                self.write_trace(out)?;
+                self.summary.write(out, None, false)?;
             }
             weights = Some(w);
+            if stop {
+                self.interrupted = Some(k + 1);
+                bar.abandon();
+                return Ok((metrics, counters, weights.context("no step ran")?, acc_end));
+            }
         }
         bar.finish_and_clear();
         let w = weights.context("no step ran")?;
         // The final weights as a model directory (for one-step-off they are past the last
         // checkpoint, which precedes the final drain so that a resume continues the schedule).
-        save_model_dir(&out.join("final"), &self.model_cfg, &w)?;
+        save_model(&out.join("final"), &self.model_cfg, &w, tok_src(cfg))?;
         Ok((metrics, counters, w, acc_end))
     }
 
@@ -1213,7 +1326,8 @@ impl Ctx<'_> {
                                 .map_err(|_| anyhow::anyhow!("the verifiers stopped"))?;
                         }
                     }
-                    Ok(rolloutpipe_core::Completion::Discarded) => {}
+                    // Discarded: the group ended while it ran.
+                    Ok(_) => {}
                     Err(e) => tracing::warn!(%rid, "completion rejected: {e}"),
                 }
             }
@@ -1232,7 +1346,7 @@ impl Ctx<'_> {
                     bail!("a reward for {rid}, which was not generated");
                 };
                 match sched.on_reward(now, rid, reward) {
-                    Ok(state) => {
+                    Ok(rolloutpipe_core::Completion::Accepted { group_state: state }) => {
                         ro.rewards.0 += reward as f64;
                         ro.rewards.1 += 1;
                         ro.rewards.2 += correct as u64;
@@ -1268,6 +1382,8 @@ impl Ctx<'_> {
                         }
                     }
                     // The group ended while the verifier ran (aborted or filtered).
+                    // Discarded: the group ended while the verifier ran.
+                    Ok(_) => {}
                     Err(e) => tracing::debug!(%rid, "reward dropped: {e}"),
                 }
             }
@@ -1352,7 +1468,34 @@ fn progress_bar(cfg: &TrainConfig, steps: u64, done: u64) -> indicatif::Progress
         bar.set_style(style.progress_chars("=> "));
     }
     bar.set_prefix(cfg.run.mode.name());
-    bar
+    crate::logging::add(bar)
+}
+
+/// Refuses `rl.max_new_tokens` (and SFT answers) that, after the longest prompt, would run
+/// past the model's position limit: found here, before any SFT or RL step runs.
+fn check_positions(
+    cfg: &TrainConfig,
+    problems: &data::Problems,
+    tok: &dyn Tokenizer,
+    mc: &ModelConfig,
+) -> anyhow::Result<()> {
+    let limit = mc.max_position_embeddings;
+    let mut longest = problems.train.longest_prompt();
+    for p in &problems.heldout {
+        longest = longest.max(tok.encode_prompt(&p.prompt)?.len());
+    }
+    ensure!(
+        longest + cfg.rl.max_new_tokens <= limit,
+        "rl.max_new_tokens = {} after the longest prompt ({longest} tokens) exceeds the model's position limit max_position_embeddings = {limit}; lower it to at most {}",
+        cfg.rl.max_new_tokens,
+        limit.saturating_sub(longest)
+    );
+    Ok(())
+}
+
+/// The model directory whose tokenizer files every model directory of the run carries.
+fn tok_src(cfg: &TrainConfig) -> Option<&Path> {
+    Some(cfg.model.dir.as_path()).filter(|d| !d.as_os_str().is_empty())
 }
 
 /// Opens `metrics.jsonl` for appending, dropping lines of steps at or after `from` (a resumed
@@ -1411,11 +1554,7 @@ fn write_plots(
         "Learning curves",
         "step",
         "share",
-        &[
-            Series::new("reward", pts(&|m| Some(m.reward))),
-            Series::new("train accuracy", pts(&|m| Some(m.train_accuracy))),
-            Series::new("held-out accuracy", pts(&|m| m.heldout_accuracy)),
-        ],
+        &learning_series(&ms),
     )?;
     plot::lines(
         &out.join("step_times.svg"),
@@ -1443,6 +1582,31 @@ fn write_plots(
         )?;
     }
     Ok(())
+}
+
+/// The learning-curve series: reward and held-out accuracy always; train accuracy only where
+/// it differs from the reward (without a format penalty they are equal, and one line would
+/// hide the other).
+fn learning_series(ms: &[StepMetrics]) -> Vec<Series<(f64, f64)>> {
+    let pts = |f: &dyn Fn(&StepMetrics) -> Option<f64>| -> Vec<(f64, f64)> {
+        ms.iter()
+            .filter_map(|m| f(m).map(|v| (m.step as f64, v)))
+            .collect()
+    };
+    let mut s = vec![
+        Series::new("reward", pts(&|m| Some(m.reward))),
+        Series::new("held-out accuracy", pts(&|m| m.heldout_accuracy)),
+    ];
+    if ms
+        .iter()
+        .any(|m| (m.reward - m.train_accuracy).abs() > 1e-9)
+    {
+        s.push(Series::new(
+            "train accuracy",
+            pts(&|m| Some(m.train_accuracy)),
+        ));
+    }
+    s
 }
 
 /// A 64-bit mix of several values (SplitMix64 finaliser over a running hash).
@@ -1506,6 +1670,7 @@ fn restore_group(g: SavedGroup) -> GroupBatch {
 /// `latest` pointer), so an interrupted save never replaces a good checkpoint.
 fn save_checkpoint(
     out: &Path,
+    tok: Option<&Path>,
     cfg: &ModelConfig,
     w: &Weights,
     adam: Option<&AdamState>,
@@ -1515,7 +1680,7 @@ fn save_checkpoint(
     let name = format!("step-{:06}", st.next_step);
     let tmp = root.join(format!(".{name}.tmp"));
     let _ = std::fs::remove_dir_all(&tmp);
-    save_model_dir(&tmp, cfg, w)?;
+    save_model(&tmp, cfg, w, tok)?;
     if let Some(a) = adam {
         let mut o = Weights::default();
         let n = a.m.len();
