@@ -153,7 +153,7 @@ fn bench_train(c: &mut Criterion) {
     ));
     g.bench_function("grpo_step_8x64", |b| {
         b.iter(|| {
-            be.zero_grad();
+            be.zero_grad().unwrap();
             be.accumulate(&batch, &Objective::default())
                 .expect("accumulate");
             be.optimizer_step(norm, &opt).expect("step")

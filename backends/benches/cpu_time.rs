@@ -137,7 +137,7 @@ fn main() {
             ..Default::default()
         };
         let r = measure(2.0, || {
-            be.zero_grad();
+            be.zero_grad().unwrap();
             be.accumulate(&batch, &Objective::default())
                 .expect("accumulate");
             be.optimizer_step(norm, &opt).expect("step");

@@ -81,7 +81,7 @@ fn run() -> std::result::Result<(), String> {
                 beta: 0.04,
                 temperature: 1.0,
             };
-            be.zero_grad();
+            be.zero_grad().unwrap();
             let st = be.accumulate(&batch, &obj).map_err(|e| e.to_string())?;
             let norm = normalizer(Aggregation::TokenMean, std::slice::from_ref(&batch));
             let os = be

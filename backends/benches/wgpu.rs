@@ -241,7 +241,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 }
 
-fn small(g: &Arc<Gpu>) -> (Box<dyn PolicyBackend>, Box<dyn PolicyBackend>) {
+fn small(g: &Arc<Gpu>) -> (Box<dyn Policy>, Box<dyn Policy>) {
     let cfg = ModelConfig::small();
     let w = Weights::random(&cfg, 0).expect("random weights");
     let gpu = WgpuBackend::with_gpu(Arc::clone(g), &cfg, &w).expect("wgpu backend");
@@ -249,7 +249,7 @@ fn small(g: &Arc<Gpu>) -> (Box<dyn PolicyBackend>, Box<dyn PolicyBackend>) {
     (Box::new(gpu), Box::new(cpu))
 }
 
-fn generate(be: &mut dyn PolicyBackend, conc: usize, next: &mut u64) {
+fn generate(be: &mut dyn Policy, conc: usize, next: &mut u64) {
     let (prompt_len, new) = (16usize, 32usize);
     for i in 0..conc {
         *next += 1;
@@ -328,7 +328,7 @@ fn bench_train(c: &mut Criterion, g: &Arc<Gpu>) {
     for (name, be) in [("wgpu", &mut gpu), ("cpu", &mut cpu)] {
         grp.bench_function(BenchmarkId::new(name, "grpo_step_8x64"), |b| {
             b.iter(|| {
-                be.zero_grad();
+                be.zero_grad().unwrap();
                 be.accumulate(&batch, &Objective::default())
                     .expect("accumulate");
                 be.optimizer_step(norm, &opt).expect("step")

@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use crate::api::RequestKey;
+use crate::seam::{Rejected, RequestKey};
 
 /// Errors of the policy backends.
 #[derive(Debug, thiserror::Error)]
@@ -84,9 +84,31 @@ pub enum BackendError {
         /// Why it is not accepted.
         reason: String,
     },
+    /// The engine is at its limits; the submission is handed back to be retried later
+    /// (back-pressure, not a failure).
+    #[error("engine full: {reason}")]
+    EngineFull {
+        /// What did not fit.
+        reason: String,
+        /// The request or group that was not admitted.
+        rejected: Box<Rejected>,
+    },
+    /// The call needs the engine idle, but a decode step is in flight (poll it first).
+    #[error("{0}: a decode step is in flight; poll it first")]
+    StepInFlight(&'static str),
     /// A device (GPU) failure.
     #[error("device: {0}")]
     Device(String),
+}
+
+impl BackendError {
+    /// The submission a full engine handed back, if this is [`BackendError::EngineFull`].
+    pub fn into_rejected(self) -> std::result::Result<Rejected, Self> {
+        match self {
+            Self::EngineFull { rejected, .. } => Ok(*rejected),
+            e => Err(e),
+        }
+    }
 }
 
 /// Result of the backend crate.

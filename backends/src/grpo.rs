@@ -6,8 +6,8 @@
 //! groups complete) and sync training give the same step (SPEC §2): a sequence's per-token weight
 //! depends only on itself, and the normaliser only on the whole optimizer step.
 
-use crate::api::TrainBatch;
 use crate::error::{BackendError, Result};
+use crate::seam::TrainBatch;
 
 /// How a group's rewards are scaled into advantages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -90,7 +90,7 @@ pub fn normalizer(agg: Aggregation, batches: &[TrainBatch]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::TrainSequence;
+    use crate::seam::TrainSequence;
 
     #[test]
     fn advantages_by_mode() {

@@ -1,6 +1,7 @@
 //! Policy backends of RolloutPipe: a Qwen3 model that generates rollouts and trains with GRPO.
 //!
-//! - [`api`]: the [`PolicyBackend`] trait every backend implements, and its request/batch types;
+//! - [`seam`]: the [`RolloutEngine`] and [`Trainer`] traits every backend implements, weight
+//!   sync between them, dtype-tagged tensors, and the request/batch types (seam v2);
 //! - [`config`], [`weights`]: Hugging Face `config.json` + `model.safetensors` model directories;
 //! - [`grpo`], [`optim`]: advantages, aggregation and normaliser, AdamW with global-norm clipping
 //!   (SPEC §6), shared by all backends;
@@ -8,7 +9,7 @@
 //!   checked against.
 //!
 //! ```
-//! use rolloutpipe_backends::{CpuBackend, GenRequest, ModelConfig, PolicyBackend, RequestKey,
+//! use rolloutpipe_backends::{CpuBackend, GenRequest, ModelConfig, RolloutEngine, RequestKey,
 //!     SamplingParams, Weights};
 //! let cfg = ModelConfig::tiny();
 //! let mut be = CpuBackend::new(&cfg, &Weights::random(&cfg, 0).unwrap(), 1).unwrap();
@@ -22,20 +23,20 @@
 //! ```
 #![deny(missing_docs)]
 
-pub mod api;
 pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod grpo;
 pub mod optim;
+pub mod seam;
 pub mod weights;
 
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
-pub use api::*;
 pub use config::ModelConfig;
 pub use cpu::CpuBackend;
 pub use error::{BackendError, Result};
 pub use grpo::{Aggregation, StdMode, advantages, normalizer};
+pub use seam::*;
 pub use weights::{Tensor, Weights, load_model_dir, save_model_dir};

@@ -928,13 +928,109 @@ macro_rules! backend_suite {
         mod $name {
             use super::*;
 
-            fn make(cfg: &ModelConfig, w: &Weights) -> Option<Box<dyn PolicyBackend>> {
-                let f: fn(&ModelConfig, &Weights) -> Option<Box<dyn PolicyBackend>> = $make;
+            fn make(cfg: &ModelConfig, w: &Weights) -> Option<Box<dyn Policy>> {
+                let f: fn(&ModelConfig, &Weights) -> Option<Box<dyn Policy>> = $make;
                 f(cfg, w)
             }
 
             fn reference(cfg: &ModelConfig, w: &Weights) -> CpuBackend {
                 CpuBackend::new(cfg, w, 1).expect("cpu reference")
+            }
+
+            /// Engine- and trainer-level seam v2 checks: a group matches the CPU's independent
+            /// requests, a full engine hands the request back, submit/poll completes a step,
+            /// and a trainer-to-engine sync of this backend equals the trainer's weights and
+            /// takes the same-device path (CPU: host; wgpu: the suite's one shared device).
+            #[test]
+            fn seam_groups_limits_submit_poll_and_sync() {
+                let cfg = ModelConfig::tiny();
+                let w = test_weights(&cfg, 77);
+                let Some(mut be) = make(&cfg, &w) else { return };
+                let mut cpu = reference(&cfg, &w);
+                let prompt = vec![1u32, 5, 2, 7];
+                let samples: Vec<_> = (0..3u64)
+                    .map(|i| {
+                        let p = SamplingParams {
+                            temperature: 0.8,
+                            max_new_tokens: 3 + i as usize,
+                            seed: 40 + i,
+                            ..Default::default()
+                        };
+                        (RequestKey(i), p)
+                    })
+                    .collect();
+                let group = GroupRequest {
+                    prompt: prompt.clone(),
+                    samples,
+                };
+                for r in group.clone().into_requests() {
+                    cpu.add_request(r).expect("cpu add");
+                }
+                be.add_group(group).expect("add_group");
+                assert_eq!(be.active_requests(), 3);
+                let mut want = std::collections::BTreeMap::new();
+                while cpu.active_requests() > 0 {
+                    for o in cpu.decode_step().expect("cpu step") {
+                        want.insert(o.id.0, o.tokens);
+                    }
+                }
+                let mut got = std::collections::BTreeMap::new();
+                while be.active_requests() > 0 {
+                    be.submit_step().expect("submit");
+                    for o in be.poll_step(true).expect("poll").expect("waited") {
+                        got.insert(o.id.0, o.tokens);
+                    }
+                }
+                assert_eq!(got, want, "group tokens against independent CPU requests");
+
+                be.set_limits(EngineLimits {
+                    max_requests: 1,
+                    max_kv_tokens: 100,
+                })
+                .expect("limits");
+                let req = |id| GenRequest {
+                    id: RequestKey(id),
+                    prompt: vec![1],
+                    params: SamplingParams {
+                        max_new_tokens: 8,
+                        ..Default::default()
+                    },
+                };
+                be.add_request(req(10)).expect("first fits");
+                match be.add_request(req(11)).map_err(BackendError::into_rejected) {
+                    Err(Ok(Rejected::Request(r))) => assert_eq!(r.id, RequestKey(11)),
+                    other => panic!("expected the request handed back, got {other:?}"),
+                }
+                be.cancel_request(RequestKey(10)).expect("cancel");
+
+                let Some(mut engine) = make(&cfg, &test_weights(&cfg, 78)) else {
+                    return;
+                };
+                let seq = TrainSequence::new(vec![1, 2], vec![3, 4], 1.0, Aggregation::TokenMean);
+                let batch = TrainBatch {
+                    sequences: vec![seq],
+                };
+                be.zero_grad().unwrap();
+                be.accumulate(&batch, &Objective::default())
+                    .expect("accumulate");
+                be.optimizer_step(2.0, &AdamW::default()).expect("step");
+                let path = be.sync_to(engine.as_mut()).expect("sync");
+                assert_eq!(path, SyncPath::SameDevice);
+                assert_eq!(
+                    engine.export_weights().expect("engine weights"),
+                    be.export_weights().expect("trainer weights")
+                );
+                // The host path gives the same weights to a CPU engine.
+                let snap = be
+                    .snapshot_weights(cpu.sync_target())
+                    .expect("host snapshot");
+                let expect = if be.device() == DeviceId::Host {
+                    SyncPath::SameDevice
+                } else {
+                    SyncPath::Host
+                };
+                assert_eq!(cpu.load_weights(&snap).expect("load"), expect);
+                assert_eq!(cpu.export_weights().unwrap(), be.export_weights().unwrap());
             }
 
             #[test]
@@ -1025,8 +1121,8 @@ macro_rules! backend_suite {
                         beta: 0.04,
                         temperature: 1.0,
                     };
-                    be.zero_grad();
-                    cpu.zero_grad();
+                    be.zero_grad().unwrap();
+                    cpu.zero_grad().unwrap();
                     for batch in &batches {
                         let g = be.accumulate(batch, &obj).expect("accumulate");
                         let c = cpu.accumulate(batch, &obj).expect("cpu accumulate");
@@ -1170,7 +1266,7 @@ macro_rules! backend_suite {
                     // Continuous batching: 6 join, 2 steps run, 14 more join and one leaves. The
                     // 17th request doubles the KV cache's slots and the long last prompt
                     // lengthens every slot while requests are mid-generation (cache re-layout).
-                    let run = |b: &mut dyn PolicyBackend| {
+                    let run = |b: &mut dyn Policy| {
                         let mut done = Vec::new();
                         for r in &reqs[..6] {
                             b.add_request(r.clone()).expect("add");
@@ -1267,7 +1363,7 @@ macro_rules! backend_suite {
 }
 
 backend_suite!(cpu_reference, |cfg, w| Some(
-    Box::new(CpuBackend::new(cfg, w, 1).expect("cpu")) as Box<dyn PolicyBackend>
+    Box::new(CpuBackend::new(cfg, w, 1).expect("cpu")) as Box<dyn Policy>
 ));
 
 #[cfg(feature = "wgpu")]
@@ -1275,7 +1371,7 @@ backend_suite!(wgpu_backend, |cfg, w| {
     device::gpu().map(|g| {
         Box::new(
             rolloutpipe_backends::wgpu::WgpuBackend::with_gpu(g, cfg, w).expect("wgpu backend"),
-        ) as Box<dyn PolicyBackend>
+        ) as Box<dyn Policy>
     })
 });
 
@@ -1306,8 +1402,8 @@ fn wgpu_optimizer_state_matches_cpu_and_round_trips() {
     let batch = TrainBatch { sequences };
     let opt = AdamW::default();
     let norm = normalizer(Aggregation::TokenMean, std::slice::from_ref(&batch));
-    for b in [&mut be as &mut dyn PolicyBackend, &mut cpu] {
-        b.zero_grad();
+    for b in [&mut be as &mut dyn Policy, &mut cpu] {
+        b.zero_grad().unwrap();
         b.accumulate(&batch, &Objective::default())
             .expect("accumulate");
         b.optimizer_step(norm, &opt).expect("step");

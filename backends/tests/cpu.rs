@@ -67,7 +67,7 @@ fn grpo(eps_low: f64, eps_high: f64, beta: f64, temperature: f64) -> Objective {
 
 /// Runs requests to completion, adding `joins[i]` before step `i`, and returns outputs by id.
 fn run_engine(
-    be: &mut dyn PolicyBackend,
+    be: &mut dyn Policy,
     joins: Vec<Vec<GenRequest>>,
     cancel_at: &[(usize, RequestKey)],
 ) -> std::collections::BTreeMap<u64, GenOutput> {
@@ -377,14 +377,14 @@ fn micro_batches_in_any_order_equal_the_one_shot_gradient_and_step() {
             sequences: groups.iter().flat_map(|g| g.sequences.clone()).collect(),
         };
         let mut one = CpuBackend::new(&cfg, &w, 2).unwrap();
-        one.zero_grad();
+        one.zero_grad().unwrap();
         let s1 = one.accumulate(&whole, &obj).unwrap();
         let g1 = one.gradients().unwrap();
         let o1 = one.optimizer_step(norm, &opt).unwrap();
         let w1 = one.export_weights().unwrap();
         for order in [[0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]] {
             let mut mb = CpuBackend::new(&cfg, &w, 1).unwrap();
-            mb.zero_grad();
+            mb.zero_grad().unwrap();
             let mut s = AccumStats::default();
             for &i in &order {
                 s.merge(&mb.accumulate(&groups[i], &obj).unwrap());
@@ -455,7 +455,7 @@ fn grpo_step_raises_good_and_lowers_bad_responses() {
             TrainSequence::new(prompt, bad, adv[1], Aggregation::TokenMean),
         ],
     };
-    be.zero_grad();
+    be.zero_grad().unwrap();
     let st = be.accumulate(&batch, &Objective::default()).unwrap();
     // ρ = 1 everywhere: loss = −Σ A = 0 over a group, nothing clipped, zero KL.
     assert!(st.loss_sum.abs() < 1e-5 && st.clipped == 0 && st.kl_sum.abs() < 1e-9);
@@ -500,7 +500,7 @@ fn sft_learns_a_sequence() {
     let mut first = 0.0;
     let mut last = 0.0;
     for i in 0..40 {
-        be.zero_grad();
+        be.zero_grad().unwrap();
         let s = be.accumulate(&batch, &Objective::Sft).unwrap();
         be.optimizer_step(s.tokens as f64, &opt).unwrap();
         let mean = s.loss_sum / s.tokens as f64;
@@ -731,7 +731,7 @@ fn training_is_bitwise_reproducible_across_runs_and_thread_counts() {
     let run = |threads: usize| {
         let mut be = CpuBackend::new(&cfg, &w, threads).unwrap();
         for _ in 0..2 {
-            be.zero_grad();
+            be.zero_grad().unwrap();
             for g in &groups {
                 be.accumulate(g, &grpo(0.2, 0.2, 0.0, 1.0)).unwrap();
             }

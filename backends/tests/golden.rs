@@ -14,8 +14,8 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use rolloutpipe_backends::{
-    Aggregation, CpuBackend, Objective, PolicyBackend, Sequence, StdMode, TrainBatch,
-    TrainSequence, Weights, advantages, load_model_dir,
+    Aggregation, CpuBackend, Objective, Sequence, StdMode, TrainBatch, TrainSequence, Trainer,
+    Weights, advantages, load_model_dir,
 };
 use serde_json::Value;
 
@@ -263,7 +263,7 @@ fn run_dir(name: &str, dir: &Path, tol: Tols) {
         meta["beta"].as_f64().unwrap() > 0.0,
         "the fixture must exercise the KL term"
     );
-    be.zero_grad();
+    be.zero_grad().unwrap();
     let stats = be.accumulate(&train, &obj).unwrap();
     let n = train.response_tokens() as f64;
     assert_eq!(stats.tokens, meta["tokens"].as_u64().unwrap() as usize);

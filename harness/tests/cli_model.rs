@@ -5,8 +5,8 @@
 use std::path::Path;
 
 use rolloutpipe_backends::{
-    Aggregation, CpuBackend, ModelConfig, Objective, PolicyBackend, StdMode, TrainBatch,
-    TrainSequence, Weights, advantages, load_model_dir, save_model_dir,
+    Aggregation, CpuBackend, ModelConfig, Objective, StdMode, TrainBatch, TrainSequence, Trainer,
+    Weights, advantages, load_model_dir, save_model_dir,
 };
 use serde_json::{Value, json};
 

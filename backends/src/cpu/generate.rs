@@ -14,9 +14,9 @@ use rayon::prelude::*;
 
 use super::model::{Model, check_tokens, fit};
 use super::ops::*;
-use crate::api::{FinishReason, GenOutput, GenRequest, RequestKey};
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
+use crate::seam::{FinishReason, GenOutput, GenRequest, RequestKey};
 
 /// One active request and its KV cache.
 #[derive(Debug)]
@@ -35,6 +35,8 @@ struct Active {
     cached: usize,
     /// Attention probabilities scratch, `[heads, chunk, cached + chunk]`.
     att: Vec<f32>,
+    /// Samples of this request's group that wait for its prefill to copy the prompt's KV.
+    followers: Vec<GenRequest>,
 }
 
 /// Grow-only buffers of a decode step.
@@ -134,13 +136,13 @@ pub(crate) fn validate_request(cfg: &ModelConfig, req: &GenRequest) -> Result<()
 impl Generator {
     /// Requests added and not finished or cancelled.
     pub fn active(&self) -> usize {
-        self.active.len()
+        self.active.len() + self.active.iter().map(|a| a.followers.len()).sum::<usize>()
     }
 
     /// Queues a request (prefilled at the next step).
     pub fn add(&mut self, cfg: &ModelConfig, req: GenRequest) -> Result<()> {
         validate_request(cfg, &req)?;
-        if self.active.iter().any(|a| a.id == req.id) {
+        if self.contains(req.id) {
             return Err(BackendError::DuplicateRequest(req.id));
         }
         // The cache never holds the last sampled token (generation stops right after it).
@@ -161,19 +163,118 @@ impl Generator {
             cap,
             cached: 0,
             att: Vec::new(),
+            followers: Vec::new(),
         });
         Ok(())
     }
 
+    /// Queues a group: the first sample prefills the prompt; the others join after that
+    /// step with the prompt's KV copied (see [`Generator::fork_followers`]).
+    pub fn add_group(&mut self, cfg: &ModelConfig, reqs: Vec<GenRequest>) -> Result<()> {
+        let Some(first) = reqs.first() else {
+            return Err(BackendError::EmptyBatch("group with no samples".into()));
+        };
+        for (i, r) in reqs.iter().enumerate() {
+            validate_request(cfg, r)?;
+            if self.contains(r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
+                return Err(BackendError::DuplicateRequest(r.id));
+            }
+            if r.prompt != first.prompt {
+                return Err(BackendError::invalid(
+                    "group",
+                    "samples differ in their prompt",
+                ));
+            }
+        }
+        let mut reqs = reqs.into_iter();
+        let leader = reqs.next().map(|r| self.add(cfg, r));
+        leader.unwrap_or(Ok(()))?;
+        if let Some(a) = self.active.last_mut() {
+            a.followers.extend(reqs);
+        }
+        Ok(())
+    }
+
+    /// Whether `id` is active or waiting for its group's prefill.
+    pub fn contains(&self, id: RequestKey) -> bool {
+        self.active
+            .iter()
+            .any(|a| a.id == id || a.followers.iter().any(|f| f.id == id))
+    }
+
+    /// For every request that was prefilled in this step and leads a group, starts its
+    /// followers with the first `prompt − 1` positions of its KV cache copied. The last
+    /// prompt position is computed by each follower (as vLLM does on a full prefix hit),
+    /// because its first token is sampled from that position's logits; every later row is
+    /// the follower's own, so its tokens equal those it would have generated alone.
+    fn fork_followers(
+        active: &mut [Active],
+        free: &mut Vec<(Vec<f32>, Vec<f32>)>,
+        cfg: &ModelConfig,
+        chunk: &[(usize, usize)],
+    ) -> Vec<Active> {
+        let kd = cfg.kv_dim();
+        let mut out = Vec::new();
+        for (a, &(_, len)) in active.iter_mut().zip(chunk) {
+            if a.followers.is_empty() || a.cached + len < a.prompt.len() {
+                continue;
+            }
+            let shared = a.prompt.len() - 1;
+            for req in std::mem::take(&mut a.followers) {
+                let cap = req.prompt.len() + req.params.max_new_tokens;
+                let (mut k, mut v) = free.pop().unwrap_or_default();
+                fit(&mut k, cfg.num_hidden_layers * cap * kd);
+                fit(&mut v, cfg.num_hidden_layers * cap * kd);
+                for l in 0..cfg.num_hidden_layers {
+                    let (src, dst) = (l * a.cap * kd, l * cap * kd);
+                    k[dst..dst + shared * kd].copy_from_slice(&a.k[src..src + shared * kd]);
+                    v[dst..dst + shared * kd].copy_from_slice(&a.v[src..src + shared * kd]);
+                }
+                out.push(Active {
+                    id: req.id,
+                    rng: ChaCha8Rng::seed_from_u64(req.params.seed),
+                    tokens: Vec::with_capacity(req.params.max_new_tokens),
+                    logprobs: Vec::with_capacity(req.params.max_new_tokens),
+                    prompt: req.prompt,
+                    params: req.params,
+                    k,
+                    v,
+                    cap,
+                    cached: shared,
+                    att: Vec::new(),
+                    followers: Vec::new(),
+                });
+            }
+        }
+        out
+    }
+
     /// Aborts a request, recycling its cache.
-    pub fn cancel(&mut self, id: RequestKey) -> Result<()> {
+    pub fn cancel(&mut self, cfg: &ModelConfig, id: RequestKey) -> Result<()> {
+        for a in &mut self.active {
+            if let Some(j) = a.followers.iter().position(|f| f.id == id) {
+                a.followers.remove(j);
+                return Ok(());
+            }
+        }
         let i = self
             .active
             .iter()
             .position(|a| a.id == id)
             .ok_or(BackendError::UnknownRequest(id))?;
-        let a = self.active.remove(i);
+        let mut a = self.active.remove(i);
+        // A cancelled leader that has not prefilled yet hands its group to the next sample.
+        let mut followers = std::mem::take(&mut a.followers).into_iter();
         self.free.push((a.k, a.v));
+        if a.cached < a.prompt.len()
+            && let Some(next) = followers.next()
+        {
+            // Already validated with the group; only the cache is sized here.
+            self.add(cfg, next)?;
+            if let Some(l) = self.active.last_mut() {
+                l.followers.extend(followers);
+            }
+        }
         Ok(())
     }
 
@@ -200,8 +301,8 @@ impl Generator {
         s.chunk.clear();
         for a in &self.active {
             let start = s.ids.len();
-            if a.cached == 0 {
-                s.ids.extend_from_slice(&a.prompt);
+            if a.cached < a.prompt.len() {
+                s.ids.extend_from_slice(&a.prompt[a.cached..]);
             } else {
                 s.ids
                     .push(*a.tokens.last().unwrap_or(&a.prompt[a.prompt.len() - 1]));
@@ -290,6 +391,7 @@ impl Generator {
         rmsnorm_fwd(&mut s.hsel, &mut s.rstd, &s.tmp, m.final_norm(), d, eps);
         fit(&mut s.logits, r * v);
         matmul_fwd(&mut s.logits, &s.hsel, m.lm_head(), r, d, v);
+        let forked = Self::fork_followers(&mut self.active, &mut self.free, c, &s.chunk);
         // Each row's draw depends only on its own logits, settings and stream, so the rows are
         // sampled in parallel (a 151,936-entry softmax per row is not free).
         let draws: Vec<(u32, f32)> = {
@@ -329,6 +431,7 @@ impl Generator {
                 None => i += 1,
             }
         }
+        self.active.extend(forked);
         Ok(finished)
     }
 }

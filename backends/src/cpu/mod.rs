@@ -1,6 +1,10 @@
 //! The CPU reference backend: plain f32 ops (`ops`), the Qwen3 model over packed batches
-//! (`model`), continuous-batching generation (`generate`), and [`CpuBackend`] tying them to the
-//! [`PolicyBackend`] interface. Every GPU backend is checked against this one.
+//! (`model`), continuous-batching generation (`generate`), and [`CpuBackend`] implementing both
+//! seam roles, [`RolloutEngine`] and [`Trainer`]. Every GPU backend is checked against this one.
+//!
+//! Decode steps run on the backend's own thread pool: `submit_step` hands the step to it and
+//! returns, so the caller's thread prepares the next step (adds, cancels, its own work) while
+//! the pool decodes; requests added or cancelled meanwhile take effect when the step is polled.
 
 pub mod generate;
 pub mod kernel;
@@ -8,37 +12,72 @@ pub mod lm_head;
 pub mod model;
 pub mod ops;
 
-use crate::api::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, TryRecvError, channel};
+
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
 use crate::optim::{self, AdamState};
+use crate::seam::*;
 use crate::weights::Weights;
 use generate::Generator;
 use model::{Activations, Model, PackedBatch, check_tokens};
 
+/// The result a decode step sends back from the pool with the generator it ran on.
+type StepResult = (Generator, Result<Vec<GenOutput>>);
+
+/// The generator, idle on this thread or away running a step.
+#[derive(Debug)]
+enum EngineState {
+    Idle(Generator),
+    InFlight(Receiver<StepResult>),
+}
+
+/// An engine call made while a step was in flight, applied when it is polled.
+#[derive(Debug)]
+enum Pending {
+    Add(GenRequest),
+    Group(Vec<GenRequest>),
+    Cancel(RequestKey),
+}
+
+/// A same-device weight snapshot: the trainer's parameters copied flat, in the layout both
+/// CPU sides share (no name map, no per-tensor validation on load).
+#[derive(Debug)]
+struct CpuSnapshot {
+    data: TensorData,
+}
+
 /// Qwen3 on the CPU in f32: generation, log-probs and GRPO/SFT training.
 pub struct CpuBackend {
-    model: Model<f32>,
+    /// Shared with a decode step in flight; training needs it unshared.
+    model: Arc<Model<f32>>,
     grads: Vec<f32>,
     opt: AdamState,
     acts: Activations<f32>,
-    generator: Generator,
-    pool: rayon::ThreadPool,
+    engine: EngineState,
+    pending: Vec<Pending>,
+    /// Admitted requests (queued, waiting for their group's prefill, or active) and the KV
+    /// positions each reserves.
+    admitted: HashMap<RequestKey, usize>,
+    limits: EngineLimits,
+    pool: Arc<rayon::ThreadPool>,
 }
 
 impl std::fmt::Debug for CpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CpuBackend")
             .field("config", &self.model.cfg)
-            .field("active_requests", &self.generator.active())
+            .field("admitted_requests", &self.admitted.len())
             .field("threads", &self.pool.current_num_threads())
             .finish()
     }
 }
 
 impl CpuBackend {
-    /// A backend for `cfg` with weights `w`, running attention and per-sequence work on
-    /// `threads` threads (0 = one per core). GEMMs use matrixmultiply's own threads
+    /// A backend for `cfg` with weights `w`, running attention, per-sequence work and decode
+    /// steps on `threads` threads (0 = one per core). GEMMs use matrixmultiply's own threads
     /// (`MATMUL_NUM_THREADS`).
     pub fn new(cfg: &ModelConfig, w: &Weights, threads: usize) -> Result<Self> {
         let model = Model::new(cfg, w)?;
@@ -49,11 +88,14 @@ impl CpuBackend {
             .map_err(|e| BackendError::Device(format!("thread pool: {e}")))?;
         Ok(Self {
             grads: vec![0.0; model.layout.total],
-            model,
+            model: Arc::new(model),
             opt: AdamState::default(),
             acts: Activations::default(),
-            generator: Generator::default(),
-            pool,
+            engine: EngineState::Idle(Generator::default()),
+            pending: Vec::new(),
+            admitted: HashMap::new(),
+            limits: EngineLimits::default(),
+            pool: Arc::new(pool),
         })
     }
 
@@ -62,7 +104,7 @@ impl CpuBackend {
         &self.model
     }
 
-    /// The optimizer state (moments and step count), e.g. for checkpoints.
+    /// The optimizer state (moments and step count).
     pub fn optimizer_state(&self) -> &AdamState {
         &self.opt
     }
@@ -76,9 +118,85 @@ impl CpuBackend {
         self.opt = st;
         Ok(())
     }
+
+    /// The model for an update; refused while a decode step reads it.
+    fn model_mut(&mut self, what: &'static str) -> Result<&mut Model<f32>> {
+        Arc::get_mut(&mut self.model).ok_or(BackendError::StepInFlight(what))
+    }
+
+    /// The generator, when no step is in flight.
+    fn idle(&mut self) -> Option<&mut Generator> {
+        match &mut self.engine {
+            EngineState::Idle(g) => Some(g),
+            EngineState::InFlight(_) => None,
+        }
+    }
+
+    /// Admission: checks limits and duplicates, hands the submission back when full.
+    fn admit(&self, reqs: &[GenRequest], rejected: impl FnOnce() -> Rejected) -> Result<()> {
+        // Invalid input is its own error before any back-pressure.
+        for (i, r) in reqs.iter().enumerate() {
+            if self.admitted.contains_key(&r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
+                return Err(BackendError::DuplicateRequest(r.id));
+            }
+        }
+        let kv: usize = reqs.iter().map(GenRequest::kv_tokens).sum();
+        self.load().admit(&self.limits, reqs.len(), kv, rejected)
+    }
+
+    /// Applies an add, group or cancel to the idle generator.
+    fn apply(gen_: &mut Generator, cfg: &ModelConfig, p: Pending) -> Result<()> {
+        match p {
+            Pending::Add(r) => gen_.add(cfg, r),
+            Pending::Group(rs) => gen_.add_group(cfg, rs),
+            Pending::Cancel(id) => gen_.cancel(cfg, id),
+        }
+    }
+
+    /// Validates the requests as the generator will (so that a request queued during a step
+    /// cannot fail later, when the caller no longer expects an answer).
+    fn validate(&self, reqs: &[GenRequest]) -> Result<()> {
+        for r in reqs {
+            generate::validate_request(&self.model.cfg, r)?;
+        }
+        Ok(())
+    }
+
+    fn submit(&mut self, reqs: Vec<GenRequest>, group: bool) -> Result<()> {
+        let kv: Vec<(RequestKey, usize)> = reqs.iter().map(|r| (r.id, r.kv_tokens())).collect();
+        let cfg = self.model.cfg.clone();
+        let p = if group {
+            Pending::Group(reqs)
+        } else {
+            Pending::Add(
+                reqs.into_iter()
+                    .next()
+                    .ok_or_else(|| BackendError::EmptyBatch("no request".into()))?,
+            )
+        };
+        match self.idle() {
+            Some(g) => Self::apply(g, &cfg, p)?,
+            None => self.pending.push(p),
+        }
+        self.admitted.extend(kv);
+        Ok(())
+    }
 }
 
-impl PolicyBackend for CpuBackend {
+/// Weights cannot change under active requests: their KV caches hold the old weights (one
+/// weight version per rollout). Shared by the engine's load and the trainer's import, since
+/// one object may hold both roles.
+pub(crate) fn refuse_while_generating(active: usize) -> Result<()> {
+    if active > 0 {
+        return Err(BackendError::invalid(
+            "weights",
+            format!("{active} requests are active; their KV caches hold the old weights"),
+        ));
+    }
+    Ok(())
+}
+
+impl BackendInfo for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
@@ -87,40 +205,212 @@ impl PolicyBackend for CpuBackend {
         &self.model.cfg
     }
 
+    fn device(&self) -> DeviceId {
+        DeviceId::Host
+    }
+}
+
+impl RolloutEngine for CpuBackend {
+    fn weight_dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
+        refuse_while_generating(self.admitted.len())?;
+        snap.check_config(&self.model.cfg)?;
+        let path = snap.path_to(DeviceId::Host);
+        if let SnapshotPayload::Device(d) = &snap.payload
+            && d.device == DeviceId::Host
+            && let Some(flat) = d.handle.downcast_ref::<CpuSnapshot>()
+        {
+            let m = self.model_mut("load_weights")?;
+            flat.data.write_f32(&mut m.params)?;
+            return Ok(path);
+        }
+        let w = snap.host_weights(&self.model.cfg)?;
+        let flat = self.model.layout.flatten(&w)?;
+        self.model_mut("load_weights")?.params = flat;
+        Ok(SyncPath::Host)
+    }
+
+    fn limits(&self) -> EngineLimits {
+        self.limits
+    }
+
+    fn set_limits(&mut self, limits: EngineLimits) -> Result<()> {
+        if limits.max_requests == 0 || limits.max_kv_tokens == 0 {
+            return Err(BackendError::invalid(
+                "engine limits",
+                "max_requests and max_kv_tokens must be at least 1",
+            ));
+        }
+        self.limits = limits;
+        Ok(())
+    }
+
+    fn load(&self) -> EngineLoad {
+        EngineLoad {
+            requests: self.admitted.len(),
+            // The CPU copies a group's prompt KV into each sample's cache, so every sample
+            // reserves its whole prompt.
+            kv_tokens: self.admitted.values().sum(),
+        }
+    }
+
+    fn add_request(&mut self, req: GenRequest) -> Result<()> {
+        self.validate(std::slice::from_ref(&req))?;
+        self.admit(std::slice::from_ref(&req), || {
+            Rejected::Request(req.clone())
+        })?;
+        self.submit(vec![req], false)
+    }
+
+    fn add_group(&mut self, group: GroupRequest) -> Result<()> {
+        if group.samples.is_empty() {
+            return Err(BackendError::EmptyBatch("group with no samples".into()));
+        }
+        let reqs = group.clone().into_requests();
+        self.validate(&reqs)?;
+        self.admit(&reqs, || Rejected::Group(group))?;
+        self.submit(reqs, true)
+    }
+
+    fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
+        if self.admitted.remove(&id).is_none() {
+            return Err(BackendError::UnknownRequest(id));
+        }
+        let cfg = self.model.cfg.clone();
+        match self.idle() {
+            Some(g) => g.cancel(&cfg, id),
+            None => {
+                self.pending.push(Pending::Cancel(id));
+                Ok(())
+            }
+        }
+    }
+
+    fn submit_step(&mut self) -> Result<()> {
+        let gen_ =
+            match std::mem::replace(&mut self.engine, EngineState::Idle(Generator::default())) {
+                EngineState::Idle(g) => g,
+                busy @ EngineState::InFlight(_) => {
+                    self.engine = busy;
+                    return Err(BackendError::StepInFlight("submit_step"));
+                }
+            };
+        let (tx, rx) = channel();
+        let model = Arc::clone(&self.model);
+        let mut gen_ = gen_;
+        self.pool.spawn(move || {
+            let r = gen_.step(&model);
+            // Release the model before answering: once polled, training must find it
+            // unshared (`Arc::get_mut`).
+            drop(model);
+            // The receiver is gone only when the backend was dropped mid-step.
+            let _ = tx.send((gen_, r));
+        });
+        self.engine = EngineState::InFlight(rx);
+        Ok(())
+    }
+
+    fn poll_step(&mut self, wait: bool) -> Result<Option<Vec<GenOutput>>> {
+        let EngineState::InFlight(rx) = &self.engine else {
+            return Ok(Some(Vec::new()));
+        };
+        let got = if wait {
+            rx.recv().ok()
+        } else {
+            match rx.try_recv() {
+                Ok(r) => Some(r),
+                Err(TryRecvError::Empty) => return Ok(None),
+                Err(TryRecvError::Disconnected) => None,
+            }
+        };
+        let Some((mut gen_, out)) = got else {
+            // The step's thread died: its requests are lost with the generator.
+            self.engine = EngineState::Idle(Generator::default());
+            self.admitted.clear();
+            self.pending.clear();
+            return Err(BackendError::Device(
+                "the decode step's thread stopped; every active request was lost".into(),
+            ));
+        };
+        let cfg = self.model.cfg.clone();
+        let mut err = None;
+        let mut out = match out {
+            Ok(o) => o,
+            Err(e) => {
+                err = Some(e);
+                Vec::new()
+            }
+        };
+        // Cancelled while the step ran: its output (if it finished) is dropped, as a cancel
+        // of an idle engine would have prevented it.
+        for p in std::mem::take(&mut self.pending) {
+            if let Pending::Cancel(id) = &p
+                && let Some(i) = out.iter().position(|o| o.id == *id)
+            {
+                out.remove(i);
+                continue;
+            }
+            // Requests were validated and admitted when queued; this only fails on a bug.
+            if let Err(e) = Self::apply(&mut gen_, &cfg, p) {
+                err.get_or_insert(e);
+            }
+        }
+        for o in &out {
+            self.admitted.remove(&o.id);
+        }
+        self.engine = EngineState::Idle(gen_);
+        match err {
+            Some(e) => Err(e),
+            None => Ok(Some(out)),
+        }
+    }
+}
+
+impl CpuBackend {
+    fn fast_snapshot(&self, dtype: DType) -> WeightSnapshot {
+        WeightSnapshot {
+            config: self.model.cfg.clone(),
+            payload: SnapshotPayload::Device(DeviceSnapshot {
+                device: DeviceId::Host,
+                dtype,
+                handle: Arc::new(CpuSnapshot {
+                    data: TensorData::from_f32(&self.model.params, dtype),
+                }),
+            }),
+        }
+    }
+}
+
+impl Trainer for CpuBackend {
+    fn snapshot_weights(&self, target: SyncTarget) -> Result<WeightSnapshot> {
+        if target.device == DeviceId::Host {
+            return Ok(self.fast_snapshot(target.dtype));
+        }
+        let w = self.export_weights()?;
+        WeightSnapshot::host(&self.model.cfg, &w, target.dtype)
+    }
+
+    fn checkpoint_optimizer(&self) -> Result<AdamState> {
+        Ok(self.optimizer_state().clone())
+    }
+
+    fn restore_optimizer(&mut self, state: AdamState) -> Result<()> {
+        self.set_optimizer_state(state)
+    }
+
     fn export_weights(&self) -> Result<Weights> {
         Ok(self.model.layout.to_weights(&self.model.params))
     }
 
     fn import_weights(&mut self, w: &Weights) -> Result<()> {
-        if self.generator.active() > 0 {
-            return Err(BackendError::invalid(
-                "import_weights",
-                format!(
-                    "{} requests are active; their KV caches hold the old weights",
-                    self.generator.active()
-                ),
-            ));
-        }
+        refuse_while_generating(self.admitted.len())?;
         w.validate(&self.model.cfg)?;
-        self.model.params = self.model.layout.flatten(w)?;
+        let flat = self.model.layout.flatten(w)?;
+        self.model_mut("import_weights")?.params = flat;
         Ok(())
-    }
-
-    fn add_request(&mut self, req: GenRequest) -> Result<()> {
-        self.generator.add(&self.model.cfg, req)
-    }
-
-    fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
-        self.generator.cancel(id)
-    }
-
-    fn decode_step(&mut self) -> Result<Vec<GenOutput>> {
-        let (model, generator) = (&self.model, &mut self.generator);
-        self.pool.install(|| generator.step(model))
-    }
-
-    fn active_requests(&self) -> usize {
-        self.generator.active()
     }
 
     fn logprobs(&mut self, seqs: &[Sequence], temperature: f32) -> Result<Vec<Vec<f32>>> {
@@ -153,8 +443,9 @@ impl PolicyBackend for CpuBackend {
         Ok(self.acts.logits.clone())
     }
 
-    fn zero_grad(&mut self) {
+    fn zero_grad(&mut self) -> Result<()> {
         self.grads.fill(0.0);
+        Ok(())
     }
 
     fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats> {
@@ -173,8 +464,10 @@ impl PolicyBackend for CpuBackend {
 
     fn optimizer_step(&mut self, normalizer: f64, opt: &AdamW) -> Result<OptStats> {
         let groups = self.model.layout.param_groups(opt.exclude_norms_from_decay);
+        let model =
+            Arc::get_mut(&mut self.model).ok_or(BackendError::StepInFlight("optimizer_step"))?;
         optim::step(
-            &mut self.model.params,
+            &mut model.params,
             &self.grads,
             &mut self.opt,
             &groups,
@@ -185,13 +478,5 @@ impl PolicyBackend for CpuBackend {
 
     fn gradients(&self) -> Result<Weights> {
         Ok(self.model.layout.to_weights(&self.grads))
-    }
-
-    fn export_optimizer_state(&self) -> Result<AdamState> {
-        Ok(self.optimizer_state().clone())
-    }
-
-    fn import_optimizer_state(&mut self, state: AdamState) -> Result<()> {
-        self.set_optimizer_state(state)
     }
 }

@@ -13,10 +13,10 @@ use rayon::prelude::*;
 
 use super::lm_head::{lm_head_logprob_bwd, lm_head_logprob_fwd};
 use super::ops::*;
-use crate::api::{AccumStats, Objective, TrainBatch};
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
 use crate::optim::ParamGroup;
+use crate::seam::{AccumStats, Objective, TrainBatch};
 use crate::weights::{Tensor, Weights, is_norm_weight, param_specs};
 
 /// One parameter tensor in the flat buffer.

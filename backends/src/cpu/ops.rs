@@ -906,36 +906,8 @@ pub fn adamw_step(
     }
 }
 
-/// Per-request sampling settings.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SamplingParams {
-    /// Softmax temperature; 0 means greedy argmax (its log-probs are then of the temperature-1
-    /// distribution).
-    pub temperature: f32,
-    /// Keep only the `top_k` most likely tokens (0 = off).
-    pub top_k: usize,
-    /// Keep the smallest set of most likely tokens whose probability reaches `top_p` (1 = off).
-    pub top_p: f32,
-    /// Generation stops after this many new tokens (finish reason `Length`).
-    pub max_new_tokens: usize,
-    /// Generation stops after emitting any of these (finish reason `Stop`; the token is kept).
-    pub stop_tokens: Vec<u32>,
-    /// Seed of the request's own random stream.
-    pub seed: u64,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        Self {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            max_new_tokens: 64,
-            stop_tokens: Vec::new(),
-            seed: 0,
-        }
-    }
-}
+/// Sampling settings live in the neutral seam module; re-exported for the sampler below.
+pub use crate::seam::SamplingParams;
 
 /// Draws one token from `logits[v]` with the uniform draw `u ∈ [0, 1)` and returns it with its
 /// log-prob under the sampling distribution `log_softmax(logits / T)` (before top-k/top-p

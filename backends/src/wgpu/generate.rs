@@ -20,9 +20,9 @@ use wgpu::Buffer;
 use super::gpu::{Exec, Gpu};
 use super::model::DeviceModel;
 use super::ops;
-use crate::api::{GenOutput, GenRequest, RequestKey, SamplingParams};
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
+use crate::seam::{GenOutput, GenRequest, RequestKey, SamplingParams};
 
 // The CPU reference's draw and request checks, shared so both backends sample the same
 // stream and refuse the same requests with the same errors.

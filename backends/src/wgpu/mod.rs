@@ -15,9 +15,15 @@
 //! gradients come back only when asked for (`export_weights`, `gradients`), and logits
 //! only through the inspection call `logits`.
 //!
+//! Seam v2 on this backend: weight sync between two backends on one [`Gpu`] is a
+//! buffer-to-buffer copy on the device ([`SyncPath::SameDevice`]); groups are run as
+//! independent requests (each sample prefills; the paged KV pool that references a shared
+//! prefix is issue 13's); `submit_step` runs the step to completion and `poll_step` returns it
+//! (non-blocking submission is issue 13's as well).
+//!
 //! ```no_run
 //! use rolloutpipe_backends::wgpu::WgpuBackend;
-//! use rolloutpipe_backends::{ModelConfig, PolicyBackend, Weights};
+//! use rolloutpipe_backends::{BackendInfo, ModelConfig, Weights};
 //! let cfg = ModelConfig::tiny();
 //! let be = WgpuBackend::new(&cfg, &Weights::random(&cfg, 0)?)?;
 //! assert_eq!(be.name(), "wgpu");
@@ -29,15 +35,16 @@ pub mod gpu;
 pub mod model;
 pub mod ops;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use gpu::{Exec, Gpu};
 
-use crate::api::*;
 use crate::config::ModelConfig;
 use crate::cpu::model::{Layout, check_sequence, check_tokens, validate_train_batch};
 use crate::error::{BackendError, Result};
 use crate::optim::AdamState;
+use crate::seam::*;
 use crate::weights::Weights;
 use generate::Generator;
 use model::{
@@ -62,6 +69,24 @@ pub struct WgpuBackend {
     opt_step: u64,
     partials: wgpu::Buffer,
     norm_total: wgpu::Buffer,
+    /// Admitted requests and the KV positions each reserves.
+    admitted: HashMap<RequestKey, usize>,
+    limits: EngineLimits,
+    /// The outcome of the submitted step, until polled.
+    stepped: Option<Result<Vec<GenOutput>>>,
+}
+
+/// A same-device weight snapshot: parameter buffers copied on the device.
+#[derive(Debug)]
+struct WgpuSnapshot {
+    gpu: Arc<Gpu>,
+    params: Vec<wgpu::Buffer>,
+}
+
+/// The device id of a shared [`Gpu`]: its address, unique while any backend or snapshot holds
+/// the `Arc` (a snapshot holds it, so the number cannot be reused while it exists).
+fn device_of(gpu: &Arc<Gpu>) -> DeviceId {
+    DeviceId::Wgpu(Arc::as_ptr(gpu) as usize as u64)
 }
 
 impl WgpuBackend {
@@ -118,6 +143,9 @@ impl WgpuBackend {
             opt_step: 0,
             partials,
             norm_total,
+            admitted: HashMap::new(),
+            limits: EngineLimits::default(),
+            stepped: None,
         })
     }
 
@@ -214,7 +242,7 @@ impl WgpuBackend {
     }
 }
 
-impl PolicyBackend for WgpuBackend {
+impl BackendInfo for WgpuBackend {
     fn name(&self) -> &'static str {
         "wgpu"
     }
@@ -223,6 +251,138 @@ impl PolicyBackend for WgpuBackend {
         &self.model.cfg
     }
 
+    fn device(&self) -> DeviceId {
+        device_of(&self.gpu)
+    }
+}
+
+impl RolloutEngine for WgpuBackend {
+    fn weight_dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
+        crate::cpu::refuse_while_generating(self.admitted.len())?;
+        if self.stepped.is_some() {
+            return Err(BackendError::StepInFlight("load_weights"));
+        }
+        snap.check_config(&self.model.cfg)?;
+        if let SnapshotPayload::Device(d) = &snap.payload
+            && let Some(src) = d.handle.downcast_ref::<WgpuSnapshot>()
+            && Arc::ptr_eq(&src.gpu, &self.gpu)
+            && d.dtype == DType::F32
+        {
+            for ((e, from), to) in self
+                .model
+                .layout
+                .entries
+                .iter()
+                .zip(&src.params)
+                .zip(&self.model.params)
+            {
+                self.ex.copy(from, 0, to, 0, e.len as u64 * 4);
+            }
+            self.ex.submit()?;
+            return Ok(SyncPath::SameDevice);
+        }
+        let w = snap.host_weights(&self.model.cfg)?;
+        let flat = self.model.layout.flatten::<f32>(&w)?;
+        self.model.write_params(&self.gpu, &flat);
+        self.gpu.check()?;
+        Ok(SyncPath::Host)
+    }
+
+    fn limits(&self) -> EngineLimits {
+        self.limits
+    }
+
+    fn set_limits(&mut self, limits: EngineLimits) -> Result<()> {
+        if limits.max_requests == 0 || limits.max_kv_tokens == 0 {
+            return Err(BackendError::invalid(
+                "engine limits",
+                "max_requests and max_kv_tokens must be at least 1",
+            ));
+        }
+        self.limits = limits;
+        Ok(())
+    }
+
+    fn load(&self) -> EngineLoad {
+        EngineLoad {
+            requests: self.admitted.len(),
+            kv_tokens: self.admitted.values().sum(),
+        }
+    }
+
+    fn add_request(&mut self, req: GenRequest) -> Result<()> {
+        generate_check(&self.model.cfg, std::slice::from_ref(&req), &self.admitted)?;
+        let (id, kv) = (req.id, req.kv_tokens());
+        self.load()
+            .admit(&self.limits, 1, kv, || Rejected::Request(req.clone()))?;
+        self.generator
+            .add(&self.gpu, &mut self.ex, &self.model.cfg, req)?;
+        self.admitted.insert(id, kv);
+        Ok(())
+    }
+
+    fn add_group(&mut self, group: GroupRequest) -> Result<()> {
+        if group.samples.is_empty() {
+            return Err(BackendError::EmptyBatch("group with no samples".into()));
+        }
+        let reqs = group.clone().into_requests();
+        generate_check(&self.model.cfg, &reqs, &self.admitted)?;
+        // Each sample holds its own prompt rows until issue 13's paged KV pool.
+        let kv: usize = reqs.iter().map(GenRequest::kv_tokens).sum();
+        self.load()
+            .admit(&self.limits, reqs.len(), kv, || Rejected::Group(group))?;
+        for r in reqs {
+            let (id, kv) = (r.id, r.kv_tokens());
+            self.generator
+                .add(&self.gpu, &mut self.ex, &self.model.cfg, r)?;
+            self.admitted.insert(id, kv);
+        }
+        Ok(())
+    }
+
+    fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
+        self.generator.cancel(id)?;
+        self.admitted.remove(&id);
+        Ok(())
+    }
+
+    fn submit_step(&mut self) -> Result<()> {
+        if self.stepped.is_some() {
+            return Err(BackendError::StepInFlight("submit_step"));
+        }
+        self.stepped = Some(self.generator.step(&self.gpu, &mut self.ex, &self.model));
+        Ok(())
+    }
+
+    fn poll_step(&mut self, _wait: bool) -> Result<Option<Vec<GenOutput>>> {
+        let out = self.stepped.take().unwrap_or_else(|| Ok(Vec::new()))?;
+        for o in &out {
+            self.admitted.remove(&o.id);
+        }
+        Ok(Some(out))
+    }
+}
+
+/// Checks requests before admission: valid, and no id already admitted or repeated.
+fn generate_check(
+    cfg: &ModelConfig,
+    reqs: &[GenRequest],
+    admitted: &HashMap<RequestKey, usize>,
+) -> Result<()> {
+    for (i, r) in reqs.iter().enumerate() {
+        crate::cpu::generate::validate_request(cfg, r)?;
+        if admitted.contains_key(&r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
+            return Err(BackendError::DuplicateRequest(r.id));
+        }
+    }
+    Ok(())
+}
+
+impl Trainer for WgpuBackend {
     fn export_weights(&self) -> Result<Weights> {
         let mut ex = Exec::new(Arc::clone(&self.gpu));
         let flat = self.model.read_flat(&mut ex, &self.model.params)?;
@@ -230,36 +390,51 @@ impl PolicyBackend for WgpuBackend {
     }
 
     fn import_weights(&mut self, w: &Weights) -> Result<()> {
-        if self.generator.active() > 0 {
-            return Err(BackendError::invalid(
-                "import_weights",
-                format!(
-                    "{} requests are active; their KV caches hold the old weights",
-                    self.generator.active()
-                ),
-            ));
-        }
+        crate::cpu::refuse_while_generating(self.admitted.len())?;
         w.validate(&self.model.cfg)?;
         let flat = self.model.layout.flatten::<f32>(w)?;
         self.model.write_params(&self.gpu, &flat);
         self.gpu.check()
     }
 
-    fn add_request(&mut self, req: GenRequest) -> Result<()> {
-        self.generator
-            .add(&self.gpu, &mut self.ex, &self.model.cfg, req)
+    fn snapshot_weights(&self, target: SyncTarget) -> Result<WeightSnapshot> {
+        if target.device == self.device() && target.dtype == DType::F32 {
+            let mut ex = Exec::new(Arc::clone(&self.gpu));
+            let params: Vec<wgpu::Buffer> = self
+                .model
+                .layout
+                .entries
+                .iter()
+                .zip(&self.model.params)
+                .map(|(e, b)| {
+                    let c = self.gpu.buffer(&format!("snapshot {}", e.name), e.len);
+                    ex.copy(b, 0, &c, 0, e.len as u64 * 4);
+                    c
+                })
+                .collect();
+            ex.submit()?;
+            return Ok(WeightSnapshot {
+                config: self.model.cfg.clone(),
+                payload: SnapshotPayload::Device(DeviceSnapshot {
+                    device: self.device(),
+                    dtype: DType::F32,
+                    handle: Arc::new(WgpuSnapshot {
+                        gpu: Arc::clone(&self.gpu),
+                        params,
+                    }),
+                }),
+            });
+        }
+        let w = self.export_weights()?;
+        WeightSnapshot::host(&self.model.cfg, &w, target.dtype)
     }
 
-    fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
-        self.generator.cancel(id)
+    fn checkpoint_optimizer(&self) -> Result<AdamState> {
+        self.optimizer_state()
     }
 
-    fn decode_step(&mut self) -> Result<Vec<GenOutput>> {
-        self.generator.step(&self.gpu, &mut self.ex, &self.model)
-    }
-
-    fn active_requests(&self) -> usize {
-        self.generator.active()
+    fn restore_optimizer(&mut self, state: AdamState) -> Result<()> {
+        self.set_optimizer_state(state)
     }
 
     fn logprobs(&mut self, seqs: &[Sequence], temperature: f32) -> Result<Vec<Vec<f32>>> {
@@ -337,15 +512,11 @@ impl PolicyBackend for WgpuBackend {
         Ok(self.ex.submit()?.get::<f32>(t))
     }
 
-    fn zero_grad(&mut self) {
+    fn zero_grad(&mut self) -> Result<()> {
         for g in &self.model.grads {
             self.ex.clear(g);
         }
-        // The trait gives zero_grad no error channel; a device failure here surfaces at the
-        // next call's submission, which checks the device's error slot.
-        if let Err(e) = self.ex.submit() {
-            self.gpu_error_later(e);
-        }
+        self.ex.submit().map(|_| ())
     }
 
     fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats> {
@@ -521,20 +692,5 @@ impl PolicyBackend for WgpuBackend {
         let mut ex = Exec::new(Arc::clone(&self.gpu));
         let flat = self.model.read_flat(&mut ex, &self.model.grads)?;
         Ok(self.model.layout.to_weights(&flat))
-    }
-
-    fn export_optimizer_state(&self) -> Result<AdamState> {
-        self.optimizer_state()
-    }
-
-    fn import_optimizer_state(&mut self, state: AdamState) -> Result<()> {
-        self.set_optimizer_state(state)
-    }
-}
-
-impl WgpuBackend {
-    /// Keeps a device error from `zero_grad` (which cannot return one) for the next call.
-    fn gpu_error_later(&self, e: BackendError) {
-        self.gpu.defer_error(e.to_string());
     }
 }

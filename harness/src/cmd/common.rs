@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::ValueEnum;
 use rolloutpipe_backends::{
-    CpuBackend, GenOutput, GenRequest, ModelConfig, PolicyBackend, RequestKey, SamplingParams,
-    Weights, load_model_dir,
+    CpuBackend, GenOutput, GenRequest, ModelConfig, Policy, RequestKey, RolloutEngine,
+    SamplingParams, Weights, load_model_dir,
 };
 
 use crate::tasks::{CharTokenizer, HfTokenizer, Tokenizer};
@@ -57,7 +57,7 @@ pub enum ModelSource {
     },
 }
 
-/// Opens a backend of `kind` on a model.
+/// Opens a backend of `kind` on a model, in both seam roles (engine and trainer).
 ///
 /// ```no_run
 /// use rolloutpipe_harness::cmd::common::{open_backend, BackendKind, ModelSource};
@@ -68,7 +68,7 @@ pub fn open_backend(
     kind: BackendKind,
     source: &ModelSource,
     threads: usize,
-) -> anyhow::Result<Box<dyn PolicyBackend>> {
+) -> anyhow::Result<Box<dyn Policy>> {
     let (config, weights) = match source {
         ModelSource::Dir(dir) => load_model_dir(dir)
             .with_context(|| format!("loading model directory {}", dir.display()))?,
@@ -116,7 +116,7 @@ pub fn tokenizer_for(
 /// requests at once; request `i` samples with seed `params.seed + i`. Outputs are returned in
 /// prompt order. `on_done` is called once per finished request (progress bars).
 pub fn generate_all(
-    be: &mut dyn PolicyBackend,
+    be: &mut dyn RolloutEngine,
     prompts: &[Vec<u32>],
     params: &SamplingParams,
     concurrency: usize,

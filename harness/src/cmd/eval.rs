@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use rolloutpipe_backends::{PolicyBackend, SamplingParams};
+use rolloutpipe_backends::{RolloutEngine, SamplingParams};
 use serde_json::json;
 
 use super::common::{
@@ -154,7 +154,7 @@ impl EvalReport {
 
 /// Generates a response for every problem and verifies it.
 pub fn evaluate(
-    be: &mut dyn PolicyBackend,
+    be: &mut dyn RolloutEngine,
     tok: &dyn Tokenizer,
     verifier: &dyn Verifier,
     problems: &[Problem],

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::ValueEnum;
 use rolloutpipe_backends::{
-    AdamW, Aggregation, ModelConfig, Objective, PolicyBackend, StdMode, TrainBatch, TrainSequence,
+    AdamW, Aggregation, ModelConfig, Objective, Policy, StdMode, TrainBatch, TrainSequence,
     Weights, advantages, normalizer,
 };
 use serde::Deserialize;
@@ -255,7 +255,7 @@ fn probe_ids(file: &BatchFile) -> Vec<u32> {
 }
 
 /// Whether the model's logits on the probe sequence are finite and not all equal.
-fn probe(be: &mut dyn PolicyBackend, file: &BatchFile) -> anyhow::Result<bool> {
+fn probe(be: &mut dyn Policy, file: &BatchFile) -> anyhow::Result<bool> {
     let ids = probe_ids(file);
     if ids.is_empty() {
         return Ok(true);
@@ -273,7 +273,7 @@ fn probe(be: &mut dyn PolicyBackend, file: &BatchFile) -> anyhow::Result<bool> {
 /// Refuses to save a step that broke the model: non-finite weights, or logits that were
 /// informative before the step and are non-finite or constant after it (a huge `--lr`).
 fn check_usable(
-    be: &mut dyn PolicyBackend,
+    be: &mut dyn Policy,
     w: &Weights,
     file: &BatchFile,
     before: bool,
@@ -326,7 +326,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     opt.validate().context("optimizer settings")?;
 
-    be.zero_grad();
+    be.zero_grad()?;
     let stats = be
         .accumulate(&batch, &obj)
         .context("GRPO forward/backward")?;

@@ -154,7 +154,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .map(|(p, r)| TrainSequence::new(p.clone(), r.clone(), 0.0, Aggregation::TokenMean))
                 .collect(),
         };
-        be.zero_grad();
+        be.zero_grad()?;
         let stats = be
             .accumulate(&batch, &Objective::Sft)
             .with_context(|| format!("SFT step {step}"))?;

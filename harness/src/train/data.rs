@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, ensure};
 use rolloutpipe_backends::{
-    AdamW, Aggregation, GenRequest, Objective, PolicyBackend, RequestKey, SamplingParams,
-    TrainBatch, TrainSequence,
+    AdamW, Aggregation, GenRequest, Objective, RequestKey, RolloutEngine, SamplingParams,
+    TrainBatch, TrainSequence, Trainer,
 };
 
 use super::config::TrainConfig;
@@ -162,7 +162,7 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
 /// mean loss of the last step.
 pub fn sft(
     cfg: &TrainConfig,
-    backend: &mut dyn PolicyBackend,
+    backend: &mut dyn Trainer,
     tok: &dyn Tokenizer,
     problems: &[Problem],
 ) -> anyhow::Result<f64> {
@@ -197,7 +197,7 @@ pub fn sft(
                 Aggregation::TokenMean,
             ));
         }
-        backend.zero_grad();
+        backend.zero_grad()?;
         let st = backend.accumulate(&b, &Objective::Sft)?;
         let norm = b.response_tokens() as f64;
         backend.optimizer_step(norm, &opt)?;
@@ -220,7 +220,7 @@ pub fn sft(
         }
     }
     bar.finish_and_clear();
-    backend.zero_grad();
+    backend.zero_grad()?;
     Ok(last)
 }
 
@@ -238,7 +238,7 @@ fn sft_lr(step: usize, steps: usize, peak: f64) -> f64 {
 
 /// Greedy accuracy on `problems` (all generated as one continuous batch).
 pub fn evaluate(
-    backend: &mut dyn PolicyBackend,
+    backend: &mut dyn RolloutEngine,
     task: &dyn Task,
     tok: &dyn Tokenizer,
     problems: &[Problem],

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use rolloutpipe_backends::optim::AdamState;
 use rolloutpipe_backends::{
-    AccumStats, AdamW, CpuBackend, ModelConfig, Objective, PolicyBackend, SamplingParams, Tensor,
-    Weights, load_model_dir,
+    AccumStats, AdamW, BackendInfo, CpuBackend, ModelConfig, Objective, RolloutEngine,
+    SamplingParams, SyncTarget, Tensor, WeightSnapshot, Weights, load_model_dir,
 };
 use rolloutpipe_core::{
     Counters, GroupId, GroupSlot, GroupState, PolicyVersion, RequestId, RequestSlot, Scheduler,
@@ -29,7 +29,7 @@ use super::data::{self, DataSource};
 use super::guard::{self, RunOptions};
 use super::workers::{
     EngineCmd, Event, GroupBatch, Sample, TrainCmd, TrainerReply, TrainerSetup, VerifyJob,
-    engine_thread, make_backend, trainer_thread, verifier_thread,
+    engine_thread, make_engine, make_trainer, trainer_thread, verifier_thread,
 };
 use crate::plot::{self, GanttRow, Series, Span};
 use crate::rundir::save_model;
@@ -257,7 +257,8 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
     let max_new = cfg.rl.max_new_tokens;
     let mut eval_backend = CpuBackend::new(&model_cfg, &init_weights, cfg.trainer.threads)?;
     let eval = |be: &mut CpuBackend, w: &Weights, held: &[Problem]| -> anyhow::Result<f64> {
-        be.import_weights(w)?;
+        let snap = WeightSnapshot::host(be.config(), w, be.weight_dtype())?;
+        be.load_weights(&snap)?;
         data::evaluate(be, task.as_ref(), tok.as_ref(), held, max_new)
     };
 
@@ -311,7 +312,7 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
     } else {
         let mut w = init_weights;
         if cfg.sft.steps > 0 {
-            let mut be = make_backend(&cfg.run.backend, &model_cfg, &w, cfg.trainer.threads)?;
+            let mut be = make_trainer(&cfg.run.backend, &model_cfg, &w, cfg.trainer.threads)?;
             accuracy_initial = Some(eval(&mut eval_backend, &w, &problems.heldout)?);
             test_initial = test_eval(&mut eval_backend, &w)?;
             let t = Instant::now();
@@ -344,13 +345,14 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
     let mut handles: Vec<JoinHandle<()>> = Vec::new();
     let mut engines = Vec::new();
     for e in 0..cfg.rollout.engines {
-        let be = make_backend(
+        let be = make_engine(
             &cfg.run.backend,
             &model_cfg,
             &weights,
             cfg.rollout.threads_per_engine,
         )
         .with_context(|| format!("rollout engine {e}"))?;
+        let target = be.sync_target();
         let (tx, rx) = mpsc::channel();
         let events = ev_tx.clone();
         let fail = (e == 0 && cfg.fault.fail_engine_at_request > 0)
@@ -361,6 +363,7 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
                 .spawn(move || engine_thread(e, be, rx, events, fail))?,
         );
         engines.push(EngineHandle {
+            target,
             tx,
             live: true,
             running: 0,
@@ -376,7 +379,7 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
                 .spawn(move || verifier_thread(task, tok, jobs, events))?,
         );
     }
-    let mut trainer_be = make_backend(&cfg.run.backend, &model_cfg, &weights, cfg.trainer.threads)?;
+    let mut trainer_be = make_trainer(&cfg.run.backend, &model_cfg, &weights, cfg.trainer.threads)?;
     if let Some(a) = adam {
         trainer_be.set_optimizer_state(a)?;
     }
@@ -397,7 +400,7 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
         std: cfg.std_mode()?,
         rollout_logprobs: cfg.rl.old_logprobs == OldLogprobs::Rollout,
         reference: match &reference {
-            Some(r) => Some(make_backend("cpu", &model_cfg, r, cfg.trainer.threads)?),
+            Some(r) => Some(make_trainer("cpu", &model_cfg, r, cfg.trainer.threads)?),
             None => None,
         },
         temperature: cfg.rl.temperature,
@@ -506,6 +509,8 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
 }
 
 struct EngineHandle {
+    /// The device and dtype its weight snapshots are made for.
+    target: SyncTarget,
     tx: Sender<EngineCmd>,
     live: bool,
     running: u32,
@@ -732,9 +737,9 @@ impl Ctx<'_> {
             .map_err(|_| self.worker_stopped("the trainer thread"))
     }
 
-    /// Exports the trainer's weights (and moments).
-    fn export(&mut self) -> anyhow::Result<(Arc<Weights>, Option<AdamState>)> {
-        self.send_trainer(TrainCmd::Export)?;
+    /// Exports the trainer's weights, and its moments when `optimizer` (checkpoints only).
+    fn export(&mut self, optimizer: bool) -> anyhow::Result<(Arc<Weights>, Option<AdamState>)> {
+        self.send_trainer(TrainCmd::Export { optimizer })?;
         loop {
             if let Some(Event::Trainer(TrainerReply::Exported(w, a))) = self.recv()? {
                 return Ok((w, a));
@@ -746,8 +751,19 @@ impl Ctx<'_> {
     fn sync_engines(&mut self, w: Arc<Weights>, v: PolicyVersion) -> anyhow::Result<f64> {
         let t = Instant::now();
         let mut waiting = 0;
+        // Engines run in their own threads on their own devices, so they load host snapshots,
+        // one per engine dtype, converted once here.
+        let mut snaps: Vec<(SyncTarget, Arc<WeightSnapshot>)> = Vec::new();
         for e in self.engines.iter().filter(|e| e.live) {
-            if e.tx.send(EngineCmd::Sync(w.clone(), v)).is_ok() {
+            let snap = match snaps.iter().find(|(t, _)| t.dtype == e.target.dtype) {
+                Some((_, s)) => s.clone(),
+                None => {
+                    let s = Arc::new(WeightSnapshot::host(&self.model_cfg, &w, e.target.dtype)?);
+                    snaps.push((e.target, s.clone()));
+                    s
+                }
+            };
+            if e.tx.send(EngineCmd::Sync(snap, v)).is_ok() {
                 waiting += 1;
             }
         }
@@ -1023,7 +1039,13 @@ impl Ctx<'_> {
             }
             // Step boundary: weight sync, then metrics, evaluation and checkpoint.
             let trainer_version = PolicyVersion(k + 1);
-            let (w, adam) = self.export()?;
+            let is_last = k == last_phase;
+            // A signal stops the run here, at a step boundary, with a checkpoint.
+            let stop = !is_last && k < steps && crate::interrupt::requested();
+            let ckpt_now = is_last
+                || stop
+                || (cfg.run.checkpoint_every > 0 && (k + 1) % cfg.run.checkpoint_every as u64 == 0);
+            let (w, adam) = self.export(ckpt_now && k < steps)?;
             let train_end = if one_off { prev.end } else { cur.end };
             let sync_s = if one_off {
                 // Phase 0 trains nothing, so the engines keep v0 for step 1's rollout; from
@@ -1086,7 +1108,6 @@ impl Ctx<'_> {
                 finished.push(pm);
             }
             let done_steps = if one_off { k } else { k + 1 };
-            let is_last = k == last_phase;
             let eval_now = is_last
                 || (cfg.run.eval_every > 0
                     && done_steps > 0
@@ -1140,11 +1161,6 @@ impl Ctx<'_> {
             state.next_step = k + 1;
             state.data_pos = self.data.pos;
             state.engine_version = engine_version.0;
-            // A signal stops the run here, at a step boundary, with a checkpoint.
-            let stop = !is_last && k < steps && crate::interrupt::requested();
-            let ckpt_now = is_last
-                || stop
-                || (cfg.run.checkpoint_every > 0 && (k + 1) % cfg.run.checkpoint_every as u64 == 0);
             if ckpt_now && k < steps {
                 state.pending = pending
                     .iter()

@@ -13,58 +13,90 @@ use std::time::{Duration, Instant};
 use rolloutpipe_backends::optim::AdamState;
 use rolloutpipe_backends::{
     AccumStats, AdamW, Aggregation, CpuBackend, GenRequest, ModelConfig, Objective, OptStats,
-    PolicyBackend, RequestKey, SamplingParams, Sequence, StdMode, TrainBatch, TrainSequence,
-    Weights, advantages, normalizer,
+    Policy, RequestKey, RolloutEngine, SamplingParams, Sequence, StdMode, SyncTarget, TrainBatch,
+    TrainSequence, Trainer, WeightSnapshot, Weights, advantages, normalizer,
 };
 use rolloutpipe_core::{GroupId, PolicyVersion, RequestId};
 
 use crate::tasks::{Problem, Task, Tokenizer};
 
-/// The trainer's backend: any [`PolicyBackend`]; its AdamW moments travel with checkpoints
-/// through the trait's `export_optimizer_state` / `import_optimizer_state`.
-pub struct TrainerBackend(Box<dyn PolicyBackend>);
+/// The trainer's backend: any seam-v2 [`Trainer`]; its AdamW moments leave it only for
+/// checkpoints (`TrainCmd::Export { optimizer: true }`).
+pub struct TrainerBackend(Box<dyn Trainer>);
 
 impl TrainerBackend {
-    /// The backend through the common interface.
-    pub fn as_dyn(&mut self) -> &mut dyn PolicyBackend {
+    /// The backend through the trainer interface.
+    pub fn as_dyn(&mut self) -> &mut dyn Trainer {
         self.0.as_mut()
-    }
-
-    /// The AdamW moments, for a checkpoint.
-    pub fn optimizer_state(&self) -> anyhow::Result<AdamState> {
-        Ok(self.0.export_optimizer_state()?)
     }
 
     /// Restores AdamW moments from a checkpoint.
     pub fn set_optimizer_state(&mut self, st: AdamState) -> anyhow::Result<()> {
-        Ok(self.0.import_optimizer_state(st)?)
+        Ok(self.0.restore_optimizer(st)?)
     }
 }
 
-/// Builds a backend by name with `threads` CPU threads (ignored by GPU backends).
-pub fn make_backend(
+/// A rollout engine's backend: any seam-v2 [`RolloutEngine`].
+pub struct EngineBackend(Box<dyn RolloutEngine>);
+
+impl EngineBackend {
+    /// The backend through the engine interface.
+    pub fn as_dyn(&mut self) -> &mut dyn RolloutEngine {
+        self.0.as_mut()
+    }
+
+    /// Where and in which dtype the engine wants its weight snapshots.
+    pub fn sync_target(&self) -> SyncTarget {
+        self.0.sync_target()
+    }
+}
+
+/// Builds a trainer by name with `threads` CPU threads (ignored by GPU backends).
+pub fn make_trainer(
     name: &str,
     cfg: &ModelConfig,
     w: &Weights,
     threads: usize,
 ) -> anyhow::Result<TrainerBackend> {
+    let b: Box<dyn Trainer> = make_backend(name, cfg, w, threads)?;
+    Ok(TrainerBackend(b))
+}
+
+/// Builds a rollout engine by name with `threads` CPU threads (ignored by GPU backends).
+pub fn make_engine(
+    name: &str,
+    cfg: &ModelConfig,
+    w: &Weights,
+    threads: usize,
+) -> anyhow::Result<EngineBackend> {
+    let b: Box<dyn RolloutEngine> = make_backend(name, cfg, w, threads)?;
+    Ok(EngineBackend(b))
+}
+
+/// Builds a backend by name in both roles; callers keep the role they need.
+fn make_backend(
+    name: &str,
+    cfg: &ModelConfig,
+    w: &Weights,
+    threads: usize,
+) -> anyhow::Result<Box<dyn Policy>> {
     match name {
-        "cpu" => Ok(TrainerBackend(Box::new(CpuBackend::new(cfg, w, threads)?))),
+        "cpu" => Ok(Box::new(CpuBackend::new(cfg, w, threads)?)),
         "wgpu" => make_wgpu(cfg, w),
         other => anyhow::bail!("unknown backend {other:?}; valid: cpu, wgpu"),
     }
 }
 
 #[cfg(feature = "wgpu")]
-fn make_wgpu(cfg: &ModelConfig, w: &Weights) -> anyhow::Result<TrainerBackend> {
+fn make_wgpu(cfg: &ModelConfig, w: &Weights) -> anyhow::Result<Box<dyn Policy>> {
     use anyhow::Context;
     let b = rolloutpipe_backends::wgpu::WgpuBackend::new(cfg, w)
         .context("starting the wgpu backend (is there a GPU adapter?)")?;
-    Ok(TrainerBackend(Box::new(b)))
+    Ok(Box::new(b))
 }
 
 #[cfg(not(feature = "wgpu"))]
-fn make_wgpu(_cfg: &ModelConfig, _w: &Weights) -> anyhow::Result<TrainerBackend> {
+fn make_wgpu(_cfg: &ModelConfig, _w: &Weights) -> anyhow::Result<Box<dyn Policy>> {
     anyhow::bail!(
         "the wgpu backend is not built into this binary; rebuild with `--features wgpu` \
          (it is a default feature) or use --backend cpu"
@@ -116,8 +148,9 @@ pub enum EngineCmd {
     },
     /// Abort a request.
     Cancel(RequestId),
-    /// Replace the weights (between steps, nothing in flight).
-    Sync(Arc<Weights>, PolicyVersion),
+    /// Replace the weights (between steps, nothing in flight) with a snapshot made for this
+    /// engine's [`SyncTarget`].
+    Sync(Arc<WeightSnapshot>, PolicyVersion),
     /// Stop the thread.
     Shutdown,
 }
@@ -128,8 +161,12 @@ pub enum TrainCmd {
     MicroBatch(Vec<GroupBatch>),
     /// Normalise, clip and apply AdamW over the micro-batches since the last step.
     OptStep,
-    /// Send the weights (and optimizer state) back.
-    Export,
+    /// Send the f32 master weights back, and the optimizer state when `optimizer` is set
+    /// (checkpoints only: the moments do not cross the seam every step).
+    Export {
+        /// Include the AdamW moments.
+        optimizer: bool,
+    },
     /// Stop the thread.
     Shutdown,
 }
@@ -215,7 +252,7 @@ pub enum TrainerReply {
         /// End.
         ended: Instant,
     },
-    /// The weights (and moments, when the backend has them).
+    /// The weights, and the moments when they were asked for.
     Exported(Arc<Weights>, Option<AdamState>),
 }
 
@@ -227,7 +264,7 @@ fn key_of(r: RequestId) -> RequestKey {
 /// Runs one rollout engine until `Shutdown`.
 pub fn engine_thread(
     engine: u16,
-    mut backend: TrainerBackend,
+    mut backend: EngineBackend,
     rx: Receiver<EngineCmd>,
     events: Sender<Event>,
     fail_at_request: Option<u64>,
@@ -302,7 +339,7 @@ pub fn engine_thread(
                     }
                 }
                 EngineCmd::Sync(w, v) => {
-                    if !dead && let Err(e) = be.import_weights(&w) {
+                    if !dead && let Err(e) = be.load_weights(&w) {
                         let _ = events.send(Event::Fatal(format!("engine {engine} sync: {e}")));
                         return;
                     }
@@ -417,7 +454,10 @@ pub fn trainer_thread(
 ) {
     let mut since_opt: Vec<TrainBatch> = Vec::new();
     let mut accum = AccumStats::default();
-    backend.as_dyn().zero_grad();
+    if let Err(e) = backend.as_dyn().zero_grad() {
+        let _ = events.send(Event::Fatal(format!("trainer: {e}")));
+        return;
+    }
     while let Ok(cmd) = rx.recv() {
         let reply = match cmd {
             TrainCmd::Shutdown => return,
@@ -452,9 +492,11 @@ pub fn trainer_thread(
                 // The normaliser of the whole optimizer step, known only now (SPEC §2).
                 let norm = normalizer(setup.agg, &since_opt);
                 let be = backend.as_dyn();
-                match be.optimizer_step(norm, &setup.opt) {
+                match be
+                    .optimizer_step(norm, &setup.opt)
+                    .and_then(|st| be.zero_grad().map(|()| st))
+                {
                     Ok(stats) => {
-                        be.zero_grad();
                         since_opt.clear();
                         TrainerReply::OptDone {
                             stats,
@@ -470,12 +512,15 @@ pub fn trainer_thread(
                     }
                 }
             }
-            TrainCmd::Export => match backend
-                .as_dyn()
-                .export_weights()
-                .and_then(|w| Ok((w, backend.0.export_optimizer_state()?)))
-            {
-                Ok((w, adam)) => TrainerReply::Exported(Arc::new(w), Some(adam)),
+            TrainCmd::Export { optimizer } => match backend.0.export_weights().and_then(|w| {
+                let adam = if optimizer {
+                    Some(backend.0.checkpoint_optimizer()?)
+                } else {
+                    None
+                };
+                Ok((w, adam))
+            }) {
+                Ok((w, adam)) => TrainerReply::Exported(Arc::new(w), adam),
                 Err(e) => {
                     let _ = events.send(Event::Fatal(format!("trainer export: {e}")));
                     return;

@@ -1,19 +1,9 @@
-//! The policy-backend interface: what rollout engines and the trainer need from any backend.
-//!
-//! One object-safe trait, [`PolicyBackend`], so the harness can hold `Box<dyn PolicyBackend>`
-//! and drive the CPU reference, wgpu or CUDA alike: weights in and out, continuous-batching
-//! generation with per-request seeded sampling, log-probs of given sequences, and GRPO (or SFT)
-//! training that accumulates unnormalised gradient sums until an optimizer step applies the
-//! normaliser (SPEC §2, §6).
+//! The plain data every backend and the harness exchange: requests, outputs, sequences,
+//! training batches and objectives. Nothing here depends on a backend.
 
 use std::fmt;
 
-use crate::config::ModelConfig;
-pub use crate::cpu::ops::{GrpoCoefs, SamplingParams};
-use crate::error::Result;
 use crate::grpo::{Aggregation, token_weight};
-pub use crate::optim::{AdamState, AdamW, OptStats};
-use crate::weights::Weights;
 
 /// Identifies one generation request within an engine (the caller maps its own request identity,
 /// e.g. `(step, group, sample, attempt)`, to it).
@@ -35,6 +25,70 @@ pub struct GenRequest {
     pub prompt: Vec<u32>,
     /// Sampling settings, including the request's seed.
     pub params: SamplingParams,
+}
+
+/// How one request samples its continuation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy argmax (its log-probs are then of the temperature-1
+    /// distribution).
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens (0 = off).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p` (1 = off).
+    pub top_p: f32,
+    /// Generation stops after this many new tokens (finish reason `Length`).
+    pub max_new_tokens: usize,
+    /// Generation stops after emitting any of these (finish reason `Stop`; the token is kept).
+    pub stop_tokens: Vec<u32>,
+    /// Seed of the request's own random stream.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            max_new_tokens: 64,
+            stop_tokens: Vec::new(),
+            seed: 0,
+        }
+    }
+}
+
+/// A GRPO group: G samples of one prompt. An engine prefills the prompt once and shares its
+/// KV prefix across the samples; each sample then decodes with its own id and sampling
+/// settings (seed included), exactly as if it had been added alone.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupRequest {
+    /// The shared prompt (at least one token).
+    pub prompt: Vec<u32>,
+    /// One `(id, params)` per sample (at least one).
+    pub samples: Vec<(RequestKey, SamplingParams)>,
+}
+
+impl GroupRequest {
+    /// The group as independent requests (what an engine without prefix sharing runs).
+    pub fn into_requests(self) -> Vec<GenRequest> {
+        let prompt = self.prompt;
+        self.samples
+            .into_iter()
+            .map(|(id, params)| GenRequest {
+                id,
+                prompt: prompt.clone(),
+                params,
+            })
+            .collect()
+    }
+}
+
+impl GenRequest {
+    /// KV positions the request can occupy: its prompt and its generated tokens.
+    pub fn kv_tokens(&self) -> usize {
+        self.prompt.len() + self.params.max_new_tokens
+    }
 }
 
 /// Why a request finished.
@@ -184,48 +238,4 @@ impl AccumStats {
         self.entropy_sum += o.entropy_sum;
         self.clipped += o.clipped;
     }
-}
-
-/// A policy backend: a Qwen3 model that generates, scores and trains.
-pub trait PolicyBackend: Send {
-    /// Short backend name (`"cpu"`, `"wgpu"`, ...).
-    fn name(&self) -> &'static str;
-    /// The model's configuration.
-    fn config(&self) -> &ModelConfig;
-    /// A copy of the current weights (for weight sync and saving).
-    fn export_weights(&self) -> Result<Weights>;
-    /// Replaces the weights (validated against the config). Refused while requests are active,
-    /// since their KV caches belong to the old weights (one weight version per rollout). The
-    /// optimizer state and gradient sums are kept: restoring a checkpoint restores them too.
-    fn import_weights(&mut self, w: &Weights) -> Result<()>;
-    /// Queues a request; it is prefilled at the next `decode_step`.
-    fn add_request(&mut self, req: GenRequest) -> Result<()>;
-    /// Aborts an active request and frees its KV cache.
-    fn cancel_request(&mut self, id: RequestKey) -> Result<()>;
-    /// One engine step: prefills the newly added requests and generates one token for every
-    /// active request; returns the requests that finished in this step.
-    fn decode_step(&mut self) -> Result<Vec<GenOutput>>;
-    /// Requests added and not yet finished or cancelled.
-    fn active_requests(&self) -> usize;
-    /// Per response token of each sequence, `log_softmax(logits / temperature)` at that token.
-    fn logprobs(&mut self, seqs: &[Sequence], temperature: f32) -> Result<Vec<Vec<f32>>>;
-    /// Logits at every position of one sequence, `[ids.len(), vocab]` row-major (inspection and
-    /// parity checks).
-    fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>>;
-    /// Clears the gradient sums.
-    fn zero_grad(&mut self);
-    /// Forward and backward of `obj` on a micro-batch, adding the unnormalised gradient of
-    /// Σ weight·loss to the gradient sums.
-    fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats>;
-    /// Divides the gradient sums by `normalizer`, clips, applies AdamW; returns the pre-clip
-    /// norm. The sums are left as they were (call `zero_grad` before the next step).
-    fn optimizer_step(&mut self, normalizer: f64, opt: &AdamW) -> Result<OptStats>;
-    /// The raw gradient sums under the parameters' names (before normalising and clipping).
-    fn gradients(&self) -> Result<Weights>;
-    /// The AdamW moments and step count, in the flat parameter layout every backend shares, for
-    /// checkpoints (a fresh optimizer has empty moments).
-    fn export_optimizer_state(&self) -> Result<AdamState>;
-    /// Restores a state from any backend's [`PolicyBackend::export_optimizer_state`] (empty
-    /// moments mean a fresh optimizer); a state of another model's size is a shape error.
-    fn import_optimizer_state(&mut self, state: AdamState) -> Result<()>;
 }
