@@ -28,7 +28,6 @@ struct MGroup {
     /// (state, attempt) per sample.
     reqs: Vec<(R, u8)>,
     rewards: Vec<f32>,
-    first: u32,
 }
 
 /// The reference model: the same protocol, written for clarity instead of speed.
@@ -45,6 +44,8 @@ struct Model {
     materialized: Vec<u32>,
     dispatched: Vec<u32>,
     slots: u32,
+    /// Request records in use: every drawn group's samples. The core's storage may hold holes
+    /// left by relocated groups, but compacts them away before it would refuse an extension.
     req_used: u32,
     released: u32,
     mb_released: u32,
@@ -168,12 +169,11 @@ impl Model {
         if (self.req_used + n * g_size) as usize > RCAP {
             return Err(DrawError::RequestsFull { requested: n });
         }
-        for i in 0..n {
+        for _ in 0..n {
             self.groups.push(MGroup {
                 state: GroupState::Queued,
                 reqs: vec![(R::Pending, 0); g_size as usize],
                 rewards: vec![f32::NAN; g_size as usize],
-                first: self.req_used + i * g_size,
             });
         }
         self.req_used += n * g_size;
@@ -680,12 +680,6 @@ impl Model {
             return Err(ExtendError::SampleBudget { extra });
         }
         let target = grp.reqs.len() as u32;
-        let at_tail = grp.first + target == req_used;
-        let needed = if at_tail {
-            extra as u32
-        } else {
-            target + extra as u32
-        };
         // Storage for the prompts the step may still draw stays reserved.
         let closed = is_final
             || exhausted
@@ -697,11 +691,8 @@ impl Model {
         } else {
             (p.max_groups as usize).saturating_sub(drawn) * p.group_size as usize
         };
-        if (req_used + needed) as usize + reserved > RCAP {
+        if (req_used + extra as u32) as usize + reserved > RCAP {
             return Err(ExtendError::RequestsFull { extra });
-        }
-        if !at_tail {
-            grp.first = req_used;
         }
         for _ in 0..extra {
             grp.reqs.push((R::Pending, 0));
@@ -710,7 +701,7 @@ impl Model {
         if grp.state == GroupState::Materializing {
             grp.state = GroupState::Generating;
         }
-        self.req_used = grp.first + target + extra as u32;
+        self.req_used += extra as u32;
         for s in target..target + extra as u32 {
             self.queue.push((g, s as u16));
         }

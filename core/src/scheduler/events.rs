@@ -219,8 +219,10 @@ impl<'a> Scheduler<'a> {
     /// group is incomplete; a materializing group goes back to generating.
     ///
     /// The group's requests stay contiguous in storage: if other groups were drawn after it,
-    /// its records move to the end of the used storage (O(target)), so storage is consumed
-    /// by `target + extra`. Storage for the `max_groups − drawn` prompts the step may still draw
+    /// its records move to the end of the used storage (O(target)), leaving a hole. Holes are
+    /// free space: when the tail has no room, the storage is compacted in place (O(used
+    /// records), allocation-free) and the group rotated to the end, so an extension fails only
+    /// when the step's live samples would not fit. Storage for the `max_groups − drawn` prompts the step may still draw
     /// stays reserved (until the batch is final or the data exhausted), so an extension never
     /// makes a draw that `poll_draw` asked for fail.
     ///
@@ -266,7 +268,14 @@ impl<'a> Scheduler<'a> {
         // A held group goes back to generating; its new samples get a fresh decision.
         self.unhold(g);
         self.samples_used += extra as u64;
-        if !at_tail {
+        let cap = self.req_cap as u64 - self.reserved_requests();
+        let copy = if at_tail { 0 } else { slot.target as u64 };
+        if self.req_used as u64 + copy + extra as u64 > cap {
+            // No room to copy the records past the tail: squeeze out the holes, then rotate the
+            // group's records to the end (in place; `extension_room` checked the live total).
+            self.compact();
+            self.rotate_to_tail(g);
+        } else if !at_tail {
             self.relocate(g);
         }
         let first = self.groups[g as usize].first;
@@ -303,23 +312,25 @@ impl<'a> Scheduler<'a> {
             return Err(ExtendError::SampleBudget { extra });
         }
         let at_tail = slot.first + slot.target as u32 == self.req_used;
-        let needed = if at_tail {
-            extra as u64
-        } else {
-            slot.target as u64 + extra as u64
-        };
         // Request storage for the prompts this step may still draw stays reserved, so that a
         // draw `poll_draw` asks for is always accepted (extensions cannot starve over-sampling).
-        let reserved = if self.draws_closed() {
+        // Holes left by earlier relocations count as free: `extend_group` compacts them away
+        // when the tail alone has no room.
+        let live = (self.req_used - self.req_holes) as u64;
+        if live + extra as u64 + self.reserved_requests() > self.req_cap as u64 {
+            return Err(ExtendError::RequestsFull { extra });
+        }
+        Ok(at_tail)
+    }
+
+    /// Request slots kept for the prompts this step may still draw.
+    fn reserved_requests(&self) -> u64 {
+        if self.draws_closed() {
             0
         } else {
             self.plan.max_groups.saturating_sub(self.counters.drawn) as u64
                 * self.plan.group_size as u64
-        };
-        if self.req_used as u64 + needed + reserved > self.req_cap as u64 {
-            return Err(ExtendError::RequestsFull { extra });
         }
-        Ok(at_tail)
     }
 
     /// Whether `extra` more samples for incomplete group `g` fit (budget and storage).

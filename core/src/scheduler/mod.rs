@@ -231,6 +231,8 @@ pub struct Scheduler<'a> {
     final_at: Option<Tick>,
     done_at: Option<Tick>,
     req_used: u32,
+    /// Request slots below `req_used` left empty by relocated groups: reclaimed by `compact`.
+    req_holes: u32,
     pub(crate) counters: Counters,
     /// Incomplete groups in draw order.
     pub(crate) incomplete: List,
@@ -307,6 +309,7 @@ impl<'a> Scheduler<'a> {
             final_at: None,
             done_at: None,
             req_used: 0,
+            req_holes: 0,
             counters: Counters {
                 drawn: 0,
                 queued: 0,
@@ -379,6 +382,7 @@ impl<'a> Scheduler<'a> {
             final_at: self.final_at,
             done_at: self.done_at,
             req_used: self.req_used,
+            req_holes: self.req_holes,
             counters: self.counters,
             incomplete: self.incomplete,
             queue: self.queue,
@@ -1013,11 +1017,23 @@ impl<'a> Scheduler<'a> {
         self.after_event(now);
     }
 
-    /// Moves group `g`'s request records to the end of the used storage, fixing the queue and
-    /// abort-list links of the moved records.
+    /// Moves group `g`'s request records to the end of the used storage; its old range becomes
+    /// a hole that `compact` reclaims.
     fn relocate(&mut self, g: u32) {
         let s = self.groups[g as usize];
         let (old, new, n) = (s.first, self.req_used, s.target as u32);
+        self.move_block(old, new, n);
+        for k in 0..n {
+            self.reqs[(old + k) as usize] = RequestSlot::EMPTY;
+        }
+        self.groups[g as usize].first = new;
+        self.req_used = new + n;
+        self.req_holes += n;
+    }
+
+    /// Copies the `n` records at `old` to `new` (ascending, so a move downwards may overlap),
+    /// fixing the queue and abort-list links of, and to, the moved records.
+    fn move_block(&mut self, old: u32, new: u32, n: u32) {
         let moved = |i: u32| {
             if i != NIL && i >= old && i < old + n {
                 new + (i - old)
@@ -1032,17 +1048,87 @@ impl<'a> Scheduler<'a> {
                 next: moved(r.link.next),
             };
             self.reqs[(new + k) as usize] = r;
-            self.reqs[(old + k) as usize] = RequestSlot::EMPTY;
         }
-        for k in 0..n {
-            match self.reqs[(new + k) as usize].state {
-                RequestState::Pending => self.queue.relink(self.reqs, new + k),
-                RequestState::AbortPending => self.aborts.relink(self.reqs, new + k),
+        self.relink_range(new, new + n);
+    }
+
+    /// Points the list neighbours (and list ends) of the records in `from..to` at them, after
+    /// the records moved there with their own links already fixed.
+    fn relink_range(&mut self, from: u32, to: u32) {
+        for i in from..to {
+            match self.reqs[i as usize].state {
+                RequestState::Pending => self.queue.relink(self.reqs, i),
+                RequestState::AbortPending => self.aborts.relink(self.reqs, i),
                 _ => {}
             }
         }
-        self.groups[g as usize].first = new;
-        self.req_used = new + n;
+    }
+
+    /// Moves group `g`'s records (in a compacted storage) to the end by rotating the records
+    /// from its `first` to `req_used` in place: no spare room needed. O(records rotated).
+    fn rotate_to_tail(&mut self, g: u32) {
+        let (a, end) = (self.groups[g as usize].first, self.req_used);
+        let t = self.groups[g as usize].target as u32;
+        if a + t == end {
+            return;
+        }
+        self.reqs[a as usize..end as usize].rotate_left(t as usize);
+        let moved = |i: u32| match i {
+            NIL => NIL,
+            i if i < a || i >= end => i,
+            i if i < a + t => end - t + (i - a),
+            i => i - t,
+        };
+        // Links first (all of them, so that relinking reads fixed neighbours), then neighbours.
+        for i in a..end {
+            let l = self.reqs[i as usize].link;
+            self.reqs[i as usize].link = Link {
+                prev: moved(l.prev),
+                next: moved(l.next),
+            };
+        }
+        self.relink_range(a, end);
+        // The blocks after g moved down by t, in storage order.
+        let mut i = a;
+        while i < end - t {
+            let h = self.reqs[i as usize].group;
+            self.groups[h as usize].first = i;
+            i += self.groups[h as usize].target as u32;
+        }
+        self.groups[g as usize].first = end - t;
+    }
+
+    /// Slides every live group's records down over the holes relocations left, in storage
+    /// order, so extensions in tight storage reuse the space instead of running out. O(used
+    /// request slots), allocation-free; runs only when an extension would not fit otherwise.
+    /// Request ids stay valid: a record is found through its group's `first`.
+    pub(crate) fn compact(&mut self) {
+        let (mut read, mut write) = (0u32, 0u32);
+        while read < self.req_used {
+            let r = self.reqs[read as usize];
+            let g = r.group;
+            // A hole is `Unused` (a drawn group's records never are); a block starts at its
+            // group's `first`.
+            let starts = r.state != RequestState::Unused
+                && g < self.counters.drawn
+                && self.groups[g as usize].first == read;
+            if !starts {
+                read += 1;
+                continue;
+            }
+            let n = self.groups[g as usize].target as u32;
+            if read != write {
+                self.move_block(read, write, n);
+                self.groups[g as usize].first = write;
+            }
+            read += n;
+            write += n;
+        }
+        for i in write..self.req_used {
+            self.reqs[i as usize] = RequestSlot::EMPTY;
+        }
+        self.req_used = write;
+        self.req_holes = 0;
     }
 
     // ----- the frontier cache, kept exact in O(1 + |change of its length|) per event ----------
