@@ -312,6 +312,32 @@ impl<'s, 'a> View<'s, 'a> {
         self.s.slot(g).map(|x| x.state)
     }
 
+    /// A drawn group's current sample count (its target: initial samples plus extensions).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// assert_eq!(s.view().group_target(GroupId(0)), Some(2));
+    /// assert_eq!(s.view().group_target(GroupId(1)), None);
+    /// ```
+    pub fn group_target(&self, g: GroupId) -> Option<u16> {
+        self.s.slot(g).map(|x| x.target)
+    }
+
+    /// Whether group `g` is held: scored, awaiting an allocation decision.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, SchedulerStorage};
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert!(!storage.scheduler().view().is_held(GroupId(0)));
+    /// ```
+    pub fn is_held(&self, g: GroupId) -> bool {
+        self.s.slot(g).is_some_and(|x| x.held)
+    }
+
     /// A group's requests waiting for a slot (0 for unknown groups).
     ///
     /// ```
