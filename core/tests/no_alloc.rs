@@ -134,7 +134,10 @@ fn vigor_and_pilot_commit_steps_do_not_allocate() {
     // keeps them all, and skips the all-correct ones as solved.
     assert_eq!((v.trained, p.trained), (B, B), "{v:?} {p:?}");
     assert!(p.filtered > 0, "{p:?}");
-    assert!(v.requests > (B + v.filtered) as u64 * 8, "VIGOR extended nothing: {v:?}");
+    assert!(
+        v.requests > (B + v.filtered) as u64 * 8,
+        "VIGOR extended nothing: {v:?}"
+    );
 }
 
 #[test]

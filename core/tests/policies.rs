@@ -182,7 +182,12 @@ fn vigor_reference(seed: u64, b: u32, n0: u16, rounds: u16, inc: u16, budget: u3
     targets
 }
 
+/// `cargo test` runs the default 256; CI raises PROPTEST_CASES (scripts/ci.d/core.sh); Miri runs
+/// a couple so the whole suite stays within minutes.
 fn cases() -> u32 {
+    if cfg!(miri) {
+        return 2;
+    }
     std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|c| c.parse().ok())
