@@ -145,8 +145,8 @@ pub use state::{
 };
 pub use storage::{GroupSlot, RequestSlot, SchedulerStorage};
 pub use types::{
-    AdmissionPolicy, DispatchPolicy, EngineId, GroupId, Plan, PlanError, PolicyVersion, RequestId,
-    RequestRef, StepId, SubmitOrder, Tick,
+    AdmissionPolicy, DispatchPolicy, EngineId, GroupId, MicroBatchUnit, Plan, PlanError,
+    PolicyVersion, RequestId, RequestRef, StepId, SubmitOrder, Tick,
 };
 
 /// The workspace README's Rust examples, compiled and run as doctests of this crate.

@@ -8,7 +8,7 @@ use crate::Scheduler;
 use crate::allocate::RewardStats;
 use crate::state::{Counters, GroupState, RequestState};
 use crate::storage::NIL;
-use crate::types::{AdmissionPolicy, DispatchPolicy, GroupId, Plan, RequestRef};
+use crate::types::{AdmissionPolicy, DispatchPolicy, GroupId, MicroBatchUnit, Plan, RequestRef};
 
 /// A read-only view of the scheduler for admission policies.
 ///
@@ -195,9 +195,7 @@ impl<'s, 'a> View<'s, 'a> {
             return 0;
         }
         let need = match plan.dispatch {
-            DispatchPolicy::Pipelined => {
-                (plan.micro_batch - filled % plan.micro_batch).min(remaining)
-            }
+            DispatchPolicy::Pipelined => self.micro_batch_need(plan, filled).min(remaining),
             DispatchPolicy::Sync => remaining,
         } as u64;
         let keep = 1_000_000u64
@@ -207,6 +205,28 @@ impl<'s, 'a> View<'s, 'a> {
         u32::try_from(widened)
             .unwrap_or(u32::MAX)
             .saturating_add(width)
+    }
+
+    /// Groups still needed to complete the open micro-batch, by the groups' final sizes: the
+    /// units it lacks over the size of a group still to come (its initial `G` samples, a lower
+    /// bound when groups get extended, so the frontier errs wide; for tokens, the filled
+    /// groups' mean, or the rest of the optimizer step before any is known). Never past the
+    /// optimizer step's end, where a micro-batch is always cut.
+    fn micro_batch_need(&self, plan: &Plan, filled: u32) -> u32 {
+        let per_opt = plan.groups_per_opt_step();
+        let to_boundary = per_opt - filled % per_opt;
+        let lacking = (plan.micro_batch as u64)
+            .saturating_sub(self.s.fill_acc)
+            .max(1);
+        let per_group = match plan.micro_batch_unit {
+            MicroBatchUnit::Groups => 1,
+            MicroBatchUnit::Samples => plan.group_size as u64,
+            MicroBatchUnit::Tokens if filled > 0 => (self.s.fill_units / filled as u64).max(1),
+            MicroBatchUnit::Tokens => return to_boundary,
+        };
+        u32::try_from(lacking.div_ceil(per_group))
+            .unwrap_or(u32::MAX)
+            .min(to_boundary)
     }
 
     /// The frontier size under the plan's own admission policy (width 0, no widening for `Fifo`).

@@ -48,6 +48,8 @@ struct Model {
     /// left by relocated groups, but compacts them away before it would refuse an extension.
     req_used: u32,
     released: u32,
+    /// Lengths of the released micro-batches, in order.
+    mb_lens: Vec<u32>,
     mb_released: u32,
     mb_consumed: u32,
     since_opt: u32,
@@ -79,6 +81,19 @@ impl Model {
     }
     fn filled(&self) -> u32 {
         self.count(|s| s.is_trainable())
+    }
+    /// A group's size in the plan's micro-batch unit (the model knows groups and samples).
+    fn units(&self, g: u32) -> u64 {
+        match self.plan().micro_batch_unit {
+            MicroBatchUnit::Groups => 1,
+            MicroBatchUnit::Samples => self.groups[g as usize].reqs.len() as u64,
+            other => unreachable!("the model does not know {other:?}"),
+        }
+    }
+    /// Whether a micro-batch of `acc` units ending at the `end`-th group of the batch is cut.
+    fn cut(&self, acc: u64, end: usize) -> bool {
+        let p = self.plan();
+        acc >= p.micro_batch as u64 || end as u32 % (p.batch_groups / p.opt_steps) == 0
     }
     fn trained(&self) -> u32 {
         self.count(|s| s == GroupState::Trained)
@@ -244,7 +259,27 @@ impl Model {
         }
         let remaining = p.batch_groups - filled;
         let need = match p.dispatch {
-            DispatchPolicy::Pipelined => (p.micro_batch - filled % p.micro_batch).min(remaining),
+            DispatchPolicy::Pipelined => {
+                // Replay the micro-batch cuts over the filled groups (materialization order is
+                // dispatch order) for the open micro-batch's units; a group still to come counts
+                // its initial G samples.
+                let mut acc = 0;
+                for (i, &g) in self.materialized.iter().enumerate() {
+                    acc += self.units(g);
+                    if self.cut(acc, i + 1) {
+                        acc = 0;
+                    }
+                }
+                let per_opt = p.batch_groups / p.opt_steps;
+                let lacking = (p.micro_batch as u64).saturating_sub(acc).max(1);
+                let per_group = match p.micro_batch_unit {
+                    MicroBatchUnit::Samples => p.group_size as u64,
+                    _ => 1,
+                };
+                (lacking.div_ceil(per_group) as u32)
+                    .min(per_opt - filled % per_opt)
+                    .min(remaining)
+            }
             DispatchPolicy::Sync => remaining,
             other => unreachable!("the model does not know {other:?}"),
         } as u64;
@@ -577,15 +612,24 @@ impl Model {
         if !self.active {
             return None;
         }
-        let m = self.plan().micro_batch;
         let avail = self.dispatched.len() as u32 - self.released;
-        let len = if avail >= m {
-            m
+        let mut acc = 0;
+        let mut cut = None;
+        for i in self.released as usize..self.dispatched.len() {
+            acc += self.units(self.dispatched[i]);
+            if self.cut(acc, i + 1) {
+                cut = Some(i as u32 + 1 - self.released);
+                break;
+            }
+        }
+        let len = if let Some(len) = cut {
+            len
         } else if self.is_final && avail > 0 && self.count(|s| s == GroupState::Trainable) == 0 {
             avail
         } else {
             return None;
         };
+        self.mb_lens.push(len);
         let first = self.released;
         self.released += len;
         self.mb_released += 1;
@@ -602,9 +646,8 @@ impl Model {
         if self.mb_consumed == self.mb_released {
             return Err(TrainError::NoMicroBatchReleased);
         }
-        let m = self.plan().micro_batch;
-        let first = self.mb_consumed * m;
-        let len = m.min(self.released - first);
+        let first: u32 = self.mb_lens[..self.mb_consumed as usize].iter().sum();
+        let len = self.mb_lens[self.mb_consumed as usize];
         for seq in first..first + len {
             let g = self.dispatched[seq as usize];
             self.groups[g as usize].state = GroupState::Trained;
@@ -810,13 +853,17 @@ fn plan() -> impl Strategy<Value = Plan> {
     (
         (1u32..=6, 1u16..=4, 0usize..4, 0usize..4, 1u32..=8, 1u8..=3),
         (0u32..=6, 1u32..=4, 0u32..=2, 0u8..3, order(), any::<bool>()),
-        (any::<bool>(), prop_oneof![2 => Just(0u32), 1 => 1u32..=40]),
+        (
+            any::<bool>(),
+            prop_oneof![2 => Just(0u32), 1 => 1u32..=40],
+            prop_oneof![2 => Just(0u32), 1 => 1u32..=12],
+        ),
     )
         .prop_map(
             |(
                 (b, g, oi, mi, slots, attempts),
                 (extra, draw_batch, ahead, adm, order, sync),
-                (hold, budget),
+                (hold, budget, samples_mb),
             )| {
                 let mut p = Plan::new(b, g);
                 let opts: Vec<u32> = (1..=b).filter(|d| b % d == 0).collect();
@@ -825,6 +872,11 @@ fn plan() -> impl Strategy<Value = Plan> {
                     .filter(|d| (b / p.opt_steps) % d == 0)
                     .collect();
                 p.micro_batch = mbs[mi % mbs.len()];
+                if samples_mb > 0 {
+                    // Micro-batches of at least this many samples, cut at group boundaries.
+                    p.micro_batch_unit = MicroBatchUnit::Samples;
+                    p.micro_batch = samples_mb;
+                }
                 p.slots = slots;
                 p.max_attempts = attempts;
                 p.max_groups = b + extra;

@@ -653,10 +653,15 @@ impl<'a> Scheduler<'a> {
         if self.mb_consumed == self.mb_released {
             return Err(TrainError::NoMicroBatchReleased);
         }
-        let m = self.plan.micro_batch;
         let index = self.mb_consumed;
-        let first_seq = index * m;
-        let len = m.min(self.released_groups - first_seq);
+        let first_seq = self.consumed_groups;
+        // Every released micro-batch ends at a marked cut.
+        let mut end = first_seq;
+        while !self.groups[end as usize].mb_cut {
+            end += 1;
+        }
+        let len = end + 1 - first_seq;
+        self.consumed_groups += len;
         for seq in first_seq..first_seq + len {
             let g = self.groups[seq as usize].by_seq;
             self.set_state(g, GroupState::Trained);

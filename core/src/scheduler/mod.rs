@@ -17,8 +17,8 @@ use crate::policy::{Admit, View};
 use crate::state::{Counters, FilterReason, GroupState, RequestState, StepPhase, StepSummary};
 use crate::storage::{GroupSlot, Link, List, NIL, RequestSlot};
 use crate::types::{
-    DispatchPolicy, GroupId, Plan, PlanError, PolicyVersion, RequestId, RequestRef, StepId,
-    SubmitOrder, Tick,
+    DispatchPolicy, GroupId, MicroBatchUnit, Plan, PlanError, PolicyVersion, RequestId, RequestRef,
+    StepId, SubmitOrder, Tick,
 };
 
 /// Reward spread below which a complete group is filtered: population std ≤ 1e-6, compared as
@@ -248,6 +248,17 @@ pub struct Scheduler<'a> {
     mb_released: u32,
     mb_consumed: u32,
     trained_since_opt: u32,
+    /// Groups consumed by the trainer (in dispatch order).
+    consumed_groups: u32,
+    /// Micro-batch cuts are found by scanning dispatched groups: next seq to scan, and the
+    /// units of the scanned, unreleased ones.
+    mb_scan: u32,
+    mb_acc: u64,
+    /// The same cuts replayed on the batch as it fills (materialization = dispatch order), so
+    /// the frontier knows the open micro-batch's units: its units so far, and the units of
+    /// all filled groups (for the token estimate).
+    pub(crate) fill_acc: u64,
+    pub(crate) fill_units: u64,
     opt_done: u32,
     /// The due optimizer step was handed out by `poll_optimizer_step`.
     opt_announced: bool,
@@ -343,6 +354,11 @@ impl<'a> Scheduler<'a> {
             mb_released: 0,
             mb_consumed: 0,
             trained_since_opt: 0,
+            consumed_groups: 0,
+            mb_scan: 0,
+            mb_acc: 0,
+            fill_acc: 0,
+            fill_units: 0,
             opt_done: 0,
             opt_announced: false,
             slots_ceiling: 0,
@@ -394,6 +410,11 @@ impl<'a> Scheduler<'a> {
             mb_released: self.mb_released,
             mb_consumed: self.mb_consumed,
             trained_since_opt: self.trained_since_opt,
+            consumed_groups: self.consumed_groups,
+            mb_scan: self.mb_scan,
+            mb_acc: self.mb_acc,
+            fill_acc: self.fill_acc,
+            fill_units: self.fill_units,
             opt_done: self.opt_done,
             opt_announced: self.opt_announced,
             slots_ceiling: self.slots_ceiling,
@@ -943,6 +964,9 @@ impl<'a> Scheduler<'a> {
         self.frontier_on_remove(g);
         self.incomplete.remove(self.groups, g);
         self.set_state(g, end);
+        if end == GroupState::Trainable {
+            self.account_fill(g);
+        }
         self.frontier_resize();
         if end == GroupState::Trainable {
             if self.ready_tail == NIL {
@@ -954,6 +978,31 @@ impl<'a> Scheduler<'a> {
             if self.counters.batch_filled() >= self.plan.batch_groups {
                 self.make_final(now, false);
             }
+        }
+    }
+
+    /// Units of group `g` in the plan's micro-batch unit.
+    pub(crate) fn mb_units(&self, g: u32) -> u64 {
+        let s = &self.groups[g as usize];
+        match self.plan.micro_batch_unit {
+            MicroBatchUnit::Groups => 1,
+            MicroBatchUnit::Samples => s.target as u64,
+            MicroBatchUnit::Tokens => s.tokens,
+        }
+    }
+
+    /// Whether a micro-batch holding `acc` units and ending at the `end`-th group is cut there.
+    pub(crate) fn mb_cut_at(&self, acc: u64, end: u32) -> bool {
+        acc >= self.plan.micro_batch as u64 || end % self.plan.groups_per_opt_step() == 0
+    }
+
+    /// Group `g` just filled the batch further: replay the micro-batch cut on it.
+    fn account_fill(&mut self, g: u32) {
+        let u = self.mb_units(g);
+        self.fill_units += u;
+        self.fill_acc += u;
+        if self.mb_cut_at(self.fill_acc, self.counters.batch_filled()) {
+            self.fill_acc = 0;
         }
     }
 
