@@ -268,3 +268,40 @@ fn micro_batches_by_groups_need_no_divisor_check_in_other_units() {
     p.micro_batch_unit = MicroBatchUnit::Samples;
     assert_eq!(p.validate(), Ok(()));
 }
+
+#[test]
+fn groups_may_start_below_g_and_the_budget_counts_what_was_drawn() {
+    let mut storage = SchedulerStorage::<4, 16>::new();
+    let mut s = storage.scheduler();
+    let mut plan = Plan::new(2, 4);
+    plan.max_groups = 2;
+    plan.sample_budget = 10;
+    plan.slots = 8;
+    s.begin_step(Tick(0), StepId(0), PolicyVersion(0), plan)
+        .unwrap();
+    assert_eq!(s.on_prompts_drawn_with(Tick(0), 1, 2), Ok(GroupId(0)));
+    assert_eq!(s.view().samples_left(), Some(8));
+    assert_eq!(
+        s.on_prompts_drawn_with(Tick(0), 1, 0),
+        Err(DrawError::ZeroSamples)
+    );
+    assert_eq!(s.on_prompts_drawn(Tick(0), 1), Ok(GroupId(1)));
+    assert_eq!(s.view().samples_left(), Some(4));
+    // The small group can still grow into the budget the full-size draw would have used.
+    s.extend_group(Tick(0), GroupId(0), 4).unwrap();
+    assert_eq!(s.view().samples_left(), Some(0));
+    while let Some(a) = s.poll_admit(Tick(1)) {
+        s.on_request_finished(
+            Tick(2),
+            a.request,
+            a.version,
+            1,
+            (a.request.sample % 2) as f32,
+        )
+        .unwrap();
+    }
+    assert_eq!(s.group(GroupId(0)).unwrap().target, 6);
+    assert_eq!(s.group(GroupId(1)).unwrap().target, 4);
+    assert_eq!(s.counters().trainable, 2);
+    s.audit().unwrap();
+}

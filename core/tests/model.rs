@@ -156,6 +156,11 @@ impl Model {
     }
 
     fn draw(&mut self, n: u32) -> Result<GroupId, DrawError> {
+        let g = self.plan.map_or(1, |p| p.group_size);
+        self.draw_with(n, g)
+    }
+
+    fn draw_with(&mut self, n: u32, samples: u16) -> Result<GroupId, DrawError> {
         if !self.active {
             return Err(DrawError::NoActiveStep);
         }
@@ -174,11 +179,21 @@ impl Model {
                 max_groups: p.max_groups,
             });
         }
-        let g_size = p.group_size as u32;
+        let g_size = samples as u32;
         if drawn as usize + n as usize > GCAP {
             return Err(DrawError::GroupsFull { requested: n });
         }
-        if n > self.budget_prompts() {
+        if samples == 0 {
+            return Err(DrawError::ZeroSamples);
+        }
+        if samples > p.group_size {
+            return Err(DrawError::SamplesAboveGroupSize {
+                samples,
+                group_size: p.group_size,
+            });
+        }
+        if p.sample_budget != 0 && self.samples + n as u64 * samples as u64 > p.sample_budget as u64
+        {
             return Err(DrawError::SampleBudget { requested: n });
         }
         if (self.req_used + n * g_size) as usize > RCAP {
@@ -783,6 +798,8 @@ impl Model {
 enum Op {
     PollDraw,
     Draw(u32),
+    /// Draw with this many initial samples per prompt (may exceed G: refused).
+    DrawWith(u32, u16),
     Admit,
     Finish(usize, f32),
     Generate(usize),
@@ -817,6 +834,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => Just(Op::PollDraw),
         1 => (0u32..3).prop_map(Op::Draw),
+        1 => (0u32..3, 0u16..6).prop_map(|(n, k)| Op::DrawWith(n, k)),
         8 => Just(Op::Admit),
         6 => (k.clone(), reward()).prop_map(|(k, r)| Op::Finish(k, r)),
         2 => k.clone().prop_map(Op::Generate),
@@ -970,6 +988,9 @@ fn apply(
             }
         }
         Op::Draw(n) => prop_assert_eq!(s.on_prompts_drawn(now, n), m.draw(n)),
+        Op::DrawWith(n, k) => {
+            prop_assert_eq!(s.on_prompts_drawn_with(now, n, k), m.draw_with(n, k))
+        }
         Op::Admit => {
             let frontier = if m.active { m.frontier() } else { Vec::new() };
             let frontier_waits = m.active

@@ -83,6 +83,29 @@ impl<'a> Scheduler<'a> {
     /// assert_eq!(s.on_prompts_drawn(Tick(0), 2), Err(DrawError::MaxGroups { drawn: 3, requested: 2, max_groups: 4 }));
     /// ```
     pub fn on_prompts_drawn(&mut self, now: Tick, n: u32) -> Result<GroupId, DrawError> {
+        self.on_prompts_drawn_with(now, n, self.plan.group_size)
+    }
+
+    /// [`on_prompts_drawn`](Self::on_prompts_drawn) with `samples` initial samples per prompt,
+    /// at most the plan's G (the group's target is its own: a pilot, a re-drawn deferred prompt,
+    /// or VIGOR's n0 can start smaller; extensions grow it later). Storage and the sample budget
+    /// are charged for the samples actually created.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{DrawError, GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 16>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 4)).unwrap();
+    /// assert_eq!(s.on_prompts_drawn_with(Tick(0), 1, 2), Ok(GroupId(0)));
+    /// assert_eq!(s.group(GroupId(0)).unwrap().target, 2);
+    /// assert_eq!(s.on_prompts_drawn_with(Tick(0), 1, 5), Err(DrawError::SamplesAboveGroupSize { samples: 5, group_size: 4 }));
+    /// ```
+    pub fn on_prompts_drawn_with(
+        &mut self,
+        now: Tick,
+        n: u32,
+        samples: u16,
+    ) -> Result<GroupId, DrawError> {
         if self.phase != StepPhase::Active {
             return Err(DrawError::NoActiveStep);
         }
@@ -103,10 +126,21 @@ impl<'a> Scheduler<'a> {
         if drawn as u64 + n as u64 > self.group_cap as u64 {
             return Err(DrawError::GroupsFull { requested: n });
         }
-        if n > self.budget_prompts() {
+        if samples == 0 {
+            return Err(DrawError::ZeroSamples);
+        }
+        if samples > self.plan.group_size {
+            return Err(DrawError::SamplesAboveGroupSize {
+                samples,
+                group_size: self.plan.group_size,
+            });
+        }
+        if self.plan.sample_budget != 0
+            && self.samples_used + n as u64 * samples as u64 > self.plan.sample_budget as u64
+        {
             return Err(DrawError::SampleBudget { requested: n });
         }
-        let g_size = self.plan.group_size as u32;
+        let g_size = samples as u32;
         let total = n as u64 * g_size as u64;
         // Unreachable under begin_step's capacity contract (extensions keep the storage for
         // the prompts still drawable reserved); kept so that a broken invariant is an error,
@@ -120,13 +154,13 @@ impl<'a> Scheduler<'a> {
             let first = base + i * g_size;
             self.groups[g as usize] = GroupSlot {
                 state: GroupState::Queued,
-                target: self.plan.group_size,
-                pending: self.plan.group_size,
+                target: samples,
+                pending: samples,
                 first,
                 drawn_at: now,
                 ..GroupSlot::EMPTY
             };
-            for s in 0..self.plan.group_size {
+            for s in 0..samples {
                 self.reqs[(first + s as u32) as usize] = RequestSlot {
                     state: RequestState::Pending,
                     sample: s,
