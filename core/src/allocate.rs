@@ -55,6 +55,11 @@ pub enum Allocation {
     Extend(u16),
     /// Drop the group: `Filtered(Skipped(reason))`.
     Skip(SkipReason),
+    /// Not yet: keep the group held and decide it again later (a policy that compares groups,
+    /// such as VIGOR's rounds, waits until every group of the round is scored). The policy
+    /// must answer something else once the groups it waits for are held or ended, or the step
+    /// stalls.
+    Wait,
 }
 
 /// An allocation policy: a pure function of a read-only view of the scheduler.
@@ -101,8 +106,9 @@ pub struct Allocated {
 }
 
 impl Scheduler<'_> {
-    /// The oldest held group (scored, waiting for an allocation decision), decided by `policy`
-    /// and applied. `None` when no group is held (always, unless `Plan::hold_scored`).
+    /// The oldest held group (scored, waiting for an allocation decision) that `policy` does not
+    /// answer [`Allocation::Wait`] for, decided and applied. `None` when no group is held
+    /// (always, unless `Plan::hold_scored`) or the policy waits for every held one.
     ///
     /// ```
     /// use rolloutpipe_core::*;
@@ -135,12 +141,19 @@ impl Scheduler<'_> {
         now: Tick,
         policy: &P,
     ) -> Option<Allocated> {
-        let g = self.held_head;
-        if g == NIL {
-            return None;
-        }
+        // The oldest held group the policy does not ask to wait for. O(held) policy calls when
+        // groups wait; one when none does.
+        let mut g = self.held_head;
+        let decided = loop {
+            if g == NIL {
+                return None;
+            }
+            match policy.decide(&self.view(), GroupId(g)) {
+                Allocation::Wait => g = self.groups[g as usize].hold_link.next,
+                d => break d,
+            }
+        };
         let group = GroupId(g);
-        let decided = policy.decide(&self.view(), group);
         self.unhold(g);
         let applied = match decided {
             Allocation::Extend(n) if n > 0 && self.extension_fits(g, n) => {

@@ -73,6 +73,16 @@ pub enum DrawError {
         /// The refused count.
         requested: u32,
     },
+    /// `on_prompts_drawn_with` was asked for 0 samples per prompt.
+    ZeroSamples,
+    /// `on_prompts_drawn_with` was asked for more initial samples than the plan's G, for which
+    /// storage is reserved.
+    SamplesAboveGroupSize {
+        /// The refused initial count.
+        samples: u16,
+        /// The plan's G.
+        group_size: u16,
+    },
 }
 
 /// Why a request event (generated, reward, finished, failed, abort ack) was refused.
@@ -276,6 +286,14 @@ impl fmt::Display for DrawError {
                     "{requested} more prompts exceed the step's sample budget"
                 )
             }
+            DrawError::ZeroSamples => f.write_str("a prompt needs at least 1 initial sample"),
+            DrawError::SamplesAboveGroupSize {
+                samples,
+                group_size,
+            } => write!(
+                f,
+                "{samples} initial samples exceed the plan's group size {group_size}"
+            ),
         }
     }
 }

@@ -120,6 +120,7 @@
 #![deny(unsafe_code, missing_docs)]
 
 mod allocate;
+mod allocators;
 mod error;
 mod owned;
 mod policy;
@@ -129,6 +130,7 @@ mod storage;
 mod types;
 
 pub use allocate::{Allocate, Allocated, Allocation, FixedG, RewardStats};
+pub use allocators::{AllocParamError, Param, PilotCommit, Vigor};
 pub use error::{
     AdmitError, BeginError, DrawError, ExtendError, RequestError, SlotsError, TrainError,
 };
@@ -143,8 +145,8 @@ pub use state::{
 };
 pub use storage::{GroupSlot, RequestSlot, SchedulerStorage};
 pub use types::{
-    AdmissionPolicy, DispatchPolicy, EngineId, GroupId, Plan, PlanError, PolicyVersion, RequestId,
-    RequestRef, StepId, SubmitOrder, Tick,
+    AdmissionPolicy, DispatchPolicy, EngineId, GroupId, MicroBatchUnit, Plan, PlanError,
+    PolicyVersion, RequestId, RequestRef, StepId, SubmitOrder, Tick,
 };
 
 /// The workspace README's Rust examples, compiled and run as doctests of this crate.

@@ -8,7 +8,7 @@ use crate::Scheduler;
 use crate::allocate::RewardStats;
 use crate::state::{Counters, GroupState, RequestState};
 use crate::storage::NIL;
-use crate::types::{AdmissionPolicy, DispatchPolicy, GroupId, Plan, RequestRef};
+use crate::types::{AdmissionPolicy, DispatchPolicy, GroupId, MicroBatchUnit, Plan, RequestRef};
 
 /// A read-only view of the scheduler for admission policies.
 ///
@@ -195,9 +195,7 @@ impl<'s, 'a> View<'s, 'a> {
             return 0;
         }
         let need = match plan.dispatch {
-            DispatchPolicy::Pipelined => {
-                (plan.micro_batch - filled % plan.micro_batch).min(remaining)
-            }
+            DispatchPolicy::Pipelined => self.micro_batch_need(plan, filled).min(remaining),
             DispatchPolicy::Sync => remaining,
         } as u64;
         let keep = 1_000_000u64
@@ -207,6 +205,28 @@ impl<'s, 'a> View<'s, 'a> {
         u32::try_from(widened)
             .unwrap_or(u32::MAX)
             .saturating_add(width)
+    }
+
+    /// Groups still needed to complete the open micro-batch, by the groups' final sizes: the
+    /// units it lacks over the size of a group still to come (its initial `G` samples, a lower
+    /// bound when groups get extended, so the frontier errs wide; for tokens, the filled
+    /// groups' mean, or the rest of the optimizer step before any is known). Never past the
+    /// optimizer step's end, where a micro-batch is always cut.
+    fn micro_batch_need(&self, plan: &Plan, filled: u32) -> u32 {
+        let per_opt = plan.groups_per_opt_step();
+        let to_boundary = per_opt - filled % per_opt;
+        let lacking = (plan.micro_batch as u64)
+            .saturating_sub(self.s.fill_acc)
+            .max(1);
+        let per_group = match plan.micro_batch_unit {
+            MicroBatchUnit::Groups => 1,
+            MicroBatchUnit::Samples => plan.group_size as u64,
+            MicroBatchUnit::Tokens if filled > 0 => (self.s.fill_units / filled as u64).max(1),
+            MicroBatchUnit::Tokens => return to_boundary,
+        };
+        u32::try_from(lacking.div_ceil(per_group))
+            .unwrap_or(u32::MAX)
+            .min(to_boundary)
     }
 
     /// The frontier size under the plan's own admission policy (width 0, no widening for `Fifo`).
@@ -310,6 +330,32 @@ impl<'s, 'a> View<'s, 'a> {
     /// ```
     pub fn group_state(&self, g: GroupId) -> Option<GroupState> {
         self.s.slot(g).map(|x| x.state)
+    }
+
+    /// A drawn group's current sample count (its target: initial samples plus extensions).
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 8>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)).unwrap();
+    /// s.on_prompts_drawn(Tick(0), 1).unwrap();
+    /// assert_eq!(s.view().group_target(GroupId(0)), Some(2));
+    /// assert_eq!(s.view().group_target(GroupId(1)), None);
+    /// ```
+    pub fn group_target(&self, g: GroupId) -> Option<u16> {
+        self.s.slot(g).map(|x| x.target)
+    }
+
+    /// Whether group `g` is held: scored, awaiting an allocation decision.
+    ///
+    /// ```
+    /// # use rolloutpipe_core::{GroupId, SchedulerStorage};
+    /// let mut storage = SchedulerStorage::<1, 1>::new();
+    /// assert!(!storage.scheduler().view().is_held(GroupId(0)));
+    /// ```
+    pub fn is_held(&self, g: GroupId) -> bool {
+        self.s.slot(g).is_some_and(|x| x.held)
     }
 
     /// A group's requests waiting for a slot (0 for unknown groups).

@@ -41,8 +41,11 @@ pub enum FilterReason {
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 #[non_exhaustive]
 pub enum SkipReason {
-    /// The mean reward is above the policy's band (already solved).
+    /// The mean reward is above the policy's band.
     TooEasy,
+    /// Every sample earned the full reward (p = 1): the caller may evict the prompt from later
+    /// epochs (Pilot-Commit).
+    Solved,
     /// The mean reward is below the policy's band (deferred).
     TooHard,
     /// Another policy-specific reason.
@@ -53,6 +56,7 @@ impl fmt::Display for SkipReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             SkipReason::TooEasy => "too-easy",
+            SkipReason::Solved => "solved",
             SkipReason::TooHard => "too-hard",
             SkipReason::Other => "other",
         })

@@ -59,6 +59,8 @@ pub struct GroupSlot {
     /// The group dispatched with sequence number equal to this slot's index (a seq → group map
     /// stored in the group slots themselves: seq < dispatched ≤ drawn).
     pub(crate) by_seq: u32,
+    /// Seq-indexed, like `by_seq`: the group dispatched `seq`-th ends a released micro-batch.
+    pub(crate) mb_cut: bool,
     /// Running reward mean and sum of squared deviations (Welford, f64).
     pub(crate) mean: f64,
     pub(crate) m2: f64,
@@ -100,6 +102,7 @@ impl GroupSlot {
         next_ready: NIL,
         dispatch_seq: NIL,
         by_seq: NIL,
+        mb_cut: false,
         mean: 0.0,
         m2: 0.0,
         min: f32::INFINITY,

@@ -232,6 +232,26 @@ pub enum DispatchPolicy {
     Sync,
 }
 
+/// What `Plan::micro_batch` counts.
+///
+/// ```
+/// use rolloutpipe_core::{MicroBatchUnit, Plan};
+/// assert_eq!(Plan::new(4, 4).micro_batch_unit, MicroBatchUnit::Groups);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum MicroBatchUnit {
+    /// Groups (`B / k_opt` must be a multiple of `micro_batch`).
+    #[default]
+    Groups,
+    /// Samples: the groups' final sizes (they vary under VIGOR or Pilot-Commit).
+    Samples,
+    /// Tokens the groups' recorded responses generated.
+    Tokens,
+}
+
 /// The per-step configuration, validated by `begin_step`.
 ///
 /// ```
@@ -251,8 +271,12 @@ pub struct Plan {
     pub batch_groups: u32,
     /// G: initial samples per group (a group's target can be extended later).
     pub group_size: u16,
-    /// m: groups per trainer micro-batch.
+    /// m: the trainer micro-batch's size, in `micro_batch_unit`s (groups by default).
     pub micro_batch: u32,
+    /// What `micro_batch` counts: groups, samples or tokens. With samples or tokens a
+    /// micro-batch is cut after the group (groups are never split) that brings it to at least
+    /// `micro_batch`, or that ends an optimizer step's `B / k_opt` groups.
+    pub micro_batch_unit: MicroBatchUnit,
     /// k_opt: optimizer steps per rollout. `B % k_opt == 0` and `(B / k_opt) % m == 0`.
     pub opt_steps: u32,
     /// Requests the core may have in flight at once (E × S).
@@ -291,6 +315,7 @@ impl Plan {
             batch_groups,
             group_size,
             micro_batch: 1,
+            micro_batch_unit: MicroBatchUnit::Groups,
             opt_steps: 1,
             slots: 1024,
             max_attempts: 3,
@@ -332,7 +357,9 @@ impl Plan {
             });
         }
         let per_opt_step = self.batch_groups / self.opt_steps;
-        if per_opt_step % self.micro_batch != 0 {
+        if matches!(self.micro_batch_unit, MicroBatchUnit::Groups)
+            && per_opt_step % self.micro_batch != 0
+        {
             return Err(PlanError::MicroBatchNotDivisor {
                 per_opt_step,
                 micro_batch: self.micro_batch,

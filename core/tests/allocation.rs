@@ -150,3 +150,158 @@ fn a_budget_below_the_batch_is_refused() {
         })
     );
 }
+
+/// Groups end with 4, 6 or 8 samples, by id.
+struct VarySize;
+
+impl Allocate for VarySize {
+    fn decide(&self, v: &View<'_, '_>, g: GroupId) -> Allocation {
+        match v.group_target(g) {
+            Some(4) if g.0 % 3 != 0 => Allocation::Extend(2 * (g.0 % 3) as u16),
+            _ => Allocation::Commit,
+        }
+    }
+}
+
+/// Drives a step with variable group sizes and micro-batches of `unit`s; returns each
+/// micro-batch's groups and their sizes in that unit.
+fn micro_batches(dispatch: DispatchPolicy, unit: MicroBatchUnit, m: u32) -> Vec<Vec<(u32, u64)>> {
+    let mut groups = vec![GroupSlot::EMPTY; 16];
+    let mut requests = vec![RequestSlot::EMPTY; 256];
+    let mut s = Scheduler::new(&mut groups, &mut requests);
+    let mut plan = Plan::new(6, 4);
+    plan.max_groups = 10;
+    plan.opt_steps = 2;
+    plan.micro_batch = m;
+    plan.micro_batch_unit = unit;
+    plan.slots = 3;
+    plan.hold_scored = true;
+    plan.dispatch = dispatch;
+    plan.admission = AdmissionPolicy::Frontier {
+        width: 0,
+        expected_filter_ppm: 0,
+        fallback: SubmitOrder::GroupMajor,
+    };
+    s.begin_step(Tick(0), StepId(0), PolicyVersion(0), plan)
+        .unwrap();
+    let mut out = Vec::new();
+    for t in 0..2_000 {
+        let now = Tick(t);
+        if s.poll_step_done().is_some() {
+            return out;
+        }
+        if let Some(n) = s.poll_draw(now) {
+            s.on_prompts_drawn(now, n).unwrap();
+        }
+        if let Some(a) = s.poll_admit(now) {
+            let r = mixed(a.request.group, a.request.sample);
+            let tokens = 10 + 7 * a.request.group.0 + a.request.sample as u32;
+            s.on_request_finished(now, a.request, a.version, tokens, r)
+                .unwrap();
+        }
+        while s.poll_allocation_with(now, &VarySize).is_some() {}
+        while let Some(r) = s.poll_abort(now) {
+            s.on_abort_acked(now, r).unwrap();
+        }
+        while s.poll_dispatch(now).is_some() {}
+        while let Some(mb) = s.poll_micro_batch(now) {
+            let c = s.on_micro_batch_consumed(now).unwrap();
+            assert_eq!((c.first_seq, c.len), (mb.first_seq, mb.len));
+            let gs = (mb.first_seq..mb.first_seq + mb.len)
+                .map(|q| {
+                    let g = s.dispatched_group(q).unwrap();
+                    let info = s.group(g).unwrap();
+                    let size = match unit {
+                        MicroBatchUnit::Samples => info.target as u64,
+                        MicroBatchUnit::Tokens => info.tokens,
+                        _ => 1,
+                    };
+                    (g.0, size)
+                })
+                .collect();
+            out.push(gs);
+            if s.poll_optimizer_step(now).is_some() {
+                s.on_optimizer_step_done(now).unwrap();
+            }
+        }
+        if s.poll_optimizer_step(now).is_some() {
+            s.on_optimizer_step_done(now).unwrap();
+        }
+        s.audit().unwrap();
+    }
+    panic!("step did not finish: {:?}", s.counters());
+}
+
+#[test]
+fn micro_batches_by_samples_and_tokens_cut_at_the_size_and_match_across_dispatch() {
+    for (unit, m) in [(MicroBatchUnit::Samples, 10), (MicroBatchUnit::Tokens, 150)] {
+        let piped = micro_batches(DispatchPolicy::Pipelined, unit, m);
+        // The equivalence property: the same samples give the same micro-batches in the same
+        // order, whether groups are released as they materialize or all at the end.
+        let sync = micro_batches(DispatchPolicy::Sync, unit, m);
+        assert_eq!(piped, sync, "{unit:?}");
+        let groups: usize = piped.iter().map(Vec::len).sum();
+        assert_eq!(groups, 6);
+        // Extensions made the sizes vary; each micro-batch is cut at the first group that
+        // brings it to m, or at the optimizer step's 3 groups.
+        assert!(
+            piped.iter().flatten().any(|&(_, n)| n != piped[0][0].1),
+            "{piped:?}"
+        );
+        let mut seen = 0;
+        for mb in &piped {
+            let sizes: Vec<u64> = mb.iter().map(|&(_, n)| n).collect();
+            let total: u64 = sizes.iter().sum();
+            seen += mb.len();
+            let before_last: u64 = total - sizes.last().unwrap();
+            assert!(before_last < m as u64, "{unit:?} {piped:?}");
+            assert!(total >= m as u64 || seen % 3 == 0, "{unit:?} {piped:?}");
+        }
+    }
+}
+
+#[test]
+fn micro_batches_by_groups_need_no_divisor_check_in_other_units() {
+    let mut p = Plan::new(6, 4);
+    p.micro_batch = 4;
+    assert!(p.validate().is_err(), "4 groups do not divide 6");
+    p.micro_batch_unit = MicroBatchUnit::Samples;
+    assert_eq!(p.validate(), Ok(()));
+}
+
+#[test]
+fn groups_may_start_below_g_and_the_budget_counts_what_was_drawn() {
+    let mut storage = SchedulerStorage::<4, 16>::new();
+    let mut s = storage.scheduler();
+    let mut plan = Plan::new(2, 4);
+    plan.max_groups = 2;
+    plan.sample_budget = 10;
+    plan.slots = 8;
+    s.begin_step(Tick(0), StepId(0), PolicyVersion(0), plan)
+        .unwrap();
+    assert_eq!(s.on_prompts_drawn_with(Tick(0), 1, 2), Ok(GroupId(0)));
+    assert_eq!(s.view().samples_left(), Some(8));
+    assert_eq!(
+        s.on_prompts_drawn_with(Tick(0), 1, 0),
+        Err(DrawError::ZeroSamples)
+    );
+    assert_eq!(s.on_prompts_drawn(Tick(0), 1), Ok(GroupId(1)));
+    assert_eq!(s.view().samples_left(), Some(4));
+    // The small group can still grow into the budget the full-size draw would have used.
+    s.extend_group(Tick(0), GroupId(0), 4).unwrap();
+    assert_eq!(s.view().samples_left(), Some(0));
+    while let Some(a) = s.poll_admit(Tick(1)) {
+        s.on_request_finished(
+            Tick(2),
+            a.request,
+            a.version,
+            1,
+            (a.request.sample % 2) as f32,
+        )
+        .unwrap();
+    }
+    assert_eq!(s.group(GroupId(0)).unwrap().target, 6);
+    assert_eq!(s.group(GroupId(1)).unwrap().target, 4);
+    assert_eq!(s.counters().trainable, 2);
+    s.audit().unwrap();
+}

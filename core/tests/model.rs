@@ -28,7 +28,6 @@ struct MGroup {
     /// (state, attempt) per sample.
     reqs: Vec<(R, u8)>,
     rewards: Vec<f32>,
-    first: u32,
 }
 
 /// The reference model: the same protocol, written for clarity instead of speed.
@@ -45,8 +44,12 @@ struct Model {
     materialized: Vec<u32>,
     dispatched: Vec<u32>,
     slots: u32,
+    /// Request records in use: every drawn group's samples. The core's storage may hold holes
+    /// left by relocated groups, but compacts them away before it would refuse an extension.
     req_used: u32,
     released: u32,
+    /// Lengths of the released micro-batches, in order.
+    mb_lens: Vec<u32>,
     mb_released: u32,
     mb_consumed: u32,
     since_opt: u32,
@@ -78,6 +81,19 @@ impl Model {
     }
     fn filled(&self) -> u32 {
         self.count(|s| s.is_trainable())
+    }
+    /// A group's size in the plan's micro-batch unit (the model knows groups and samples).
+    fn units(&self, g: u32) -> u64 {
+        match self.plan().micro_batch_unit {
+            MicroBatchUnit::Groups => 1,
+            MicroBatchUnit::Samples => self.groups[g as usize].reqs.len() as u64,
+            other => unreachable!("the model does not know {other:?}"),
+        }
+    }
+    /// Whether a micro-batch of `acc` units ending at the `end`-th group of the batch is cut.
+    fn cut(&self, acc: u64, end: usize) -> bool {
+        let p = self.plan();
+        acc >= p.micro_batch as u64 || end as u32 % (p.batch_groups / p.opt_steps) == 0
     }
     fn trained(&self) -> u32 {
         self.count(|s| s == GroupState::Trained)
@@ -140,6 +156,11 @@ impl Model {
     }
 
     fn draw(&mut self, n: u32) -> Result<GroupId, DrawError> {
+        let g = self.plan.map_or(1, |p| p.group_size);
+        self.draw_with(n, g)
+    }
+
+    fn draw_with(&mut self, n: u32, samples: u16) -> Result<GroupId, DrawError> {
         if !self.active {
             return Err(DrawError::NoActiveStep);
         }
@@ -158,22 +179,31 @@ impl Model {
                 max_groups: p.max_groups,
             });
         }
-        let g_size = p.group_size as u32;
+        let g_size = samples as u32;
         if drawn as usize + n as usize > GCAP {
             return Err(DrawError::GroupsFull { requested: n });
         }
-        if n > self.budget_prompts() {
+        if samples == 0 {
+            return Err(DrawError::ZeroSamples);
+        }
+        if samples > p.group_size {
+            return Err(DrawError::SamplesAboveGroupSize {
+                samples,
+                group_size: p.group_size,
+            });
+        }
+        if p.sample_budget != 0 && self.samples + n as u64 * samples as u64 > p.sample_budget as u64
+        {
             return Err(DrawError::SampleBudget { requested: n });
         }
         if (self.req_used + n * g_size) as usize > RCAP {
             return Err(DrawError::RequestsFull { requested: n });
         }
-        for i in 0..n {
+        for _ in 0..n {
             self.groups.push(MGroup {
                 state: GroupState::Queued,
                 reqs: vec![(R::Pending, 0); g_size as usize],
                 rewards: vec![f32::NAN; g_size as usize],
-                first: self.req_used + i * g_size,
             });
         }
         self.req_used += n * g_size;
@@ -244,7 +274,27 @@ impl Model {
         }
         let remaining = p.batch_groups - filled;
         let need = match p.dispatch {
-            DispatchPolicy::Pipelined => (p.micro_batch - filled % p.micro_batch).min(remaining),
+            DispatchPolicy::Pipelined => {
+                // Replay the micro-batch cuts over the filled groups (materialization order is
+                // dispatch order) for the open micro-batch's units; a group still to come counts
+                // its initial G samples.
+                let mut acc = 0;
+                for (i, &g) in self.materialized.iter().enumerate() {
+                    acc += self.units(g);
+                    if self.cut(acc, i + 1) {
+                        acc = 0;
+                    }
+                }
+                let per_opt = p.batch_groups / p.opt_steps;
+                let lacking = (p.micro_batch as u64).saturating_sub(acc).max(1);
+                let per_group = match p.micro_batch_unit {
+                    MicroBatchUnit::Samples => p.group_size as u64,
+                    _ => 1,
+                };
+                (lacking.div_ceil(per_group) as u32)
+                    .min(per_opt - filled % per_opt)
+                    .min(remaining)
+            }
             DispatchPolicy::Sync => remaining,
             other => unreachable!("the model does not know {other:?}"),
         } as u64;
@@ -577,15 +627,24 @@ impl Model {
         if !self.active {
             return None;
         }
-        let m = self.plan().micro_batch;
         let avail = self.dispatched.len() as u32 - self.released;
-        let len = if avail >= m {
-            m
+        let mut acc = 0;
+        let mut cut = None;
+        for i in self.released as usize..self.dispatched.len() {
+            acc += self.units(self.dispatched[i]);
+            if self.cut(acc, i + 1) {
+                cut = Some(i as u32 + 1 - self.released);
+                break;
+            }
+        }
+        let len = if let Some(len) = cut {
+            len
         } else if self.is_final && avail > 0 && self.count(|s| s == GroupState::Trainable) == 0 {
             avail
         } else {
             return None;
         };
+        self.mb_lens.push(len);
         let first = self.released;
         self.released += len;
         self.mb_released += 1;
@@ -602,9 +661,8 @@ impl Model {
         if self.mb_consumed == self.mb_released {
             return Err(TrainError::NoMicroBatchReleased);
         }
-        let m = self.plan().micro_batch;
-        let first = self.mb_consumed * m;
-        let len = m.min(self.released - first);
+        let first: u32 = self.mb_lens[..self.mb_consumed as usize].iter().sum();
+        let len = self.mb_lens[self.mb_consumed as usize];
         for seq in first..first + len {
             let g = self.dispatched[seq as usize];
             self.groups[g as usize].state = GroupState::Trained;
@@ -680,12 +738,6 @@ impl Model {
             return Err(ExtendError::SampleBudget { extra });
         }
         let target = grp.reqs.len() as u32;
-        let at_tail = grp.first + target == req_used;
-        let needed = if at_tail {
-            extra as u32
-        } else {
-            target + extra as u32
-        };
         // Storage for the prompts the step may still draw stays reserved.
         let closed = is_final
             || exhausted
@@ -697,11 +749,8 @@ impl Model {
         } else {
             (p.max_groups as usize).saturating_sub(drawn) * p.group_size as usize
         };
-        if (req_used + needed) as usize + reserved > RCAP {
+        if (req_used + extra as u32) as usize + reserved > RCAP {
             return Err(ExtendError::RequestsFull { extra });
-        }
-        if !at_tail {
-            grp.first = req_used;
         }
         for _ in 0..extra {
             grp.reqs.push((R::Pending, 0));
@@ -710,7 +759,7 @@ impl Model {
         if grp.state == GroupState::Materializing {
             grp.state = GroupState::Generating;
         }
-        self.req_used = grp.first + target + extra as u32;
+        self.req_used += extra as u32;
         for s in target..target + extra as u32 {
             self.queue.push((g, s as u16));
         }
@@ -749,6 +798,8 @@ impl Model {
 enum Op {
     PollDraw,
     Draw(u32),
+    /// Draw with this many initial samples per prompt (may exceed G: refused).
+    DrawWith(u32, u16),
     Admit,
     Finish(usize, f32),
     Generate(usize),
@@ -783,6 +834,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => Just(Op::PollDraw),
         1 => (0u32..3).prop_map(Op::Draw),
+        1 => (0u32..3, 0u16..6).prop_map(|(n, k)| Op::DrawWith(n, k)),
         8 => Just(Op::Admit),
         6 => (k.clone(), reward()).prop_map(|(k, r)| Op::Finish(k, r)),
         2 => k.clone().prop_map(Op::Generate),
@@ -819,13 +871,17 @@ fn plan() -> impl Strategy<Value = Plan> {
     (
         (1u32..=6, 1u16..=4, 0usize..4, 0usize..4, 1u32..=8, 1u8..=3),
         (0u32..=6, 1u32..=4, 0u32..=2, 0u8..3, order(), any::<bool>()),
-        (any::<bool>(), prop_oneof![2 => Just(0u32), 1 => 1u32..=40]),
+        (
+            any::<bool>(),
+            prop_oneof![2 => Just(0u32), 1 => 1u32..=40],
+            prop_oneof![2 => Just(0u32), 1 => 1u32..=12],
+        ),
     )
         .prop_map(
             |(
                 (b, g, oi, mi, slots, attempts),
                 (extra, draw_batch, ahead, adm, order, sync),
-                (hold, budget),
+                (hold, budget, samples_mb),
             )| {
                 let mut p = Plan::new(b, g);
                 let opts: Vec<u32> = (1..=b).filter(|d| b % d == 0).collect();
@@ -834,6 +890,11 @@ fn plan() -> impl Strategy<Value = Plan> {
                     .filter(|d| (b / p.opt_steps) % d == 0)
                     .collect();
                 p.micro_batch = mbs[mi % mbs.len()];
+                if samples_mb > 0 {
+                    // Micro-batches of at least this many samples, cut at group boundaries.
+                    p.micro_batch_unit = MicroBatchUnit::Samples;
+                    p.micro_batch = samples_mb;
+                }
                 p.slots = slots;
                 p.max_attempts = attempts;
                 p.max_groups = b + extra;
@@ -927,6 +988,9 @@ fn apply(
             }
         }
         Op::Draw(n) => prop_assert_eq!(s.on_prompts_drawn(now, n), m.draw(n)),
+        Op::DrawWith(n, k) => {
+            prop_assert_eq!(s.on_prompts_drawn_with(now, n, k), m.draw_with(n, k))
+        }
         Op::Admit => {
             let frontier = if m.active { m.frontier() } else { Vec::new() };
             let frontier_waits = m.active

@@ -6,7 +6,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 use rolloutpipe_core::{
-    AdmissionPolicy, DispatchPolicy, GroupSlot, RequestSlot, Scheduler, SubmitOrder,
+    AdmissionPolicy, DispatchPolicy, GroupSlot, PilotCommit, RequestSlot, Scheduler, SubmitOrder,
+    Vigor,
 };
 
 #[allow(dead_code)]
@@ -109,6 +110,34 @@ fn whole_steps_of_4096_groups_do_not_allocate() {
     let v = std::hint::black_box(vec![1u8; 16]);
     ARMED.with(|a| a.set(false));
     assert_eq!((v.len(), allocations()), (16, 1));
+}
+
+#[test]
+fn vigor_and_pilot_commit_steps_do_not_allocate() {
+    const B: u32 = if cfg!(miri) { 8 } else { 256 };
+    let mut groups = vec![GroupSlot::EMPTY; 2 * B as usize];
+    let mut requests = vec![RequestSlot::EMPTY; 2 * B as usize * 32];
+    let mut s = Scheduler::new(&mut groups, &mut requests);
+    let vigor = Vigor::new(8, 2, 8, 8 * B + 8 * B, B).unwrap();
+    let pilot = PilotCommit::new(8, 8, 0.125, 0.25).unwrap();
+    let mut vp = step::plan(B);
+    vigor.configure(&mut vp);
+    let mut pp = step::plan(B);
+    pilot.configure(&mut pp);
+    ALLOCATIONS.with(|n| n.set(0));
+    ARMED.with(|a| a.set(true));
+    let v = step::run_step_with(&mut s, 0, vp, 5, &vigor);
+    let p = step::run_step_with(&mut s, 1, pp, 6, &pilot);
+    ARMED.with(|a| a.set(false));
+    assert_eq!(allocations(), 0, "the core allocated");
+    // step::reward gives every varying group a mean of 1/2: VIGOR extends some, Pilot-Commit
+    // keeps them all, and skips the all-correct ones as solved.
+    assert_eq!((v.trained, p.trained), (B, B), "{v:?} {p:?}");
+    assert!(p.filtered > 0, "{p:?}");
+    assert!(
+        v.requests > (B + v.filtered) as u64 * 8,
+        "VIGOR extended nothing: {v:?}"
+    );
 }
 
 #[test]

@@ -32,6 +32,9 @@ t0=$SECONDS
 # A failure is persisted in core/tests/model.proptest-regressions: commit it with the fix.
 PROPTEST_CASES="${PROPTEST_CASES:-10000}" cargo test -p rolloutpipe-core --locked --test model
 echo "   state machine: $((SECONDS - t0)) s"
+# VIGOR and Pilot-Commit: budget, conservation, liveness, order independence, VIGOR against its
+# round-by-round reference (~1 s at 10,000 cases).
+PROPTEST_CASES="${PROPTEST_CASES:-10000}" cargo test -p rolloutpipe-core --locked --test policies
 
 echo "== core: tests under Miri"
 # Isolation off only so the corpus replay can list fuzz/corpus/events; the tests cut their case

@@ -61,6 +61,7 @@ impl Scheduler<'_> {
         let mut slots = 0u32;
         let mut pending_total = 0u32;
         let mut abort_pending = 0u32;
+        let mut live = 0u64;
         for g in 0..self.counters.drawn {
             let s = &self.groups[g as usize];
             match s.state {
@@ -77,6 +78,10 @@ impl Scheduler<'_> {
                 GroupState::Aborted => c.aborted += 1,
             }
             let (mut p, mut f, mut gen_, mut rew) = (0u16, 0u16, 0u16, 0u16);
+            live += s.target as u64;
+            if s.first as u64 + s.target as u64 > self.req_used as u64 {
+                return bad("group records past the used request storage", g as u64);
+            }
             for k in 0..s.target {
                 let r = &self.reqs[(s.first + k as u32) as usize];
                 if r.group != g || r.sample != k {
@@ -155,6 +160,14 @@ impl Scheduler<'_> {
         mine.requests_dropped = 0;
         if mine != c {
             return bad("per-state counts", 0);
+        }
+        // Blocks do not overlap (each slot names its own group and sample, checked above), so
+        // this says every used slot is a live record or a counted hole: nothing leaks.
+        if live + self.req_holes as u64 != self.req_used as u64 {
+            return bad(
+                "request storage: live records plus holes",
+                self.req_used as u64,
+            );
         }
         if self.queue.len != pending_total || self.aborts.len != abort_pending {
             return bad("queue or abort list length", self.queue.len as u64);

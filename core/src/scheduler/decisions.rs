@@ -218,6 +218,7 @@ impl<'a> Scheduler<'a> {
         self.groups[g as usize].next_ready = NIL;
         self.groups[g as usize].dispatch_seq = seq;
         self.groups[seq as usize].by_seq = g;
+        self.groups[seq as usize].mb_cut = false;
         self.set_state(g, GroupState::Dispatched);
         Some(Dispatch {
             group: GroupId(g),
@@ -225,8 +226,9 @@ impl<'a> Scheduler<'a> {
         })
     }
 
-    /// The next micro-batch the trainer may start: `m` dispatched groups, or, once the batch is
-    /// final, the remaining ones.
+    /// The next micro-batch the trainer may start: the dispatched groups up to the cut (`m`
+    /// groups, or the group that brings it to `m` samples or tokens, or the end of an optimizer
+    /// step's groups), or, once the batch is final, the remaining ones.
     ///
     /// ```
     /// use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
@@ -240,17 +242,29 @@ impl<'a> Scheduler<'a> {
         if self.phase != StepPhase::Active {
             return None;
         }
-        let m = self.plan.micro_batch;
         let first_seq = self.released_groups;
-        let avail = self.dispatched - first_seq;
-        let len = if avail >= m {
-            m
-        } else if self.is_final && avail > 0 && self.counters.trainable == 0 {
-            avail
-        } else {
-            return None;
+        // Scan the dispatched groups not scanned yet for the cut (O(1) amortized per group).
+        let mut cut = None;
+        while self.mb_scan < self.dispatched {
+            let g = self.groups[self.mb_scan as usize].by_seq;
+            self.mb_acc += self.mb_units(g);
+            self.mb_scan += 1;
+            if self.mb_cut_at(self.mb_acc, self.mb_scan) {
+                cut = Some(self.mb_scan);
+                break;
+            }
+        }
+        let end = match cut {
+            Some(end) => end,
+            // The final batch's remainder, once nothing more can join it.
+            None if self.is_final && self.mb_scan > first_seq && self.counters.trainable == 0 => {
+                self.mb_scan
+            }
+            None => return None,
         };
-        let end = first_seq + len;
+        let len = end - first_seq;
+        self.mb_acc = 0;
+        self.groups[(end - 1) as usize].mb_cut = true;
         let ends_optimizer_step = end % self.plan.groups_per_opt_step() == 0
             || (self.is_final && end == self.counters.batch_filled());
         let mb = MicroBatch {

@@ -83,6 +83,29 @@ impl<'a> Scheduler<'a> {
     /// assert_eq!(s.on_prompts_drawn(Tick(0), 2), Err(DrawError::MaxGroups { drawn: 3, requested: 2, max_groups: 4 }));
     /// ```
     pub fn on_prompts_drawn(&mut self, now: Tick, n: u32) -> Result<GroupId, DrawError> {
+        self.on_prompts_drawn_with(now, n, self.plan.group_size)
+    }
+
+    /// [`on_prompts_drawn`](Self::on_prompts_drawn) with `samples` initial samples per prompt,
+    /// at most the plan's G (the group's target is its own: a pilot, a re-drawn deferred prompt,
+    /// or VIGOR's n0 can start smaller; extensions grow it later). Storage and the sample budget
+    /// are charged for the samples actually created.
+    ///
+    /// ```
+    /// use rolloutpipe_core::{DrawError, GroupId, Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
+    /// let mut storage = SchedulerStorage::<4, 16>::new();
+    /// let mut s = storage.scheduler();
+    /// s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 4)).unwrap();
+    /// assert_eq!(s.on_prompts_drawn_with(Tick(0), 1, 2), Ok(GroupId(0)));
+    /// assert_eq!(s.group(GroupId(0)).unwrap().target, 2);
+    /// assert_eq!(s.on_prompts_drawn_with(Tick(0), 1, 5), Err(DrawError::SamplesAboveGroupSize { samples: 5, group_size: 4 }));
+    /// ```
+    pub fn on_prompts_drawn_with(
+        &mut self,
+        now: Tick,
+        n: u32,
+        samples: u16,
+    ) -> Result<GroupId, DrawError> {
         if self.phase != StepPhase::Active {
             return Err(DrawError::NoActiveStep);
         }
@@ -103,10 +126,21 @@ impl<'a> Scheduler<'a> {
         if drawn as u64 + n as u64 > self.group_cap as u64 {
             return Err(DrawError::GroupsFull { requested: n });
         }
-        if n > self.budget_prompts() {
+        if samples == 0 {
+            return Err(DrawError::ZeroSamples);
+        }
+        if samples > self.plan.group_size {
+            return Err(DrawError::SamplesAboveGroupSize {
+                samples,
+                group_size: self.plan.group_size,
+            });
+        }
+        if self.plan.sample_budget != 0
+            && self.samples_used + n as u64 * samples as u64 > self.plan.sample_budget as u64
+        {
             return Err(DrawError::SampleBudget { requested: n });
         }
-        let g_size = self.plan.group_size as u32;
+        let g_size = samples as u32;
         let total = n as u64 * g_size as u64;
         // Unreachable under begin_step's capacity contract (extensions keep the storage for
         // the prompts still drawable reserved); kept so that a broken invariant is an error,
@@ -120,13 +154,13 @@ impl<'a> Scheduler<'a> {
             let first = base + i * g_size;
             self.groups[g as usize] = GroupSlot {
                 state: GroupState::Queued,
-                target: self.plan.group_size,
-                pending: self.plan.group_size,
+                target: samples,
+                pending: samples,
                 first,
                 drawn_at: now,
                 ..GroupSlot::EMPTY
             };
-            for s in 0..self.plan.group_size {
+            for s in 0..samples {
                 self.reqs[(first + s as u32) as usize] = RequestSlot {
                     state: RequestState::Pending,
                     sample: s,
@@ -219,8 +253,10 @@ impl<'a> Scheduler<'a> {
     /// group is incomplete; a materializing group goes back to generating.
     ///
     /// The group's requests stay contiguous in storage: if other groups were drawn after it,
-    /// its records move to the end of the used storage (O(target)), so storage is consumed
-    /// by `target + extra`. Storage for the `max_groups − drawn` prompts the step may still draw
+    /// its records move to the end of the used storage (O(target)), leaving a hole. Holes are
+    /// free space: when the tail has no room, the storage is compacted in place (O(used
+    /// records), allocation-free) and the group rotated to the end, so an extension fails only
+    /// when the step's live samples would not fit. Storage for the `max_groups − drawn` prompts the step may still draw
     /// stays reserved (until the batch is final or the data exhausted), so an extension never
     /// makes a draw that `poll_draw` asked for fail.
     ///
@@ -266,7 +302,14 @@ impl<'a> Scheduler<'a> {
         // A held group goes back to generating; its new samples get a fresh decision.
         self.unhold(g);
         self.samples_used += extra as u64;
-        if !at_tail {
+        let cap = self.req_cap as u64 - self.reserved_requests();
+        let copy = if at_tail { 0 } else { slot.target as u64 };
+        if self.req_used as u64 + copy + extra as u64 > cap {
+            // No room to copy the records past the tail: squeeze out the holes, then rotate the
+            // group's records to the end (in place; `extension_room` checked the live total).
+            self.compact();
+            self.rotate_to_tail(g);
+        } else if !at_tail {
             self.relocate(g);
         }
         let first = self.groups[g as usize].first;
@@ -303,23 +346,25 @@ impl<'a> Scheduler<'a> {
             return Err(ExtendError::SampleBudget { extra });
         }
         let at_tail = slot.first + slot.target as u32 == self.req_used;
-        let needed = if at_tail {
-            extra as u64
-        } else {
-            slot.target as u64 + extra as u64
-        };
         // Request storage for the prompts this step may still draw stays reserved, so that a
         // draw `poll_draw` asks for is always accepted (extensions cannot starve over-sampling).
-        let reserved = if self.draws_closed() {
+        // Holes left by earlier relocations count as free: `extend_group` compacts them away
+        // when the tail alone has no room.
+        let live = (self.req_used - self.req_holes) as u64;
+        if live + extra as u64 + self.reserved_requests() > self.req_cap as u64 {
+            return Err(ExtendError::RequestsFull { extra });
+        }
+        Ok(at_tail)
+    }
+
+    /// Request slots kept for the prompts this step may still draw.
+    fn reserved_requests(&self) -> u64 {
+        if self.draws_closed() {
             0
         } else {
             self.plan.max_groups.saturating_sub(self.counters.drawn) as u64
                 * self.plan.group_size as u64
-        };
-        if self.req_used as u64 + needed + reserved > self.req_cap as u64 {
-            return Err(ExtendError::RequestsFull { extra });
         }
-        Ok(at_tail)
     }
 
     /// Whether `extra` more samples for incomplete group `g` fit (budget and storage).
@@ -642,10 +687,15 @@ impl<'a> Scheduler<'a> {
         if self.mb_consumed == self.mb_released {
             return Err(TrainError::NoMicroBatchReleased);
         }
-        let m = self.plan.micro_batch;
         let index = self.mb_consumed;
-        let first_seq = index * m;
-        let len = m.min(self.released_groups - first_seq);
+        let first_seq = self.consumed_groups;
+        // Every released micro-batch ends at a marked cut.
+        let mut end = first_seq;
+        while !self.groups[end as usize].mb_cut {
+            end += 1;
+        }
+        let len = end + 1 - first_seq;
+        self.consumed_groups += len;
         for seq in first_seq..first_seq + len {
             let g = self.groups[seq as usize].by_seq;
             self.set_state(g, GroupState::Trained);

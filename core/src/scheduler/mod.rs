@@ -17,8 +17,8 @@ use crate::policy::{Admit, View};
 use crate::state::{Counters, FilterReason, GroupState, RequestState, StepPhase, StepSummary};
 use crate::storage::{GroupSlot, Link, List, NIL, RequestSlot};
 use crate::types::{
-    DispatchPolicy, GroupId, Plan, PlanError, PolicyVersion, RequestId, RequestRef, StepId,
-    SubmitOrder, Tick,
+    DispatchPolicy, GroupId, MicroBatchUnit, Plan, PlanError, PolicyVersion, RequestId, RequestRef,
+    StepId, SubmitOrder, Tick,
 };
 
 /// Reward spread below which a complete group is filtered: population std ≤ 1e-6, compared as
@@ -231,6 +231,8 @@ pub struct Scheduler<'a> {
     final_at: Option<Tick>,
     done_at: Option<Tick>,
     req_used: u32,
+    /// Request slots below `req_used` left empty by relocated groups: reclaimed by `compact`.
+    req_holes: u32,
     pub(crate) counters: Counters,
     /// Incomplete groups in draw order.
     pub(crate) incomplete: List,
@@ -246,6 +248,17 @@ pub struct Scheduler<'a> {
     mb_released: u32,
     mb_consumed: u32,
     trained_since_opt: u32,
+    /// Groups consumed by the trainer (in dispatch order).
+    consumed_groups: u32,
+    /// Micro-batch cuts are found by scanning dispatched groups: next seq to scan, and the
+    /// units of the scanned, unreleased ones.
+    mb_scan: u32,
+    mb_acc: u64,
+    /// The same cuts replayed on the batch as it fills (materialization = dispatch order), so
+    /// the frontier knows the open micro-batch's units: its units so far, and the units of
+    /// all filled groups (for the token estimate).
+    pub(crate) fill_acc: u64,
+    pub(crate) fill_units: u64,
     opt_done: u32,
     /// The due optimizer step was handed out by `poll_optimizer_step`.
     opt_announced: bool,
@@ -307,6 +320,7 @@ impl<'a> Scheduler<'a> {
             final_at: None,
             done_at: None,
             req_used: 0,
+            req_holes: 0,
             counters: Counters {
                 drawn: 0,
                 queued: 0,
@@ -340,6 +354,11 @@ impl<'a> Scheduler<'a> {
             mb_released: 0,
             mb_consumed: 0,
             trained_since_opt: 0,
+            consumed_groups: 0,
+            mb_scan: 0,
+            mb_acc: 0,
+            fill_acc: 0,
+            fill_units: 0,
             opt_done: 0,
             opt_announced: false,
             slots_ceiling: 0,
@@ -379,6 +398,7 @@ impl<'a> Scheduler<'a> {
             final_at: self.final_at,
             done_at: self.done_at,
             req_used: self.req_used,
+            req_holes: self.req_holes,
             counters: self.counters,
             incomplete: self.incomplete,
             queue: self.queue,
@@ -390,6 +410,11 @@ impl<'a> Scheduler<'a> {
             mb_released: self.mb_released,
             mb_consumed: self.mb_consumed,
             trained_since_opt: self.trained_since_opt,
+            consumed_groups: self.consumed_groups,
+            mb_scan: self.mb_scan,
+            mb_acc: self.mb_acc,
+            fill_acc: self.fill_acc,
+            fill_units: self.fill_units,
             opt_done: self.opt_done,
             opt_announced: self.opt_announced,
             slots_ceiling: self.slots_ceiling,
@@ -939,6 +964,9 @@ impl<'a> Scheduler<'a> {
         self.frontier_on_remove(g);
         self.incomplete.remove(self.groups, g);
         self.set_state(g, end);
+        if end == GroupState::Trainable {
+            self.account_fill(g);
+        }
         self.frontier_resize();
         if end == GroupState::Trainable {
             if self.ready_tail == NIL {
@@ -950,6 +978,31 @@ impl<'a> Scheduler<'a> {
             if self.counters.batch_filled() >= self.plan.batch_groups {
                 self.make_final(now, false);
             }
+        }
+    }
+
+    /// Units of group `g` in the plan's micro-batch unit.
+    pub(crate) fn mb_units(&self, g: u32) -> u64 {
+        let s = &self.groups[g as usize];
+        match self.plan.micro_batch_unit {
+            MicroBatchUnit::Groups => 1,
+            MicroBatchUnit::Samples => s.target as u64,
+            MicroBatchUnit::Tokens => s.tokens,
+        }
+    }
+
+    /// Whether a micro-batch holding `acc` units and ending at the `end`-th group is cut there.
+    pub(crate) fn mb_cut_at(&self, acc: u64, end: u32) -> bool {
+        acc >= self.plan.micro_batch as u64 || end % self.plan.groups_per_opt_step() == 0
+    }
+
+    /// Group `g` just filled the batch further: replay the micro-batch cut on it.
+    fn account_fill(&mut self, g: u32) {
+        let u = self.mb_units(g);
+        self.fill_units += u;
+        self.fill_acc += u;
+        if self.mb_cut_at(self.fill_acc, self.counters.batch_filled()) {
+            self.fill_acc = 0;
         }
     }
 
@@ -1013,11 +1066,23 @@ impl<'a> Scheduler<'a> {
         self.after_event(now);
     }
 
-    /// Moves group `g`'s request records to the end of the used storage, fixing the queue and
-    /// abort-list links of the moved records.
+    /// Moves group `g`'s request records to the end of the used storage; its old range becomes
+    /// a hole that `compact` reclaims.
     fn relocate(&mut self, g: u32) {
         let s = self.groups[g as usize];
         let (old, new, n) = (s.first, self.req_used, s.target as u32);
+        self.move_block(old, new, n);
+        for k in 0..n {
+            self.reqs[(old + k) as usize] = RequestSlot::EMPTY;
+        }
+        self.groups[g as usize].first = new;
+        self.req_used = new + n;
+        self.req_holes += n;
+    }
+
+    /// Copies the `n` records at `old` to `new` (ascending, so a move downwards may overlap),
+    /// fixing the queue and abort-list links of, and to, the moved records.
+    fn move_block(&mut self, old: u32, new: u32, n: u32) {
         let moved = |i: u32| {
             if i != NIL && i >= old && i < old + n {
                 new + (i - old)
@@ -1032,17 +1097,87 @@ impl<'a> Scheduler<'a> {
                 next: moved(r.link.next),
             };
             self.reqs[(new + k) as usize] = r;
-            self.reqs[(old + k) as usize] = RequestSlot::EMPTY;
         }
-        for k in 0..n {
-            match self.reqs[(new + k) as usize].state {
-                RequestState::Pending => self.queue.relink(self.reqs, new + k),
-                RequestState::AbortPending => self.aborts.relink(self.reqs, new + k),
+        self.relink_range(new, new + n);
+    }
+
+    /// Points the list neighbours (and list ends) of the records in `from..to` at them, after
+    /// the records moved there with their own links already fixed.
+    fn relink_range(&mut self, from: u32, to: u32) {
+        for i in from..to {
+            match self.reqs[i as usize].state {
+                RequestState::Pending => self.queue.relink(self.reqs, i),
+                RequestState::AbortPending => self.aborts.relink(self.reqs, i),
                 _ => {}
             }
         }
-        self.groups[g as usize].first = new;
-        self.req_used = new + n;
+    }
+
+    /// Moves group `g`'s records (in a compacted storage) to the end by rotating the records
+    /// from its `first` to `req_used` in place: no spare room needed. O(records rotated).
+    fn rotate_to_tail(&mut self, g: u32) {
+        let (a, end) = (self.groups[g as usize].first, self.req_used);
+        let t = self.groups[g as usize].target as u32;
+        if a + t == end {
+            return;
+        }
+        self.reqs[a as usize..end as usize].rotate_left(t as usize);
+        let moved = |i: u32| match i {
+            NIL => NIL,
+            i if i < a || i >= end => i,
+            i if i < a + t => end - t + (i - a),
+            i => i - t,
+        };
+        // Links first (all of them, so that relinking reads fixed neighbours), then neighbours.
+        for i in a..end {
+            let l = self.reqs[i as usize].link;
+            self.reqs[i as usize].link = Link {
+                prev: moved(l.prev),
+                next: moved(l.next),
+            };
+        }
+        self.relink_range(a, end);
+        // The blocks after g moved down by t, in storage order.
+        let mut i = a;
+        while i < end - t {
+            let h = self.reqs[i as usize].group;
+            self.groups[h as usize].first = i;
+            i += self.groups[h as usize].target as u32;
+        }
+        self.groups[g as usize].first = end - t;
+    }
+
+    /// Slides every live group's records down over the holes relocations left, in storage
+    /// order, so extensions in tight storage reuse the space instead of running out. O(used
+    /// request slots), allocation-free; runs only when an extension would not fit otherwise.
+    /// Request ids stay valid: a record is found through its group's `first`.
+    pub(crate) fn compact(&mut self) {
+        let (mut read, mut write) = (0u32, 0u32);
+        while read < self.req_used {
+            let r = self.reqs[read as usize];
+            let g = r.group;
+            // A hole is `Unused` (a drawn group's records never are); a block starts at its
+            // group's `first`.
+            let starts = r.state != RequestState::Unused
+                && g < self.counters.drawn
+                && self.groups[g as usize].first == read;
+            if !starts {
+                read += 1;
+                continue;
+            }
+            let n = self.groups[g as usize].target as u32;
+            if read != write {
+                self.move_block(read, write, n);
+                self.groups[g as usize].first = write;
+            }
+            read += n;
+            write += n;
+        }
+        for i in write..self.req_used {
+            self.reqs[i as usize] = RequestSlot::EMPTY;
+        }
+        self.req_used = write;
+        self.req_holes = 0;
     }
 
     // ----- the frontier cache, kept exact in O(1 + |change of its length|) per event ----------

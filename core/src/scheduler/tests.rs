@@ -609,6 +609,72 @@ mod materializing {
             })
         );
     }
+    /// Relocation leaves a hole behind; compaction reclaims it, so storage holding exactly the
+    /// step's live samples supports any number of extension cycles (before compaction existed,
+    /// this ran out after a handful). Request ids, queue order and recorded rewards survive.
+    #[test]
+    fn many_extensions_in_tight_storage_reuse_the_holes() {
+        let (mut g, mut r) = storage(3, 24);
+        let mut p = plan(3, 2);
+        p.max_groups = 3;
+        p.slots = 64;
+        let mut s = begun(&mut g, &mut r, p);
+        s.on_prompts_drawn(T, 3).unwrap();
+        let mut in_flight: Vec<RequestId> = Vec::new();
+        let mut expected = [2u16; 3];
+        let mut rewarded = 0u32;
+        for cycle in 0..18u32 {
+            let grp = cycle % 3;
+            // Keep a mix of states: one request of the next group goes in flight, one earlier
+            // one finishes (rewarded records must move with their group).
+            if let Some(a) = s.poll_admit(T) {
+                in_flight.push(a.request);
+            }
+            if cycle % 2 == 1 && !in_flight.is_empty() {
+                let x = in_flight.remove(0);
+                s.on_request_generated(T, x, V, 3).unwrap();
+                s.on_reward(T, x, x.sample as f32).unwrap();
+                rewarded += 1;
+            }
+            let before: Vec<_> = s.view().queue().map(|r| (r.group.0, r.sample)).collect();
+            s.extend_group(T, GroupId(grp), 1)
+                .unwrap_or_else(|e| panic!("cycle {cycle}: {e}"));
+            expected[grp as usize] += 1;
+            s.audit().unwrap_or_else(|e| panic!("cycle {cycle}: {e:?}"));
+            let after: Vec<_> = s.view().queue().map(|r| (r.group.0, r.sample)).collect();
+            assert_eq!(
+                after[..before.len()],
+                before[..],
+                "cycle {cycle}: queue order"
+            );
+            assert_eq!(after.last(), Some(&(grp, expected[grp as usize] - 1)));
+        }
+        assert_eq!(expected.iter().map(|&t| t as u32).sum::<u32>(), 24);
+        // Storage is now exactly full of live samples: one more does not fit.
+        assert_eq!(
+            s.extend_group(T, GroupId(0), 1),
+            Err(ExtendError::RequestsFull { extra: 1 })
+        );
+        // Ids handed out before the compactions still resolve to their records.
+        for x in in_flight {
+            s.on_request_generated(T, x, V, 3).unwrap();
+            s.on_reward(T, x, x.sample as f32).unwrap();
+            rewarded += 1;
+        }
+        s.audit().unwrap();
+        let mut seen = 0;
+        for grp in 0..3 {
+            let rw: Vec<_> = s.group_rewards(GroupId(grp)).unwrap().collect();
+            assert_eq!(rw.len(), expected[grp as usize] as usize);
+            for (k, x) in rw.iter().enumerate() {
+                if let Some(v) = x {
+                    assert_eq!(*v, k as f32);
+                    seen += 1;
+                }
+            }
+        }
+        assert_eq!(seen, rewarded);
+    }
 }
 
 // ----- trainable and filtered -----------------------------------------------------------

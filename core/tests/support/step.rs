@@ -49,6 +49,17 @@ pub fn reward(r: RequestId) -> f32 {
 
 /// Drives step `step` under `plan` to completion. Panics (test failure) on any refused event.
 pub fn run_step(s: &mut Scheduler<'_>, step: u64, plan: Plan, seed: u64) -> StepRun {
+    run_step_with(s, step, plan, seed, &ExtendVarying)
+}
+
+/// [`run_step`] with allocation policy `policy` (used when `plan.hold_scored`).
+pub fn run_step_with(
+    s: &mut Scheduler<'_>,
+    step: u64,
+    plan: Plan,
+    seed: u64,
+    policy: &dyn Allocate,
+) -> StepRun {
     assert!(
         plan.slots as usize <= MAX_SLOTS,
         "the pretend engine has {MAX_SLOTS} slots"
@@ -64,7 +75,7 @@ pub fn run_step(s: &mut Scheduler<'_>, step: u64, plan: Plan, seed: u64) -> Step
         if let Some(n) = s.poll_draw(now) {
             s.on_prompts_drawn(now, n).expect("draw accepted");
         }
-        while s.poll_allocation_with(now, &ExtendVarying).is_some() {}
+        while s.poll_allocation_with(now, policy).is_some() {}
         while let Some(a) = s.poll_admit(now) {
             in_flight.push(a.request).expect("slot cap respected");
         }
