@@ -315,6 +315,13 @@ impl OpRunner for CpuOps {
     }
     fn loss(&mut self, x: &LossInputs, kind: LossKind) -> ([f32; 4], Vec<f32>) {
         let n = x.logp.len();
+        // The CPU model reads resolved values only; hold the inputs to that contract so a
+        // test cannot pass flags that disagree with them.
+        assert!(
+            (0..n).all(|i| (x.has_old[i] || x.old[i] == x.logp[i])
+                && (x.has_ref[i] || x.refp[i] == x.logp[i])),
+            "LossInputs: old/refp must equal logp where has_old/has_ref is false"
+        );
         let ent = x.ent.iter().map(|e| *e as f64).sum::<f64>() as f32;
         match kind {
             LossKind::Grpo(c) => {
