@@ -1,0 +1,10 @@
+//! Support code of the conformance suite: checks, the backend-neutral op runner and its
+//! per-backend implementations, and the op tests written once against it.
+
+pub mod check;
+#[cfg(feature = "wgpu")]
+pub mod device;
+pub mod op_tests;
+pub mod ops;
+#[cfg(feature = "wgpu")]
+pub mod ops_wgpu;
