@@ -11,8 +11,8 @@ use rolloutpipe_backends::{
 
 use super::config::TrainConfig;
 use crate::tasks::{
-    Problem, Split, Task, TaskOptions, Tokenizer, generate, load_jsonl_with, split_of, task_by_name,
-    uniform_test_set,
+    Problem, Split, Task, TaskOptions, Tokenizer, generate, load_jsonl_with, split_of,
+    task_by_name, uniform_test_set,
 };
 
 /// Training problems drawn in a fixed order; `pos` is the data position of a checkpoint.
