@@ -28,6 +28,20 @@ impl Default for EngineLimits {
     }
 }
 
+impl EngineLimits {
+    /// Limits an engine can work under: at least one request and one KV position. Every
+    /// backend's `set_limits` checks through here, so the rule is stated once.
+    pub fn validate(self) -> Result<Self> {
+        if self.max_requests == 0 || self.max_kv_tokens == 0 {
+            return Err(BackendError::invalid(
+                "engine limits",
+                "max_requests and max_kv_tokens must be at least 1",
+            ));
+        }
+        Ok(self)
+    }
+}
+
 /// What an engine holds now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct EngineLoad {

@@ -297,13 +297,7 @@ impl RolloutEngine for WgpuBackend {
     }
 
     fn set_limits(&mut self, limits: EngineLimits) -> Result<()> {
-        if limits.max_requests == 0 || limits.max_kv_tokens == 0 {
-            return Err(BackendError::invalid(
-                "engine limits",
-                "max_requests and max_kv_tokens must be at least 1",
-            ));
-        }
-        self.limits = limits;
+        self.limits = limits.validate()?;
         Ok(())
     }
 
