@@ -11,7 +11,9 @@
 //! - `wgpu_train/{wgpu,cpu}`: tokens/s (prompt + response) of one GRPO optimizer step on
 //!   8 sequences of 16 + 48 tokens (forward, backward, AdamW), as `cpu_train`.
 //!
-//! Run: `cargo bench -p rolloutpipe-backends --features wgpu --bench wgpu`.
+//! Run: `cargo bench -p rolloutpipe-backends --features wgpu --bench wgpu`. With
+//! `ROLLOUTPIPE_BENCH_SHAPES=prod` the matrix products also run at Qwen3-0.6B and 1.7B shapes
+//! (for a real GPU: `scripts/device/wgpu.sh`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -63,18 +65,38 @@ fn timed(ex: &mut Exec, iters: u64, mut launch: impl FnMut(&mut Exec)) -> Durati
     t.elapsed()
 }
 
+/// With `ROLLOUTPIPE_BENCH_SHAPES=prod` (set by `scripts/device/wgpu.sh`): the projections of
+/// Qwen3-0.6B (hidden 1024, MLP 3072) and Qwen3-1.7B (hidden 2048, MLP 6144) as
+/// `(rows, in, out)`, for a decode step of 8 rows and a 512-token prefill or training chunk.
+fn prod_matmuls() -> Vec<(usize, usize, usize)> {
+    if std::env::var("ROLLOUTPIPE_BENCH_SHAPES").as_deref() != Ok("prod") {
+        return Vec::new();
+    }
+    let mut v = Vec::new();
+    for (d, f) in [(1024, 3072), (2048, 6144)] {
+        for n in [8, 512] {
+            v.push((n, d, f));
+            v.push((n, f, d));
+        }
+    }
+    v
+}
+
 fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     let mut ex = Exec::new(Arc::clone(g));
     let mut grp = c.benchmark_group("wgpu_matmul");
     grp.sample_size(10)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(2));
-    for (n, din, dout) in [
+    let mut shapes = vec![
+        (8, 128, 384),
         (64, 128, 384),
         (512, 128, 384),
         (512, 384, 128),
         (1024, 1024, 1024),
-    ] {
+    ];
+    shapes.extend(prod_matmuls());
+    for (n, din, dout) in shapes {
         let (x, w, y) = (
             g.upload("x", &data(n * din, 1)),
             g.upload("w", &data(dout * din, 2)),
@@ -95,7 +117,9 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.sample_size(10)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(2));
-    for (n, din, dout) in [(512, 128, 384), (1024, 1024, 1024)] {
+    let mut shapes = vec![(512, 128, 384), (1024, 1024, 1024)];
+    shapes.extend(prod_matmuls().into_iter().filter(|s| s.0 > 8));
+    for (n, din, dout) in shapes {
         let (x, w, dy) = (
             g.upload("x", &data(n * din, 1)),
             g.upload("w", &data(dout * din, 2)),

@@ -11,6 +11,11 @@
 //! Backends load them through [`Kernel::wgsl`]; this crate knows no device, so it builds
 //! everywhere and a broken kernel is caught on the CPU by `tests/naga.rs`.
 //!
+//! Helpers that several kernels need are written once, in `kernels/wgsl/prelude/` (`gemm`:
+//! the tiled GEMM body of `matmul_fwd` and `matmul_bwd`; `reduce`: workgroup tree
+//! reductions; `lse`: per-row max and log-sum-exp), and [`Kernel::wgsl`] prepends the ones a
+//! kernel lists ([`Kernel::preludes`]) to its file.
+//!
 //! Binding convention shared by every file (the wgpu backend builds its layouts from it):
 //! `@group(0) @binding(0)` is a `Params` uniform of at most [`PARAMS_BYTES`] bytes (bound
 //! with a dynamic offset into one arena), and bindings `1..=storage_bindings()` are
@@ -36,7 +41,7 @@ pub const PARAMS_BYTES: u64 = 64;
 pub const MAX_STORAGE_BINDINGS: u32 = 10;
 
 macro_rules! kernels {
-    ($( $(#[$doc:meta])* $variant:ident => $name:literal, [$($entry:literal),+], $storage:literal, $wg:expr, [$($ptx_entry:literal),+]; )+) => {
+    ($( $(#[$doc:meta])* $variant:ident => $name:literal $(+ $pre:literal)*, [$($entry:literal),+], $storage:literal, $wg:expr, [$($ptx_entry:literal),+]; )+) => {
         /// One kernel source file: one op of the model, named as the CPU reference names it.
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub enum Kernel {
@@ -52,11 +57,20 @@ macro_rules! kernels {
                 match self { $(Kernel::$variant => $name,)+ }
             }
 
-            /// The WGSL source of the op.
+            /// The WGSL source of the op: its preludes ([`Kernel::preludes`]), then its file.
             pub const fn wgsl(self) -> &'static str {
                 match self {
-                    $(Kernel::$variant => include_str!(concat!("../wgsl/", $name, ".wgsl")),)+
+                    $(Kernel::$variant => concat!(
+                        $(include_str!(concat!("../wgsl/prelude/", $pre, ".wgsl")), "\n",)*
+                        include_str!(concat!("../wgsl/", $name, ".wgsl"))
+                    ),)+
                 }
+            }
+
+            /// The shared WGSL files (`kernels/wgsl/prelude/<name>.wgsl`) prepended to the
+            /// op's file, in order; helpers used by several kernels live there, once.
+            pub const fn preludes(self) -> &'static [&'static str] {
+                match self { $(Kernel::$variant => &[$($pre),*],)+ }
             }
 
             /// The compute entry points of the file; the first is the op itself, further
@@ -104,10 +118,11 @@ kernels! {
     RmsnormFwd => "rmsnorm_fwd", ["rmsnorm_fwd"], 4, [64, 1, 1], ["rmsnorm_fwd"];
     /// RMSNorm backward: `dx` per row, `dw` per column.
     RmsnormBwd => "rmsnorm_bwd", ["rmsnorm_bwd", "rmsnorm_bwd_dw"], 6, [64, 1, 1], ["rmsnorm_bwd", "rmsnorm_bwd_dw"];
-    /// `y = x·Wᵀ`, tiled 64x64 per 16x16 workgroup; a row-strip variant for ≤ 8 rows.
-    MatmulFwd => "matmul_fwd", ["matmul_fwd", "matmul_fwd_rows"], 3, [16, 16, 1], ["matmul_fwd", "matmul_fwd_f32", "matmul_fwd_cast"];
-    /// `dx = dy·W` and `dW += dyᵀ·x`, same tiling.
-    MatmulBwd => "matmul_bwd", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, [16, 16, 1], ["matmul_bwd_dx", "matmul_bwd_dw"];
+    /// `y = x·Wᵀ`, tiled 128x128 per 16x16 workgroup (the `gemm` prelude); a row-strip
+    /// variant for ≤ 8 rows.
+    MatmulFwd => "matmul_fwd" + "gemm", ["matmul_fwd", "matmul_fwd_rows"], 3, [16, 16, 1], ["matmul_fwd", "matmul_fwd_f32", "matmul_fwd_cast"];
+    /// `dx = dy·W` and `dW += dyᵀ·x`, the same GEMM body.
+    MatmulBwd => "matmul_bwd" + "gemm", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, [16, 16, 1], ["matmul_bwd_dx", "matmul_bwd_dw"];
     /// Rotate-half RoPE in place from cos/sin tables.
     RopeFwd => "rope_fwd", ["rope_fwd"], 4, [256, 1, 1], ["rope_fwd"];
     /// Transposed rotation of a gradient, in place.
@@ -123,9 +138,9 @@ kernels! {
     /// `out = a + b`.
     ResidualFwd => "residual_fwd", ["residual_fwd"], 3, [256, 1, 1], ["residual_fwd"];
     /// `log_softmax(logits / T)` at the targets, and the entropy, per row.
-    LogprobFwd => "logprob_fwd", ["logprob_fwd"], 4, [256, 1, 1], ["logprob_fwd", "logprob_fwd_finish"];
+    LogprobFwd => "logprob_fwd" + "reduce" + "lse", ["logprob_fwd"], 4, [256, 1, 1], ["logprob_fwd", "logprob_fwd_finish"];
     /// Gradient of the log-probs with respect to the logits.
-    LogprobBwd => "logprob_bwd", ["logprob_bwd"], 4, [256, 1, 1], ["logprob_bwd"];
+    LogprobBwd => "logprob_bwd" + "reduce" + "lse", ["logprob_bwd"], 4, [256, 1, 1], ["logprob_bwd"];
     /// Sums of the weighted clipped GRPO objective (or SFT), KL, clip count and entropy.
     GrpoLossFwd => "grpo_loss_fwd", ["grpo_loss_fwd"], 8, [256, 1, 1], ["grpo_loss_fwd"];
     /// Per-token gradient of the weighted objective with respect to the log-probs.
@@ -133,7 +148,7 @@ kernels! {
     /// One AdamW update of one tensor, torch semantics.
     AdamwStep => "adamw_step", ["adamw_step"], 4, [256, 1, 1], ["adamw_step"];
     /// Sum of squares: per-workgroup partials, then one final reduction.
-    GradNorm => "grad_norm", ["grad_norm", "grad_norm_reduce"], 3, [256, 1, 1], ["grad_norm", "grad_norm_reduce"];
+    GradNorm => "grad_norm" + "reduce", ["grad_norm", "grad_norm_reduce"], 3, [256, 1, 1], ["grad_norm", "grad_norm_reduce"];
     /// Temperature / top-k / top-p sampling from a host-drawn uniform, with the log-prob.
     Sample => "sample", ["sample"], 4, [256, 1, 1], ["sample"];
 }

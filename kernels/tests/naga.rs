@@ -102,3 +102,65 @@ fn bindings_follow_the_convention() {
         }
     }
 }
+
+/// Functions the `gemm` prelude calls and each including file defines for its operands.
+const GEMM_HOOKS: [&str; 3] = ["gemm_a", "gemm_b", "gemm_store"];
+
+/// No helper is written twice: across every kernel file and prelude, a function name is
+/// defined once (the `gemm` prelude's operand hooks excepted), and every prelude file is
+/// prepended to at least one kernel.
+#[test]
+fn helpers_are_written_once_and_preludes_used() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/wgsl");
+    let mut files: Vec<std::path::PathBuf> = Vec::new();
+    for dir in [root.to_string(), format!("{root}/prelude")] {
+        for e in std::fs::read_dir(&dir).expect("wgsl dir") {
+            let p = e.expect("entry").path();
+            if p.extension().is_some_and(|x| x == "wgsl") {
+                files.push(p);
+            }
+        }
+    }
+    let mut seen = std::collections::BTreeMap::new();
+    for f in &files {
+        let src = std::fs::read_to_string(f).expect("read");
+        for line in src.lines() {
+            let Some(rest) = line.strip_prefix("fn ") else {
+                continue;
+            };
+            let name = rest.split('(').next().unwrap_or("").trim().to_string();
+            if GEMM_HOOKS.contains(&name.as_str()) {
+                continue;
+            }
+            if let Some(prev) = seen.insert(name.clone(), f.clone()) {
+                panic!("fn {name} is written in both {prev:?} and {f:?}");
+            }
+        }
+    }
+    for f in std::fs::read_dir(format!("{root}/prelude")).expect("prelude dir") {
+        let p = f.expect("entry").path();
+        let stem = p
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("")
+            .to_string();
+        assert!(
+            Kernel::ALL
+                .iter()
+                .any(|k| k.preludes().contains(&stem.as_str())),
+            "prelude {stem} is used by no kernel"
+        );
+    }
+    // The gemm prelude's hooks are what its including files define, and only those do.
+    for &k in Kernel::ALL {
+        let uses_gemm = k.preludes().contains(&"gemm");
+        for hook in GEMM_HOOKS {
+            assert_eq!(
+                k.wgsl().contains(&format!("fn {hook}(")),
+                uses_gemm,
+                "{}: fn {hook}",
+                k.name()
+            );
+        }
+    }
+}

@@ -16,21 +16,6 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> partials: array<f32>;
 @group(0) @binding(3) var<storage, read_write> total: array<f32>;
 
-const WG: u32 = 256u;
-var<workgroup> red: array<f32, WG>;
-
-fn reduce(lid: u32, v: f32) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            red[lid] += red[lid + s];
-        }
-        workgroupBarrier();
-    }
-    return red[0];
-}
-
 @compute @workgroup_size(256)
 fn grad_norm(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -44,7 +29,7 @@ fn grad_norm(
         let x = g[i];
         acc += x * x;
     }
-    let s = reduce(lid, acc);
+    let s = reduce_sum(lid, acc);
     if (lid == 0u) {
         partials[p.base + wid.x] = s;
     }
@@ -56,7 +41,7 @@ fn grad_norm_reduce(@builtin(local_invocation_index) lid: u32) {
     for (var i = lid; i < p.count; i += WG) {
         acc += partials[i];
     }
-    let s = reduce(lid, acc);
+    let s = reduce_sum(lid, acc);
     if (lid == 0u) {
         total[0] = s;
     }

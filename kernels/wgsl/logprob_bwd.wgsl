@@ -16,38 +16,6 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> dlogp: array<f32>;
 @group(0) @binding(4) var<storage, read_write> dlogits: array<f32>;
 
-const WG: u32 = 256u;
-const NEG: f32 = -3.0e38;
-var<workgroup> red: array<f32, WG>;
-
-fn reduce_max(lid: u32, v: f32) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            red[lid] = max(red[lid], red[lid + s]);
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn reduce_sum(lid: u32, v: f32) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            red[lid] += red[lid + s];
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
 @compute @workgroup_size(256)
 fn logprob_bwd(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -59,16 +27,7 @@ fn logprob_bwd(
         return;
     }
     let base = row * p.vocab;
-    var mx = NEG;
-    for (var i = lid; i < p.vocab; i += WG) {
-        mx = max(mx, logits[base + i] * p.inv_temp);
-    }
-    let m = reduce_max(lid, mx);
-    var se = 0.0;
-    for (var i = lid; i < p.vocab; i += WG) {
-        se += exp(logits[base + i] * p.inv_temp - m);
-    }
-    let lse = m + log(reduce_sum(lid, se));
+    let lse = row_lse(lid, base, row_max(lid, base));
     let t = min(targets[row], p.vocab - 1u);
     let g = dlogp[row] * p.inv_temp;
     for (var i = lid; i < p.vocab; i += WG) {

@@ -13,11 +13,14 @@ use wgpu::Buffer;
 
 use super::gpu::{Exec, Params, groups, linear};
 
-/// Ceil-divided tile counts of the 64x64 matmul tiles.
+/// Output tile edge of the shared GEMM body (`GEMM_T` in `kernels/wgsl/prelude/gemm.wgsl`).
+const GEMM_TILE: usize = 128;
+
+/// Ceil-divided tile counts of the GEMM's 128x128 output tiles.
 fn tiles(cols: usize, rows: usize) -> [u32; 2] {
     [
-        cols.div_ceil(64).max(1) as u32,
-        rows.div_ceil(64).max(1) as u32,
+        cols.div_ceil(GEMM_TILE).max(1) as u32,
+        rows.div_ceil(GEMM_TILE).max(1) as u32,
     ]
 }
 
