@@ -585,7 +585,7 @@ fn compare_keeps_the_measured_table_when_its_simulation_fails() {
         bin()
             .args(["compare", "--backend", "cpu", "--config"])
             .arg(&cfg)
-            .args(["--set", "run.steps=2", "--out"])
+            .args(["--set", "run.steps=2", "--repeats", "2", "--out"])
             .arg(&out),
     );
     one_line_error("compare", &err);
@@ -597,5 +597,16 @@ fn compare_keeps_the_measured_table_when_its_simulation_fails() {
     assert!(table.contains("| sync | measured"), "{table}");
     assert!(table.contains("| rolloutpipe | measured"), "{table}");
     assert!(table.contains("simulation of these runs failed"), "{table}");
+    // Two interleaved rounds, each run in its own directory, paired against the baseline.
+    assert!(table.contains("vs sync (paired by round)"), "{table}");
+    assert!(table.contains("rolloutpipe round 1"), "{table}");
+    for run in [
+        "sync/rep0",
+        "rolloutpipe/rep0",
+        "sync/rep1",
+        "rolloutpipe/rep1",
+    ] {
+        assert!(out.join(run).join("metrics.jsonl").is_file(), "{run}");
+    }
     std::fs::remove_dir_all(&d).unwrap();
 }
