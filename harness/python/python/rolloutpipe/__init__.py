@@ -1,0 +1,75 @@
+"""RolloutPipe's scheduling core for Python RL stacks.
+
+The core is sans-IO: report what happened (``on_*`` events) and ask what to do next
+(``poll_*`` decisions); time is an integer tick you pass in. It knows no model: you run the
+engines, verifiers and trainer, it decides which request runs next, when a group is trained,
+filtered or aborted, and counts every prompt.
+
+    import rolloutpipe as rp
+    s = rp.Scheduler(groups=64, requests=1024)
+    s.begin_step(0, step=0, version=0, plan=rp.Plan(8, 4, micro_batch=2, admission="frontier"))
+
+Every refusal raises its own exception class (``RequestError``, ``DrawError``, ...), all
+subclasses of ``RolloutPipeError``, with the core's one-line message and a ``kind``
+attribute naming the variant; the refused event changed nothing.
+"""
+
+from ._core import (
+    ABI_VERSION,
+    Admission,
+    Allocated,
+    AllocParamError,
+    AuditError,
+    BeginError,
+    Completion,
+    Counters,
+    Dispatch,
+    DrawError,
+    ExtendError,
+    Failure,
+    FixedG,
+    GroupInfo,
+    MicroBatch,
+    PilotCommit,
+    Plan,
+    PlanError,
+    RequestError,
+    RequestId,
+    RolloutPipeError,
+    Scheduler,
+    SlotsError,
+    StepSummary,
+    TrainError,
+    Vigor,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ABI_VERSION",
+    "Admission",
+    "Allocated",
+    "AllocParamError",
+    "AuditError",
+    "BeginError",
+    "Completion",
+    "Counters",
+    "Dispatch",
+    "DrawError",
+    "ExtendError",
+    "Failure",
+    "FixedG",
+    "GroupInfo",
+    "MicroBatch",
+    "PilotCommit",
+    "Plan",
+    "PlanError",
+    "RequestError",
+    "RequestId",
+    "RolloutPipeError",
+    "Scheduler",
+    "SlotsError",
+    "StepSummary",
+    "TrainError",
+    "Vigor",
+]

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The Python package: makes a venv under the repo (.venv-py, git-ignored), installs maturin and
+# pytest into it, builds the `rolloutpipe` wheel (PyO3 abi3) with harness/python's own
+# Cargo.lock, installs the wheel and runs harness/python/tests with pytest.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+root="$PWD"
+venv="$root/.venv-py"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q "maturin>=1.5,<2" "pytest>=7"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
+wheels="$CARGO_TARGET_DIR/wheels-ci"
+rm -rf "$wheels" # only this script's own build output
+(cd harness/python && "$venv/bin/maturin" build --locked --release --out "$wheels")
+"$venv/bin/pip" install -q --force-reinstall --no-deps "$wheels"/rolloutpipe-*.whl
+(cd harness/python && "$venv/bin/python" -m pytest -q)
