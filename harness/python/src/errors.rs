@@ -5,16 +5,72 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
-create_exception!(rolloutpipe, RolloutPipeError, PyException, "Base class of every RolloutPipe error.");
-create_exception!(rolloutpipe, BeginError, RolloutPipeError, "`begin_step` refused: a step in progress or a stale step id.");
-create_exception!(rolloutpipe, PlanError, BeginError, "The plan is inconsistent or does not fit the storage.");
-create_exception!(rolloutpipe, DrawError, RolloutPipeError, "A draw was refused.");
-create_exception!(rolloutpipe, RequestError, RolloutPipeError, "A request event was refused (unknown, stale, duplicate, wrong version, other step).");
-create_exception!(rolloutpipe, TrainError, RolloutPipeError, "A trainer event was refused.");
-create_exception!(rolloutpipe, ExtendError, RolloutPipeError, "`extend_group` refused.");
-create_exception!(rolloutpipe, SlotsError, RolloutPipeError, "`set_slots` refused.");
-create_exception!(rolloutpipe, AuditError, RolloutPipeError, "`audit()` found a broken invariant.");
-create_exception!(rolloutpipe, AllocParamError, RolloutPipeError, "An allocation policy's parameters are invalid.");
+create_exception!(
+    rolloutpipe,
+    RolloutPipeError,
+    PyException,
+    "Base class of every RolloutPipe error."
+);
+create_exception!(
+    rolloutpipe,
+    BeginError,
+    RolloutPipeError,
+    "`begin_step` refused: a step in progress or a stale step id."
+);
+create_exception!(
+    rolloutpipe,
+    PlanError,
+    BeginError,
+    "The plan is inconsistent or does not fit the storage."
+);
+create_exception!(
+    rolloutpipe,
+    DrawError,
+    RolloutPipeError,
+    "A draw was refused."
+);
+create_exception!(
+    rolloutpipe,
+    RequestError,
+    RolloutPipeError,
+    "A request event was refused (unknown, stale, duplicate, wrong version, other step)."
+);
+create_exception!(
+    rolloutpipe,
+    TrainError,
+    RolloutPipeError,
+    "A trainer event was refused."
+);
+create_exception!(
+    rolloutpipe,
+    ExtendError,
+    RolloutPipeError,
+    "`extend_group` refused."
+);
+create_exception!(
+    rolloutpipe,
+    SlotsError,
+    RolloutPipeError,
+    "`set_slots` refused."
+);
+create_exception!(
+    rolloutpipe,
+    AuditError,
+    RolloutPipeError,
+    "`audit()` found a broken invariant."
+);
+create_exception!(
+    rolloutpipe,
+    BackendError,
+    RolloutPipeError,
+    "A backend refused: a model directory that does not load, a bad request or batch, an unsupported call."
+);
+create_exception!(
+    rolloutpipe,
+    AllocParamError,
+    RolloutPipeError,
+    "An allocation policy's parameters are invalid."
+);
 
 /// The variant's name from its `Debug` form (`StaleAttempt { .. }` -> `StaleAttempt`).
 fn kind_of(debug: &str) -> &str {
@@ -25,7 +81,10 @@ fn kind_of(debug: &str) -> &str {
 }
 
 /// Builds exception `E` with the error's message and its `kind` attribute.
-pub fn raise<E: pyo3::PyTypeInfo>(py: Python<'_>, e: impl std::fmt::Display + std::fmt::Debug) -> PyErr {
+pub fn raise<E: pyo3::PyTypeInfo>(
+    py: Python<'_>,
+    e: impl std::fmt::Display + std::fmt::Debug,
+) -> PyErr {
     raise_as::<E>(py, e.to_string(), &format!("{e:?}"))
 }
 
@@ -58,6 +117,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ExtendError", py.get_type::<ExtendError>())?;
     m.add("SlotsError", py.get_type::<SlotsError>())?;
     m.add("AuditError", py.get_type::<AuditError>())?;
+    m.add("BackendError", py.get_type::<BackendError>())?;
     m.add("AllocParamError", py.get_type::<AllocParamError>())?;
     Ok(())
 }

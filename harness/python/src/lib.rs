@@ -4,6 +4,7 @@
 
 use pyo3::prelude::*;
 
+mod backend;
 mod errors;
 mod plan;
 mod sched;
@@ -27,6 +28,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<values::Counters>()?;
     m.add_class::<values::StepSummary>()?;
     m.add_class::<values::GroupInfo>()?;
+    m.add_class::<backend::CpuPolicy>()?;
+    m.add_class::<backend::Finished>()?;
+    m.add_function(wrap_pyfunction!(backend::write_tiny_model, m)?)?;
     errors::register(m)?;
     m.add("ABI_VERSION", rolloutpipe_capi::RP_ABI_VERSION)?;
     Ok(())

@@ -81,7 +81,9 @@ impl Plan {
     /// Raises `PlanError` (with the core's message) if the plan is inconsistent, or
     /// `ValueError` naming a field whose policy string is unknown.
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        self.to_core()?.validate().map_err(|e| raise::<PlanError>(py, e))
+        self.to_core()?
+            .validate()
+            .map_err(|e| raise::<PlanError>(py, e))
     }
 
     /// Groups per optimizer step, `B / k_opt`.
@@ -92,20 +94,42 @@ impl Plan {
     fn __repr__(&self) -> String {
         format!(
             "Plan(batch_groups={}, group_size={}, micro_batch={}, opt_steps={}, slots={}, admission={:?}, dispatch={:?})",
-            self.batch_groups, self.group_size, self.micro_batch, self.opt_steps, self.slots, self.admission, self.dispatch
+            self.batch_groups,
+            self.group_size,
+            self.micro_batch,
+            self.opt_steps,
+            self.slots,
+            self.admission,
+            self.dispatch
         )
     }
 }
 
 const FIELDS: &[&str] = &[
-    "batch_groups", "group_size", "micro_batch", "micro_batch_unit", "opt_steps", "slots",
-    "max_attempts", "max_groups", "draw_batch", "draw_ahead", "admission", "order",
-    "order_seed", "frontier_width", "frontier_filter_ppm", "dispatch", "hold_scored",
+    "batch_groups",
+    "group_size",
+    "micro_batch",
+    "micro_batch_unit",
+    "opt_steps",
+    "slots",
+    "max_attempts",
+    "max_groups",
+    "draw_batch",
+    "draw_ahead",
+    "admission",
+    "order",
+    "order_seed",
+    "frontier_width",
+    "frontier_filter_ppm",
+    "dispatch",
+    "hold_scored",
     "sample_budget",
 ];
 
 fn bad(field: &str, value: &str, choices: &str) -> PyErr {
-    PyValueError::new_err(format!("Plan.{field}: unknown value {value:?} (one of {choices})"))
+    PyValueError::new_err(format!(
+        "Plan.{field}: unknown value {value:?} (one of {choices})"
+    ))
 }
 
 impl Plan {
@@ -114,7 +138,9 @@ impl Plan {
         let order = match self.order.as_str() {
             "group_major" => SubmitOrder::GroupMajor,
             "interleaved" => SubmitOrder::Interleaved,
-            "shuffled" => SubmitOrder::Shuffled { seed: self.order_seed },
+            "shuffled" => SubmitOrder::Shuffled {
+                seed: self.order_seed,
+            },
             o => return Err(bad("order", o, "group_major, interleaved, shuffled")),
         };
         let mut p = rc::Plan::new(self.batch_groups, self.group_size);
@@ -154,9 +180,11 @@ impl Plan {
 impl From<&rc::Plan> for Plan {
     fn from(p: &rc::Plan) -> Self {
         let (admission, order, width, ppm) = match p.admission {
-            AdmissionPolicy::Frontier { width, expected_filter_ppm, fallback } => {
-                ("frontier", fallback, width, expected_filter_ppm)
-            }
+            AdmissionPolicy::Frontier {
+                width,
+                expected_filter_ppm,
+                fallback,
+            } => ("frontier", fallback, width, expected_filter_ppm),
             AdmissionPolicy::Fifo { order } => ("fifo", order, 0, 0),
             _ => ("fifo", SubmitOrder::GroupMajor, 0, 0),
         };
@@ -219,7 +247,14 @@ pub struct Vigor(pub rc::Vigor);
 #[pymethods]
 impl Vigor {
     #[new]
-    fn new(py: Python<'_>, n0: u16, rounds: u16, increment: u16, budget: u32, batch_groups: u32) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        n0: u16,
+        rounds: u16,
+        increment: u16,
+        budget: u32,
+        batch_groups: u32,
+    ) -> PyResult<Self> {
         rc::Vigor::new(n0, rounds, increment, budget, batch_groups)
             .map(Vigor)
             .map_err(|e| raise::<AllocParamError>(py, e))

@@ -98,7 +98,14 @@ impl Scheduler {
 
     /// Begins a step. Raises `BeginError` (a step in progress, a stale id) or its subclass
     /// `PlanError` (an invalid plan, or one that does not fit the storage).
-    fn begin_step(&mut self, py: Python<'_>, now: u64, step: u64, version: u64, plan: &Plan) -> PyResult<()> {
+    fn begin_step(
+        &mut self,
+        py: Python<'_>,
+        now: u64,
+        step: u64,
+        version: u64,
+        plan: &Plan,
+    ) -> PyResult<()> {
         let plan = plan.to_core()?;
         self.0
             .with(|s| s.begin_step(Tick(now), StepId(step), PolicyVersion(version), plan))
@@ -113,7 +120,13 @@ impl Scheduler {
     /// Reports `n` prompts drawn (with `samples` initial samples each, default G); returns the
     /// first new group's id. Raises `DrawError`.
     #[pyo3(signature = (now, n, samples = None))]
-    fn on_prompts_drawn(&mut self, py: Python<'_>, now: u64, n: u32, samples: Option<u16>) -> PyResult<u32> {
+    fn on_prompts_drawn(
+        &mut self,
+        py: Python<'_>,
+        now: u64,
+        n: u32,
+        samples: Option<u16>,
+    ) -> PyResult<u32> {
         self.0
             .with(|s| match samples {
                 None => s.on_prompts_drawn(Tick(now), n),
@@ -125,7 +138,9 @@ impl Scheduler {
 
     /// Reports that the data source is exhausted. Raises `DrawError`.
     fn on_data_exhausted(&mut self, py: Python<'_>, now: u64) -> PyResult<()> {
-        self.0.with(|s| s.on_data_exhausted(Tick(now))).map_err(|e| raise::<DrawError>(py, e))
+        self.0
+            .with(|s| s.on_data_exhausted(Tick(now)))
+            .map_err(|e| raise::<DrawError>(py, e))
     }
 
     /// Extends a group by `extra` samples. Raises `ExtendError`.
@@ -137,13 +152,18 @@ impl Scheduler {
 
     /// The next request to start, or None.
     fn poll_admit(&mut self, now: u64) -> Option<Admission> {
-        self.0.with(|s| s.poll_admit(Tick(now))).map(Admission::from)
+        self.0
+            .with(|s| s.poll_admit(Tick(now)))
+            .map(Admission::from)
     }
 
     /// Up to `max` requests to start, in admission order (one call instead of `max`).
     fn poll_admit_batch(&mut self, now: u64, max: usize) -> Vec<Admission> {
         let mut buf = vec![
-            rolloutpipe_core::Admission { request: Default::default(), version: PolicyVersion(0) };
+            rolloutpipe_core::Admission {
+                request: Default::default(),
+                version: PolicyVersion(0)
+            };
             max.min(1 << 20)
         ];
         let n = self.0.with(|s| s.poll_admit_into(Tick(now), &mut buf));
@@ -152,7 +172,9 @@ impl Scheduler {
 
     /// The next request to abort, or None; acknowledge with `on_abort_acked`.
     fn poll_abort(&mut self, now: u64) -> Option<RequestId> {
-        self.0.with(|s| s.poll_abort(Tick(now))).map(RequestId::from)
+        self.0
+            .with(|s| s.poll_abort(Tick(now)))
+            .map(RequestId::from)
     }
 
     /// Up to `max` requests to abort.
@@ -164,31 +186,46 @@ impl Scheduler {
 
     /// The next trainable group for the trainer, or None.
     fn poll_dispatch(&mut self, now: u64) -> Option<Dispatch> {
-        self.0.with(|s| s.poll_dispatch(Tick(now))).map(Dispatch::from)
+        self.0
+            .with(|s| s.poll_dispatch(Tick(now)))
+            .map(Dispatch::from)
     }
 
     /// Up to `max` groups for the trainer.
     fn poll_dispatch_batch(&mut self, now: u64, max: usize) -> Vec<Dispatch> {
-        let mut buf =
-            vec![rolloutpipe_core::Dispatch { group: GroupId(0), seq: 0 }; max.min(1 << 20)];
+        let mut buf = vec![
+            rolloutpipe_core::Dispatch {
+                group: GroupId(0),
+                seq: 0
+            };
+            max.min(1 << 20)
+        ];
         let n = self.0.with(|s| s.poll_dispatch_into(Tick(now), &mut buf));
         buf[..n].iter().map(|d| Dispatch::from(*d)).collect()
     }
 
     /// The next micro-batch to train, or None.
     fn poll_micro_batch(&mut self, now: u64) -> Option<MicroBatch> {
-        self.0.with(|s| s.poll_micro_batch(Tick(now))).map(MicroBatch::from)
+        self.0
+            .with(|s| s.poll_micro_batch(Tick(now)))
+            .map(MicroBatch::from)
     }
 
     /// The due optimizer step's index, or None.
     fn poll_optimizer_step(&mut self, now: u64) -> Option<u32> {
-        self.0.with(|s| s.poll_optimizer_step(Tick(now))).map(|o| o.index)
+        self.0
+            .with(|s| s.poll_optimizer_step(Tick(now)))
+            .map(|o| o.index)
     }
 
     /// The next held group's allocation under `policy` (`FixedG` when None, `Vigor`,
     /// `PilotCommit`), or None.
     #[pyo3(signature = (now, policy = None))]
-    fn poll_allocation(&mut self, now: u64, policy: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Allocated>> {
+    fn poll_allocation(
+        &mut self,
+        now: u64,
+        policy: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Allocated>> {
         let now = Tick(now);
         let a = match policy {
             None => self.0.with(|s| s.poll_allocation(now)),
@@ -223,23 +260,54 @@ impl Scheduler {
 
     /// A request finished: its response had `tokens` tokens and earned `reward`. Raises
     /// `RequestError` (unknown, stale attempt, duplicate, wrong version, other step).
-    fn on_request_finished(&mut self, py: Python<'_>, now: u64, request: &RequestId, version: u64, tokens: u32, reward: f32) -> PyResult<Completion> {
+    fn on_request_finished(
+        &mut self,
+        py: Python<'_>,
+        now: u64,
+        request: &RequestId,
+        version: u64,
+        tokens: u32,
+        reward: f32,
+    ) -> PyResult<Completion> {
         self.0
-            .with(|s| s.on_request_finished(Tick(now), id(request), PolicyVersion(version), tokens, reward))
+            .with(|s| {
+                s.on_request_finished(
+                    Tick(now),
+                    id(request),
+                    PolicyVersion(version),
+                    tokens,
+                    reward,
+                )
+            })
             .map(Completion::from)
             .map_err(|e| raise::<RequestError>(py, e))
     }
 
     /// A request's response was generated; its reward follows with `on_reward`.
-    fn on_request_generated(&mut self, py: Python<'_>, now: u64, request: &RequestId, version: u64, tokens: u32) -> PyResult<Completion> {
+    fn on_request_generated(
+        &mut self,
+        py: Python<'_>,
+        now: u64,
+        request: &RequestId,
+        version: u64,
+        tokens: u32,
+    ) -> PyResult<Completion> {
         self.0
-            .with(|s| s.on_request_generated(Tick(now), id(request), PolicyVersion(version), tokens))
+            .with(|s| {
+                s.on_request_generated(Tick(now), id(request), PolicyVersion(version), tokens)
+            })
             .map(Completion::from)
             .map_err(|e| raise::<RequestError>(py, e))
     }
 
     /// A generated response's reward.
-    fn on_reward(&mut self, py: Python<'_>, now: u64, request: &RequestId, reward: f32) -> PyResult<Completion> {
+    fn on_reward(
+        &mut self,
+        py: Python<'_>,
+        now: u64,
+        request: &RequestId,
+        reward: f32,
+    ) -> PyResult<Completion> {
         self.0
             .with(|s| s.on_reward(Tick(now), id(request), reward))
             .map(Completion::from)
@@ -247,7 +315,13 @@ impl Scheduler {
     }
 
     /// A request failed (retried until the plan's `max_attempts`).
-    fn on_request_failed(&mut self, py: Python<'_>, now: u64, request: &RequestId, version: u64) -> PyResult<Failure> {
+    fn on_request_failed(
+        &mut self,
+        py: Python<'_>,
+        now: u64,
+        request: &RequestId,
+        version: u64,
+    ) -> PyResult<Failure> {
         self.0
             .with(|s| s.on_request_failed(Tick(now), id(request), PolicyVersion(version)))
             .map(Failure::from)
@@ -262,7 +336,12 @@ impl Scheduler {
     }
 
     /// An engine refused an admitted request (full): re-queued, no attempt burnt.
-    fn on_admission_refused(&mut self, py: Python<'_>, now: u64, request: &RequestId) -> PyResult<Failure> {
+    fn on_admission_refused(
+        &mut self,
+        py: Python<'_>,
+        now: u64,
+        request: &RequestId,
+    ) -> PyResult<Failure> {
         self.0
             .with(|s| s.on_admission_refused(Tick(now), id(request)))
             .map(Failure::from)
@@ -270,7 +349,12 @@ impl Scheduler {
     }
 
     /// A running request was preempted or migrated: re-queued, no attempt burnt.
-    fn on_request_preempted(&mut self, py: Python<'_>, now: u64, request: &RequestId) -> PyResult<Failure> {
+    fn on_request_preempted(
+        &mut self,
+        py: Python<'_>,
+        now: u64,
+        request: &RequestId,
+    ) -> PyResult<Failure> {
         self.0
             .with(|s| s.on_request_preempted(Tick(now), id(request)))
             .map(Failure::from)
@@ -279,7 +363,9 @@ impl Scheduler {
 
     /// Changes the rollout slots mid-step (engines joined or left). Raises `SlotsError`.
     fn set_slots(&mut self, py: Python<'_>, now: u64, slots: u32) -> PyResult<()> {
-        self.0.with(|s| s.set_slots(Tick(now), slots)).map_err(|e| raise::<SlotsError>(py, e))
+        self.0
+            .with(|s| s.set_slots(Tick(now), slots))
+            .map_err(|e| raise::<SlotsError>(py, e))
     }
 
     /// The released micro-batch was trained; returns it. Raises `TrainError`.
@@ -299,18 +385,22 @@ impl Scheduler {
 
     /// A snapshot of a group, or None if it was not drawn in this step.
     fn group(&mut self, group: u32) -> Option<GroupInfo> {
-        self.0.with(|s| s.group(GroupId(group))).map(GroupInfo::from)
+        self.0
+            .with(|s| s.group(GroupId(group)))
+            .map(GroupInfo::from)
     }
 
     /// A group's per-sample rewards (None for a sample without one yet), or None if unknown.
     /// Read them when the group is dispatched, to compute its advantages.
     fn group_rewards(&mut self, group: u32) -> Option<Vec<Option<f32>>> {
-        self.0.with(|s| s.group_rewards(GroupId(group)).map(|it| it.collect()))
+        self.0
+            .with(|s| s.group_rewards(GroupId(group)).map(|it| it.collect()))
     }
 
     /// A group's per-sample token counts (None where not generated), or None if unknown.
     fn group_tokens(&mut self, group: u32) -> Option<Vec<Option<u32>>> {
-        self.0.with(|s| s.group_tokens(GroupId(group)).map(|it| it.collect()))
+        self.0
+            .with(|s| s.group_tokens(GroupId(group)).map(|it| it.collect()))
     }
 
     /// (state, current attempt) of one sample's request, or None.
@@ -327,11 +417,16 @@ impl Scheduler {
 
     /// Re-derives every count from storage; raises `AuditError` naming a broken invariant.
     fn audit(&mut self, py: Python<'_>) -> PyResult<()> {
-        self.0.with(|s| s.audit()).map_err(|e| raise::<AuditError>(py, e))
+        self.0
+            .with(|s| s.audit())
+            .map_err(|e| raise::<AuditError>(py, e))
     }
 
     fn __repr__(&mut self) -> String {
         let (g, r) = self.0.capacity();
-        format!("Scheduler(groups={g}, requests={r}, phase={:?})", self.phase())
+        format!(
+            "Scheduler(groups={g}, requests={r}, phase={:?})",
+            self.phase()
+        )
     }
 }

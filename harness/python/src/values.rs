@@ -28,7 +28,12 @@ impl RequestId {
     #[new]
     #[pyo3(signature = (step, group, sample, attempt = 0))]
     fn new(step: u64, group: u32, sample: u16, attempt: u8) -> Self {
-        RequestId { step, group, sample, attempt }
+        RequestId {
+            step,
+            group,
+            sample,
+            attempt,
+        }
     }
     fn __repr__(&self) -> String {
         format!("RequestId({})", self.core())
@@ -49,7 +54,12 @@ impl RequestId {
 
 impl From<rc::RequestId> for RequestId {
     fn from(r: rc::RequestId) -> Self {
-        RequestId { step: r.step.0, group: r.group.0, sample: r.sample, attempt: r.attempt }
+        RequestId {
+            step: r.step.0,
+            group: r.group.0,
+            sample: r.sample,
+            attempt: r.attempt,
+        }
     }
 }
 
@@ -74,7 +84,10 @@ impl Admission {
 
 impl From<rc::Admission> for Admission {
     fn from(a: rc::Admission) -> Self {
-        Admission { request: a.request.into(), version: a.version.0 }
+        Admission {
+            request: a.request.into(),
+            version: a.version.0,
+        }
     }
 }
 
@@ -99,7 +112,10 @@ impl Dispatch {
 
 impl From<rc::Dispatch> for Dispatch {
     fn from(d: rc::Dispatch) -> Self {
-        Dispatch { group: d.group.0, seq: d.seq }
+        Dispatch {
+            group: d.group.0,
+            seq: d.seq,
+        }
     }
 }
 
@@ -172,10 +188,14 @@ impl Completion {
 impl From<rc::Completion> for Completion {
     fn from(c: rc::Completion) -> Self {
         match c {
-            rc::Completion::Accepted { group_state } => {
-                Completion { accepted: true, group_state: Some(group_state.to_string()) }
-            }
-            _ => Completion { accepted: false, group_state: None },
+            rc::Completion::Accepted { group_state } => Completion {
+                accepted: true,
+                group_state: Some(group_state.to_string()),
+            },
+            _ => Completion {
+                accepted: false,
+                group_state: None,
+            },
         }
     }
 }
@@ -203,9 +223,18 @@ impl Failure {
 impl From<rc::Failure> for Failure {
     fn from(f: rc::Failure) -> Self {
         match f {
-            rc::Failure::Retried { attempt } => Failure { kind: "retried", attempt: Some(attempt) },
-            rc::Failure::GroupFiltered => Failure { kind: "group_filtered", attempt: None },
-            _ => Failure { kind: "abort_acked", attempt: None },
+            rc::Failure::Retried { attempt } => Failure {
+                kind: "retried",
+                attempt: Some(attempt),
+            },
+            rc::Failure::GroupFiltered => Failure {
+                kind: "group_filtered",
+                attempt: None,
+            },
+            _ => Failure {
+                kind: "abort_acked",
+                attempt: None,
+            },
         }
     }
 }
@@ -235,7 +264,10 @@ pub struct Allocated {
 #[pymethods]
 impl Allocated {
     fn __repr__(&self) -> String {
-        format!("Allocated(g{}, decided={}, applied={})", self.group, self.decided, self.applied)
+        format!(
+            "Allocated(g{}, decided={}, applied={})",
+            self.group, self.decided, self.applied
+        )
     }
 }
 
@@ -288,7 +320,8 @@ macro_rules! counters {
         #[pymethods]
         impl Counters {
             /// Every counter by name.
-            fn to_dict(&self) -> std::collections::BTreeMap<&'static str, u64> {
+            #[pyo3(name = "to_dict")]
+            fn as_dict(&self) -> std::collections::BTreeMap<&'static str, u64> {
                 let mut m = std::collections::BTreeMap::new();
                 $( m.insert(stringify!($f), self.$f as u64); )*
                 m
@@ -431,7 +464,10 @@ pub struct GroupInfo {
 #[pymethods]
 impl GroupInfo {
     fn __repr__(&self) -> String {
-        format!("GroupInfo(state={:?}, target={}, rewarded={})", self.state, self.target, self.rewarded)
+        format!(
+            "GroupInfo(state={:?}, target={}, rewarded={})",
+            self.state, self.target, self.rewarded
+        )
     }
 }
 

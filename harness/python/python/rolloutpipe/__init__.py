@@ -12,6 +12,9 @@ filtered or aborted, and counts every prompt.
 Every refusal raises its own exception class (``RequestError``, ``DrawError``, ...), all
 subclasses of ``RolloutPipeError``, with the core's one-line message and a ``kind``
 attribute naming the variant; the refused event changed nothing.
+
+``CpuPolicy`` is the CPU reference backend (an HF Qwen3 model directory) as an engine and a
+trainer; it releases the GIL around model work.
 """
 
 from ._core import (
@@ -20,13 +23,16 @@ from ._core import (
     Allocated,
     AllocParamError,
     AuditError,
+    BackendError,
     BeginError,
     Completion,
     Counters,
+    CpuPolicy,
     Dispatch,
     DrawError,
     ExtendError,
     Failure,
+    Finished,
     FixedG,
     GroupInfo,
     MicroBatch,
@@ -41,6 +47,7 @@ from ._core import (
     StepSummary,
     TrainError,
     Vigor,
+    write_tiny_model,
 )
 
 __version__ = "0.1.0"
@@ -51,13 +58,16 @@ __all__ = [
     "Allocated",
     "AllocParamError",
     "AuditError",
+    "BackendError",
     "BeginError",
     "Completion",
     "Counters",
+    "CpuPolicy",
     "Dispatch",
     "DrawError",
     "ExtendError",
     "Failure",
+    "Finished",
     "FixedG",
     "GroupInfo",
     "MicroBatch",
@@ -72,4 +82,5 @@ __all__ = [
     "StepSummary",
     "TrainError",
     "Vigor",
+    "write_tiny_model",
 ]
