@@ -51,7 +51,8 @@ pub unsafe extern "C" fn rp_poll_admit_batch(
     n: *mut usize,
 ) -> RpStatus {
     body!(s, h => {
-        let mut buf = vec![rolloutpipe_core::Admission { request: Default::default(), version: PolicyVersion(0) }; cap];
+        check_out(out, cap, n)?;
+        let mut buf = vec![rolloutpipe_core::Admission { request: Default::default(), version: PolicyVersion(0) }; cap.min(h.capacity().1)];
         let k = h.with(|s| s.poll_admit_into(Tick(now), &mut buf));
         let items: Vec<RpAdmission> = buf[..k].iter().map(|a| RpAdmission { request: id_to_c(a.request), version: a.version.0 }).collect();
         unsafe { copy_out(&items, out, n) }
@@ -93,7 +94,8 @@ pub unsafe extern "C" fn rp_poll_abort_batch(
     n: *mut usize,
 ) -> RpStatus {
     body!(s, h => {
-        let mut buf = vec![rolloutpipe_core::RequestId::default(); cap];
+        check_out(out, cap, n)?;
+        let mut buf = vec![rolloutpipe_core::RequestId::default(); cap.min(h.capacity().1)];
         let k = h.with(|s| s.poll_abort_into(Tick(now), &mut buf));
         let items: Vec<RpRequestId> = buf[..k].iter().map(|r| id_to_c(*r)).collect();
         unsafe { copy_out(&items, out, n) }
@@ -134,7 +136,8 @@ pub unsafe extern "C" fn rp_poll_dispatch_batch(
     n: *mut usize,
 ) -> RpStatus {
     body!(s, h => {
-        let mut buf = vec![rolloutpipe_core::Dispatch { group: Default::default(), seq: 0 }; cap];
+        check_out(out, cap, n)?;
+        let mut buf = vec![rolloutpipe_core::Dispatch { group: Default::default(), seq: 0 }; cap.min(h.capacity().1)];
         let k = h.with(|s| s.poll_dispatch_into(Tick(now), &mut buf));
         let items: Vec<RpDispatch> = buf[..k].iter().map(|d| RpDispatch { group: d.group.0, seq: d.seq }).collect();
         unsafe { copy_out(&items, out, n) }
@@ -416,6 +419,18 @@ fn mb_to_c(m: rolloutpipe_core::MicroBatch) -> RpMicroBatch {
         len: m.len,
         ends_optimizer_step: m.ends_optimizer_step,
     }
+}
+
+/// Refuses null out-pointers before a batch poll runs: a poll hands its decisions out once, so
+/// they must have somewhere to go.
+fn check_out<T>(out: *mut T, cap: usize, n: *mut usize) -> Result<(), (RpStatus, String)> {
+    if n.is_null() {
+        return Err((RP_ERR_NULL, "n is null".into()));
+    }
+    if out.is_null() && cap > 0 {
+        return Err((RP_ERR_NULL, "out is null".into()));
+    }
+    Ok(())
 }
 
 /// # Safety
