@@ -8,6 +8,7 @@ mod backend;
 mod errors;
 mod plan;
 mod sched;
+mod tasks;
 mod values;
 
 /// The module: classes, exceptions, and `ABI_VERSION` (the C ABI's, for cross-checks).
@@ -31,6 +32,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<backend::CpuPolicy>()?;
     m.add_class::<backend::Finished>()?;
     m.add_function(wrap_pyfunction!(backend::write_tiny_model, m)?)?;
+    m.add_class::<tasks::Task>()?;
+    m.add_class::<tasks::Problem>()?;
+    m.add("TaskError", m.py().get_type::<tasks::TaskError>())?;
     errors::register(m)?;
     m.add("ABI_VERSION", rolloutpipe_capi::RP_ABI_VERSION)?;
     Ok(())

@@ -14,7 +14,8 @@ subclasses of ``RolloutPipeError``, with the core's one-line message and a ``kin
 attribute naming the variant; the refused event changed nothing.
 
 ``CpuPolicy`` is the CPU reference backend (an HF Qwen3 model directory) as an engine and a
-trainer; it releases the GIL around model work.
+trainer; it releases the GIL around model work. ``Task`` is a built-in task's problem
+generator and verifier (``add``, ``mul``, ``countdown``), the code ``rolloutpipe train`` scores with.
 """
 
 from ._core import (
@@ -39,12 +40,15 @@ from ._core import (
     PilotCommit,
     Plan,
     PlanError,
+    Problem,
     RequestError,
     RequestId,
     RolloutPipeError,
     Scheduler,
     SlotsError,
     StepSummary,
+    Task,
+    TaskError,
     TrainError,
     Vigor,
     write_tiny_model,
@@ -74,12 +78,15 @@ __all__ = [
     "PilotCommit",
     "Plan",
     "PlanError",
+    "Problem",
     "RequestError",
     "RequestId",
     "RolloutPipeError",
     "Scheduler",
     "SlotsError",
     "StepSummary",
+    "Task",
+    "TaskError",
     "TrainError",
     "Vigor",
     "write_tiny_model",
