@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The Python package: makes a venv under the repo (.venv-py, git-ignored), installs maturin and
 # pytest into it, builds the `rolloutpipe` wheel (PyO3 abi3) with harness/python's own
-# Cargo.lock, installs the wheel and runs harness/python/tests with pytest. Measured from a clean
-# target: the release wheel build costs about 230 s of CPU (73 s without the harness library
-# that `Task` needs; 11.5 min wall on the shared, loaded 2-core machine), pytest about 2 s.
+# Cargo.lock, installs the wheel and runs harness/python/tests with pytest. Measured: a clean
+# release build without the harness library took 73 s CPU; adding the harness library (for
+# `Task`) took another 228 s CPU (11.5 min wall on the shared, loaded 2-core machine), so about
+# 5 min CPU from a clean target; pytest about 2 s.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root="$PWD"
