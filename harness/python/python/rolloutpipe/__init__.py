@@ -1,0 +1,93 @@
+"""RolloutPipe's scheduling core for Python RL stacks.
+
+The core is sans-IO: report what happened (``on_*`` events) and ask what to do next
+(``poll_*`` decisions); time is an integer tick you pass in. It knows no model: you run the
+engines, verifiers and trainer, it decides which request runs next, when a group is trained,
+filtered or aborted, and counts every prompt.
+
+    import rolloutpipe as rp
+    s = rp.Scheduler(groups=64, requests=1024)
+    s.begin_step(0, step=0, version=0, plan=rp.Plan(8, 4, micro_batch=2, admission="frontier"))
+
+Every refusal raises its own exception class (``RequestError``, ``DrawError``, ...), all
+subclasses of ``RolloutPipeError``, with the core's one-line message and a ``kind``
+attribute naming the variant; the refused event changed nothing.
+
+``CpuPolicy`` is the CPU reference backend (an HF Qwen3 model directory) as an engine and a
+trainer; it releases the GIL around model work. ``Task`` is a built-in task's problem
+generator and verifier (``add``, ``mul``, ``countdown``), the code ``rolloutpipe train`` scores with.
+"""
+
+from ._core import (
+    ABI_VERSION,
+    Admission,
+    Allocated,
+    AllocParamError,
+    AuditError,
+    BackendError,
+    BeginError,
+    Completion,
+    Counters,
+    CpuPolicy,
+    Dispatch,
+    DrawError,
+    ExtendError,
+    Failure,
+    Finished,
+    FixedG,
+    GroupInfo,
+    MicroBatch,
+    PilotCommit,
+    Plan,
+    PlanError,
+    Problem,
+    RequestError,
+    RequestId,
+    RolloutPipeError,
+    Scheduler,
+    SlotsError,
+    StepSummary,
+    Task,
+    TaskError,
+    TrainError,
+    Vigor,
+    write_tiny_model,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ABI_VERSION",
+    "Admission",
+    "Allocated",
+    "AllocParamError",
+    "AuditError",
+    "BackendError",
+    "BeginError",
+    "Completion",
+    "Counters",
+    "CpuPolicy",
+    "Dispatch",
+    "DrawError",
+    "ExtendError",
+    "Failure",
+    "Finished",
+    "FixedG",
+    "GroupInfo",
+    "MicroBatch",
+    "PilotCommit",
+    "Plan",
+    "PlanError",
+    "Problem",
+    "RequestError",
+    "RequestId",
+    "RolloutPipeError",
+    "Scheduler",
+    "SlotsError",
+    "StepSummary",
+    "Task",
+    "TaskError",
+    "TrainError",
+    "Vigor",
+    "write_tiny_model",
+]
