@@ -220,7 +220,10 @@ impl Cuda {
             .stream
             .alloc_zeros::<T>(n)
             .map_err(|e| dev(&format!("allocating {n} x {} bytes", size_of::<T>()), e))?;
-        let (ptr, _sync) = slice.device_ptr(&self.stream);
+        let ptr = {
+            let (p, _sync) = slice.device_ptr(&self.stream);
+            p
+        };
         Ok(DBuf {
             ptr,
             len,
