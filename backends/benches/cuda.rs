@@ -41,8 +41,26 @@ struct Shape {
 }
 
 const QWEN3: [Shape; 2] = [
-    Shape { name: "Qwen3-0.6B", d: 1024, f: 3072, h: 16, kvh: 8, hd: 128, layers: 28, vocab: 151_936 },
-    Shape { name: "Qwen3-1.7B", d: 2048, f: 6144, h: 16, kvh: 8, hd: 128, layers: 28, vocab: 151_936 },
+    Shape {
+        name: "Qwen3-0.6B",
+        d: 1024,
+        f: 3072,
+        h: 16,
+        kvh: 8,
+        hd: 128,
+        layers: 28,
+        vocab: 151_936,
+    },
+    Shape {
+        name: "Qwen3-1.7B",
+        d: 2048,
+        f: 6144,
+        h: 16,
+        kvh: 8,
+        hd: 128,
+        layers: 28,
+        vocab: 151_936,
+    },
 ];
 
 /// Dense peaks `(bf16 TFLOP/s, f32 TFLOP/s, HBM GB/s)` of known devices (vendor data sheets,
@@ -64,9 +82,18 @@ struct Table {
 }
 
 impl Table {
-    fn row(&mut self, what: String, shape: String, us: f64, rate: String, peak: String, vs: String) {
+    fn row(
+        &mut self,
+        what: String,
+        shape: String,
+        us: f64,
+        rate: String,
+        peak: String,
+        vs: String,
+    ) {
         println!("{what:<28} {shape:<22} {us:>10.1} {rate:>14} {peak:>9} {vs:>16}");
-        self.rows.push([what, shape, format!("{us:.1}"), rate, peak, vs]);
+        self.rows
+            .push([what, shape, format!("{us:.1}"), rate, peak, vs]);
     }
 }
 
@@ -109,7 +136,10 @@ fn main() {
     };
     let name = c.name();
     let pk = peaks(&name);
-    println!("device: {name}{}", if pk.is_none() { " (peak unknown)" } else { "" });
+    println!(
+        "device: {name}{}",
+        if pk.is_none() { " (peak unknown)" } else { "" }
+    );
     println!(
         "{:<28} {:<22} {:>10} {:>14} {:>9} {:>16}",
         "benchmark", "shape", "us/call", "rate", "% peak", "vs baseline"
@@ -152,7 +182,10 @@ fn gemm_rows(
     let x = c.upload(&data(m * k, 1)).expect("x");
     let w = c.upload(&data(n * k, 2)).expect("w");
     let y = c.alloc::<f32>(m * n).expect("y");
-    let (xh, wh) = (c.alloc::<u16>(m * k).expect("xh"), c.alloc::<u16>(n * k).expect("wh"));
+    let (xh, wh) = (
+        c.alloc::<u16>(m * k).expect("xh"),
+        c.alloc::<u16>(n * k).expect("wh"),
+    );
     ops::cast_bf16(c, &xh, &x, m * k).expect("cast");
     ops::cast_bf16(c, &wh, &w, n * k).expect("cast");
     let shape = format!("{m}x{k}->{n}");
@@ -235,15 +268,32 @@ fn gemm_rows(
     );
 }
 
-fn attention_row(c: &Arc<Cuda>, t: &mut Table, s: Shape, len: usize, reps: usize, pk: Option<(f64, f64, f64)>) {
+fn attention_row(
+    c: &Arc<Cuda>,
+    t: &mut Table,
+    s: Shape,
+    len: usize,
+    reps: usize,
+    pk: Option<(f64, f64, f64)>,
+) {
     let (qd, kd) = (s.h * s.hd, s.kvh * s.hd);
     let q = c.upload(&data(len * qd, 3)).expect("q");
     let k = c.upload(&data(len * kd, 4)).expect("k");
     let v = c.upload(&data(len * kd, 5)).expect("v");
     let qmeta: Vec<u32> = (0..len as u32).flat_map(|i| [0, i]).collect();
     let qm = c.upload(&qmeta).expect("qmeta");
-    let (out, st) = (c.alloc::<f32>(len * qd).expect("out"), c.alloc::<f32>(2 * len * s.h).expect("stats"));
-    let shape = AttnShape { n_q: len, n_k: len, heads: s.h, kv_heads: s.kvh, hd: s.hd, scale: plan::attention_scale(s.hd) };
+    let (out, st) = (
+        c.alloc::<f32>(len * qd).expect("out"),
+        c.alloc::<f32>(2 * len * s.h).expect("stats"),
+    );
+    let shape = AttnShape {
+        n_q: len,
+        n_k: len,
+        heads: s.h,
+        kv_heads: s.kvh,
+        hd: s.hd,
+        scale: plan::attention_scale(s.hd),
+    };
     let us = time(c, 1, reps.min(5), || {
         ops::attention_fwd(c, &out, &st, &q, &k, &v, &qm, shape).expect("attention_fwd");
     });
@@ -277,17 +327,25 @@ fn memory_rows(c: &Arc<Cuda>, t: &mut Table, n: usize, reps: usize, pk: Option<(
             "-".into(),
         );
     };
-    let us = time(c, 2, reps, || ops::residual_fwd(c, &o, &a, &b, n).expect("residual"));
+    let us = time(c, 2, reps, || {
+        ops::residual_fwd(c, &o, &a, &b, n).expect("residual")
+    });
     row(t, "residual_fwd", 12.0 * n as f64, us);
-    let us = time(c, 2, reps, || ops::swiglu_fwd(c, &o, &a, &b, n).expect("swiglu"));
+    let us = time(c, 2, reps, || {
+        ops::swiglu_fwd(c, &o, &a, &b, n).expect("swiglu")
+    });
     row(t, "swiglu_fwd", 12.0 * n as f64, us);
     let (rows, d) = (n / 2048, 2048);
     let w = c.upload(&data(d, 8)).expect("w");
     let rs = c.alloc::<f32>(rows).expect("rstd");
-    let us = time(c, 2, reps, || ops::rmsnorm_fwd(c, &o, &rs, &a, &w, rows, d, 1e-6).expect("rmsnorm"));
+    let us = time(c, 2, reps, || {
+        ops::rmsnorm_fwd(c, &o, &rs, &a, &w, rows, d, 1e-6).expect("rmsnorm")
+    });
     row(t, "rmsnorm_fwd", 8.0 * n as f64, us);
     let s = AdamScalars::new(1.0, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1);
-    let us = time(c, 2, reps, || ops::adamw_step(c, &o, &a, &m, &b, n, s).expect("adamw"));
+    let us = time(c, 2, reps, || {
+        ops::adamw_step(c, &o, &a, &m, &b, n, s).expect("adamw")
+    });
     row(t, "adamw_step", 28.0 * n as f64, us);
 }
 
@@ -321,14 +379,28 @@ fn e2e_rows(c: &Arc<Cuda>, t: &mut Table, s: Shape, quick: bool) {
         Err(e) => return eprintln!("{}: backend: {e}", s.name),
     };
     drop(w);
-    eprintln!("{}: model ready in {:.1} s", s.name, t0.elapsed().as_secs_f64());
+    eprintln!(
+        "{}: model ready in {:.1} s",
+        s.name,
+        t0.elapsed().as_secs_f64()
+    );
     let (reqs, prompt, new) = (16usize, 16usize, if quick { 16 } else { 64 });
-    let params = SamplingParams { temperature: 0.0, max_new_tokens: new, ..Default::default() };
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_new_tokens: new,
+        ..Default::default()
+    };
     let t1 = Instant::now();
     for i in 0..reqs {
-        let p: Vec<u32> = (0..prompt).map(|j| ((i * 7919 + j * 104_729) % s.vocab) as u32).collect();
-        be.add_request(GenRequest { id: RequestKey(i as u64), prompt: p, params: params.clone() })
-            .expect("add");
+        let p: Vec<u32> = (0..prompt)
+            .map(|j| ((i * 7919 + j * 104_729) % s.vocab) as u32)
+            .collect();
+        be.add_request(GenRequest {
+            id: RequestKey(i as u64),
+            prompt: p,
+            params: params.clone(),
+        })
+        .expect("add");
     }
     let mut done = 0;
     while be.active_requests() > 0 {
@@ -347,16 +419,28 @@ fn e2e_rows(c: &Arc<Cuda>, t: &mut Table, s: Shape, quick: bool) {
     let (seqs, pl, rl) = (8usize, 64usize, if quick { 64 } else { 192 });
     let sequences: Vec<TrainSequence> = (0..seqs)
         .map(|i| {
-            let p = (0..pl).map(|j| ((i * 31 + j * 17) % s.vocab) as u32).collect();
-            let r = (0..rl).map(|j| ((i * 13 + j * 7 + 5) % s.vocab) as u32).collect();
-            TrainSequence::new(p, r, if i % 2 == 0 { 1.0 } else { -1.0 }, Aggregation::TokenMean)
+            let p = (0..pl)
+                .map(|j| ((i * 31 + j * 17) % s.vocab) as u32)
+                .collect();
+            let r = (0..rl)
+                .map(|j| ((i * 13 + j * 7 + 5) % s.vocab) as u32)
+                .collect();
+            TrainSequence::new(
+                p,
+                r,
+                if i % 2 == 0 { 1.0 } else { -1.0 },
+                Aggregation::TokenMean,
+            )
         })
         .collect();
     let batch = TrainBatch { sequences };
     let step = |be: &mut CudaBackend| {
         be.zero_grad().expect("zero_grad");
-        let st = be.accumulate(&batch, &Objective::default()).expect("accumulate");
-        be.optimizer_step(st.tokens as f64, &AdamW::default()).expect("step");
+        let st = be
+            .accumulate(&batch, &Objective::default())
+            .expect("accumulate");
+        be.optimizer_step(st.tokens as f64, &AdamW::default())
+            .expect("step");
     };
     step(&mut be); // warm-up: allocates the activations
     let t2 = Instant::now();

@@ -28,10 +28,10 @@ use support::check::{assert_close, assert_close_scaled, rand_ids, rand_vec, tol}
 #[cfg(feature = "wgpu")]
 use support::device;
 use support::ops::CpuOps;
-#[cfg(feature = "wgpu")]
-use support::ops_wgpu::WgpuOps;
 #[cfg(feature = "cuda")]
 use support::ops_cuda::CudaOps;
+#[cfg(feature = "wgpu")]
+use support::ops_wgpu::WgpuOps;
 
 // The op-level suite: the CPU instance checks the `OpRunner` adapter itself (packing,
 // accumulation, sums); the wgpu one checks every kernel.
@@ -649,7 +649,10 @@ fn cuda_tensor_core_matmul_matches_cpu_on_bf16_operands() {
         let x = bf(rand_vec(&mut rng, n * din, 1.0));
         let w = bf(rand_vec(&mut rng, dout * din, 1.0));
         let dy = bf(rand_vec(&mut rng, n * dout, 1.0));
-        let (dx0, dw0) = (rand_vec(&mut rng, n * din, 1.0), rand_vec(&mut rng, dout * din, 1.0));
+        let (dx0, dw0) = (
+            rand_vec(&mut rng, n * din, 1.0),
+            rand_vec(&mut rng, dout * din, 1.0),
+        );
         let mut y = vec![0.0; n * dout];
         cpu::ops::matmul_fwd(&mut y, &x, &w, n, din, dout);
         let (mut dx, mut dw) = (dx0.clone(), dw0.clone());

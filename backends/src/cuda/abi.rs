@@ -92,10 +92,15 @@ pub const SIGNATURES: &[(&str, &[ArgKind])] = &[
     ("residual_fwd", &[Ptr, Ptr, Ptr, U32]),
     ("logprob_fwd", &[Ptr, Ptr, Ptr, U32, U32, U32, U32, F32]),
     ("logprob_fwd_finish", &[Ptr, Ptr, Ptr, Ptr, U32]),
-    ("logprob_bwd", &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, F32]),
+    (
+        "logprob_bwd",
+        &[Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, F32],
+    ),
     (
         "grpo_loss_fwd",
-        &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, F32, F32, F32],
+        &[
+            Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, F32, F32, F32,
+        ],
     ),
     (
         "grpo_loss_bwd",
@@ -103,7 +108,9 @@ pub const SIGNATURES: &[(&str, &[ArgKind])] = &[
     ),
     (
         "adamw_step",
-        &[Ptr, Ptr, Ptr, Ptr, U32, F32, F32, F32, F32, F32, F32, F32, F32],
+        &[
+            Ptr, Ptr, Ptr, Ptr, U32, F32, F32, F32, F32, F32, F32, F32, F32,
+        ],
     ),
     ("grad_norm", &[Ptr, Ptr, U32, U32]),
     ("grad_norm_reduce", &[Ptr, Ptr, U32]),
@@ -195,7 +202,11 @@ mod tests {
                 seen += 1;
             }
         }
-        assert_eq!(seen, SIGNATURES.len(), "SIGNATURES lists an entry no file has");
+        assert_eq!(
+            seen,
+            SIGNATURES.len(),
+            "SIGNATURES lists an entry no file has"
+        );
     }
 
     #[test]

@@ -48,7 +48,9 @@ pub fn unavailable_reason() -> Option<String> {
     // needs no cuInit.
     let r = unsafe { sys::cuDriverGetVersion(&mut version) };
     if r != sys::CUresult::CUDA_SUCCESS {
-        return Some(format!("the CUDA driver did not report its version ({r:?})"));
+        return Some(format!(
+            "the CUDA driver did not report its version ({r:?})"
+        ));
     }
     if version < CUDA_API_VERSION {
         return Some(format!(
@@ -98,7 +100,9 @@ impl Cuda {
         // cudarc panics on a symbol the driver lacks; the version check above should rule
         // that out, and this turns any remaining case into an error.
         let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
-            .map_err(|_| BackendError::Device("the CUDA driver lacks a required entry point".into()))?
+            .map_err(|_| {
+                BackendError::Device("the CUDA driver lacks a required entry point".into())
+            })?
             .map_err(|e| dev("creating the CUDA context", e))?;
         // SAFETY: every launch and copy of this backend goes to this context's one stream
         // (`stream` below), so stream order sequences all accesses; cudarc's cross-stream
@@ -125,7 +129,9 @@ impl Cuda {
 
     /// The device's name, e.g. for benchmark tables.
     pub fn name(&self) -> String {
-        self.ctx.name().unwrap_or_else(|_| "unknown CUDA device".into())
+        self.ctx
+            .name()
+            .unwrap_or_else(|_| "unknown CUDA device".into())
     }
 
     /// The context (for cuBLAS in benchmarks).
@@ -210,7 +216,9 @@ impl Cuda {
 
     /// Waits for everything queued on the stream; surfaces asynchronous kernel faults.
     pub fn sync(&self) -> Result<()> {
-        self.stream.synchronize().map_err(|e| dev("synchronizing the stream", e))
+        self.stream
+            .synchronize()
+            .map_err(|e| dev("synchronizing the stream", e))
     }
 
     /// A zeroed buffer of `len` elements (at least one, so its address is never null).
@@ -243,7 +251,13 @@ impl Cuda {
 
 /// Element types of device buffers (4- or 2-byte plain data; bf16 is stored as `u16`).
 pub trait Elem:
-    cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default + Send + Sync + 'static
+    cudarc::driver::DeviceRepr
+    + cudarc::driver::ValidAsZeroBits
+    + Copy
+    + Default
+    + Send
+    + Sync
+    + 'static
 {
 }
 impl Elem for f32 {}
@@ -341,7 +355,13 @@ impl<T: Elem> DBuf<T> {
 
     /// Queues a copy of `count` elements from `src[src_off..]` into `self[dst_off..]`
     /// (same context; ranges may not overlap within one buffer).
-    pub fn copy_from(&self, dst_off: usize, src: &DBuf<T>, src_off: usize, count: usize) -> Result<()> {
+    pub fn copy_from(
+        &self,
+        dst_off: usize,
+        src: &DBuf<T>,
+        src_off: usize,
+        count: usize,
+    ) -> Result<()> {
         if count == 0 {
             return Ok(());
         }

@@ -127,7 +127,12 @@ mod tests {
         let c = ModelConfig::small();
         let s = ActSizes::new(&c, 64, 64);
         // small: d 128, f 384, h 4, kvh 2, hd 32 -> qd 128, kd 64, vocab 64.
-        let per_layer = 64 * 128 * 3 + 64 * 2 + 64 * 128 * 3 + 64 * 4 + 64 * 64 * 3 + 64 * 2
+        let per_layer = 64 * 128 * 3
+            + 64 * 2
+            + 64 * 128 * 3
+            + 64 * 4
+            + 64 * 64 * 3
+            + 64 * 2
             + 2 * 64 * 4
             + 64 * 384 * 3;
         assert_eq!(s.per_layer, per_layer);

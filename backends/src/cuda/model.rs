@@ -19,8 +19,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::device::{Cuda, DBuf};
-use super::ops::{self, AttnShape, LossBufs};
 use super::layout::{Packed, logits_len};
+use super::ops::{self, AttnShape, LossBufs};
 use super::plan::{self, GemmF32};
 use crate::config::ModelConfig;
 use crate::cpu::model::Layout;
@@ -316,7 +316,12 @@ pub fn ensure_acts(
     let fits = acts.as_ref().is_some_and(|a| a.cap_n >= n && a.cap_m >= m);
     if !fits {
         *acts = None; // free before allocating the larger set
-        *acts = Some(Acts::new(cu, c, plan::capacity(n, 64), plan::capacity(m, 64))?);
+        *acts = Some(Acts::new(
+            cu,
+            c,
+            plan::capacity(n, 64),
+            plan::capacity(m, 64),
+        )?);
     }
     Ok(())
 }
@@ -345,12 +350,39 @@ pub fn forward(md: &DeviceModel, a: &Acts, n: usize, m: usize) -> Result<()> {
     for (l, li) in md.layers.iter().enumerate() {
         let la = &a.layers[l];
         let x_in = &a.resid[l];
-        ops::rmsnorm_fwd(cu, &la.ln1, &la.ln1_rstd, x_in, &p[li.input_norm], n, d, eps)?;
+        ops::rmsnorm_fwd(
+            cu,
+            &la.ln1,
+            &la.ln1_rstd,
+            x_in,
+            &p[li.input_norm],
+            n,
+            d,
+            eps,
+        )?;
         ops::matmul_fwd(cu, &la.q_pre, &la.ln1, &p[li.q], n, d, qd)?;
         ops::matmul_fwd(cu, &la.k_pre, &la.ln1, &p[li.k], n, d, kd)?;
         ops::matmul_fwd(cu, &la.v, &la.ln1, &p[li.v], n, d, kd)?;
-        ops::rmsnorm_fwd(cu, &la.q, &la.q_rstd, &la.q_pre, &p[li.q_norm], n * h, hd, eps)?;
-        ops::rmsnorm_fwd(cu, &la.k, &la.k_rstd, &la.k_pre, &p[li.k_norm], n * kvh, hd, eps)?;
+        ops::rmsnorm_fwd(
+            cu,
+            &la.q,
+            &la.q_rstd,
+            &la.q_pre,
+            &p[li.q_norm],
+            n * h,
+            hd,
+            eps,
+        )?;
+        ops::rmsnorm_fwd(
+            cu,
+            &la.k,
+            &la.k_rstd,
+            &la.k_pre,
+            &p[li.k_norm],
+            n * kvh,
+            hd,
+            eps,
+        )?;
         ops::rope(cu, true, &la.q, &a.pos, &md.cos, &md.sin, n, h, hd, maxp)?;
         ops::rope(cu, true, &la.k, &a.pos, &md.cos, &md.sin, n, kvh, hd, maxp)?;
         ops::attention_fwd(
@@ -365,7 +397,16 @@ pub fn forward(md: &DeviceModel, a: &Acts, n: usize, m: usize) -> Result<()> {
         )?;
         ops::matmul_fwd(cu, &a.tmp, &la.att_out, &p[li.o], n, qd, d)?;
         ops::residual_fwd(cu, &la.x_mid, x_in, &a.tmp, n * d)?;
-        ops::rmsnorm_fwd(cu, &la.ln2, &la.ln2_rstd, &la.x_mid, &p[li.post_norm], n, d, eps)?;
+        ops::rmsnorm_fwd(
+            cu,
+            &la.ln2,
+            &la.ln2_rstd,
+            &la.x_mid,
+            &p[li.post_norm],
+            n,
+            d,
+            eps,
+        )?;
         ops::matmul_fwd(cu, &la.gate, &la.ln2, &p[li.gate], n, d, f)?;
         ops::matmul_fwd(cu, &la.up, &la.ln2, &p[li.up], n, d, f)?;
         ops::swiglu_fwd(cu, &la.h, &la.gate, &la.up, n * f)?;
@@ -373,7 +414,16 @@ pub fn forward(md: &DeviceModel, a: &Acts, n: usize, m: usize) -> Result<()> {
         ops::residual_fwd(cu, &a.resid[l + 1], &la.x_mid, &a.tmp, n * d)?;
     }
     let nl = md.layers.len();
-    ops::rmsnorm_fwd(cu, &a.lnf, &a.lnf_rstd, &a.resid[nl], &p[md.final_norm], n, d, eps)?;
+    ops::rmsnorm_fwd(
+        cu,
+        &a.lnf,
+        &a.lnf_rstd,
+        &a.resid[nl],
+        &p[md.final_norm],
+        n,
+        d,
+        eps,
+    )?;
     // Row gather through the embedding kernel: hsel[i] = lnf[rows[i]].
     ops::embedding_fwd(cu, &a.hsel, &a.lnf, &a.rows, m, d, n)
 }
@@ -401,7 +451,17 @@ pub fn logprobs(md: &DeviceModel, a: &Acts, m: usize, temperature: f64) -> Resul
     let cu = &*md.cuda;
     for (i, (v0, len)) in chunks(md, a, m).into_iter().enumerate() {
         chunk_logits(md, a, m, v0, len)?;
-        ops::logprob_fwd_chunk(cu, &a.lp_state, &a.logits, &a.targets, m, len, v0, i == 0, temperature)?;
+        ops::logprob_fwd_chunk(
+            cu,
+            &a.lp_state,
+            &a.logits,
+            &a.targets,
+            m,
+            len,
+            v0,
+            i == 0,
+            temperature,
+        )?;
     }
     ops::logprob_fwd_finish(cu, &a.logp, &a.entropy, &a.lse, &a.lp_state, m)
 }
@@ -450,8 +510,25 @@ pub fn backward(
     let w = &p[md.lm_head];
     for (v0, len) in chunks(md, a, m) {
         chunk_logits(md, a, m, v0, len)?;
-        ops::logprob_bwd_chunk(cu, &a.logits, None, &a.dlogp, &a.lse, &a.targets, m, len, v0, temperature)?;
-        ops::gemm_f32(cu, (&a.dhsel, 0), (&a.logits, 0), (w, v0 * d), GemmF32::bwd_dx(m, d, len))?;
+        ops::logprob_bwd_chunk(
+            cu,
+            &a.logits,
+            None,
+            &a.dlogp,
+            &a.lse,
+            &a.targets,
+            m,
+            len,
+            v0,
+            temperature,
+        )?;
+        ops::gemm_f32(
+            cu,
+            (&a.dhsel, 0),
+            (&a.logits, 0),
+            (w, v0 * d),
+            GemmF32::bwd_dx(m, d, len),
+        )?;
         ops::gemm_f32(
             cu,
             (&g[md.lm_head], v0 * d),
@@ -465,21 +542,81 @@ pub fn backward(
     ops::embedding_bwd(cu, &a.dlnf, &a.dhsel, &a.rows, m, d, n)?;
     let nl = md.layers.len();
     a.dres.clear()?;
-    ops::rmsnorm_bwd(cu, &a.dres, &g[md.final_norm], &a.dlnf, &a.resid[nl], &p[md.final_norm], &a.lnf_rstd, n, d)?;
+    ops::rmsnorm_bwd(
+        cu,
+        &a.dres,
+        &g[md.final_norm],
+        &a.dlnf,
+        &a.resid[nl],
+        &p[md.final_norm],
+        &a.lnf_rstd,
+        n,
+        d,
+    )?;
     for l in (0..nl).rev() {
         let li = &md.layers[l];
         let la = &a.layers[l];
         a.dh.clear()?;
-        ops::matmul_bwd(cu, Some(&a.dh), &g[li.down], &a.dres, &la.h, &p[li.down], n, f, d)?;
+        ops::matmul_bwd(
+            cu,
+            Some(&a.dh),
+            &g[li.down],
+            &a.dres,
+            &la.h,
+            &p[li.down],
+            n,
+            f,
+            d,
+        )?;
         a.dgate.clear()?;
         a.dup.clear()?;
         ops::swiglu_bwd(cu, &a.dgate, &a.dup, &a.dh, &la.gate, &la.up, n * f)?;
         a.dln.clear()?;
-        ops::matmul_bwd(cu, Some(&a.dln), &g[li.gate], &a.dgate, &la.ln2, &p[li.gate], n, d, f)?;
-        ops::matmul_bwd(cu, Some(&a.dln), &g[li.up], &a.dup, &la.ln2, &p[li.up], n, d, f)?;
-        ops::rmsnorm_bwd(cu, &a.dres, &g[li.post_norm], &a.dln, &la.x_mid, &p[li.post_norm], &la.ln2_rstd, n, d)?;
+        ops::matmul_bwd(
+            cu,
+            Some(&a.dln),
+            &g[li.gate],
+            &a.dgate,
+            &la.ln2,
+            &p[li.gate],
+            n,
+            d,
+            f,
+        )?;
+        ops::matmul_bwd(
+            cu,
+            Some(&a.dln),
+            &g[li.up],
+            &a.dup,
+            &la.ln2,
+            &p[li.up],
+            n,
+            d,
+            f,
+        )?;
+        ops::rmsnorm_bwd(
+            cu,
+            &a.dres,
+            &g[li.post_norm],
+            &a.dln,
+            &la.x_mid,
+            &p[li.post_norm],
+            &la.ln2_rstd,
+            n,
+            d,
+        )?;
         a.datt.clear()?;
-        ops::matmul_bwd(cu, Some(&a.datt), &g[li.o], &a.dres, &la.att_out, &p[li.o], n, qd, d)?;
+        ops::matmul_bwd(
+            cu,
+            Some(&a.datt),
+            &g[li.o],
+            &a.dres,
+            &la.att_out,
+            &p[li.o],
+            n,
+            qd,
+            d,
+        )?;
         a.dq.clear()?;
         a.dk.clear()?;
         a.dv.clear()?;
@@ -500,14 +637,74 @@ pub fn backward(
         ops::rope(cu, false, &a.dq, &a.pos, &md.cos, &md.sin, n, h, hd, maxp)?;
         ops::rope(cu, false, &a.dk, &a.pos, &md.cos, &md.sin, n, kvh, hd, maxp)?;
         a.dq_pre.clear()?;
-        ops::rmsnorm_bwd(cu, &a.dq_pre, &g[li.q_norm], &a.dq, &la.q_pre, &p[li.q_norm], &la.q_rstd, n * h, hd)?;
+        ops::rmsnorm_bwd(
+            cu,
+            &a.dq_pre,
+            &g[li.q_norm],
+            &a.dq,
+            &la.q_pre,
+            &p[li.q_norm],
+            &la.q_rstd,
+            n * h,
+            hd,
+        )?;
         a.dln.clear()?;
-        ops::matmul_bwd(cu, Some(&a.dln), &g[li.q], &a.dq_pre, &la.ln1, &p[li.q], n, d, qd)?;
+        ops::matmul_bwd(
+            cu,
+            Some(&a.dln),
+            &g[li.q],
+            &a.dq_pre,
+            &la.ln1,
+            &p[li.q],
+            n,
+            d,
+            qd,
+        )?;
         a.dk_pre.clear()?;
-        ops::rmsnorm_bwd(cu, &a.dk_pre, &g[li.k_norm], &a.dk, &la.k_pre, &p[li.k_norm], &la.k_rstd, n * kvh, hd)?;
-        ops::matmul_bwd(cu, Some(&a.dln), &g[li.k], &a.dk_pre, &la.ln1, &p[li.k], n, d, kd)?;
-        ops::matmul_bwd(cu, Some(&a.dln), &g[li.v], &a.dv, &la.ln1, &p[li.v], n, d, kd)?;
-        ops::rmsnorm_bwd(cu, &a.dres, &g[li.input_norm], &a.dln, &a.resid[l], &p[li.input_norm], &la.ln1_rstd, n, d)?;
+        ops::rmsnorm_bwd(
+            cu,
+            &a.dk_pre,
+            &g[li.k_norm],
+            &a.dk,
+            &la.k_pre,
+            &p[li.k_norm],
+            &la.k_rstd,
+            n * kvh,
+            hd,
+        )?;
+        ops::matmul_bwd(
+            cu,
+            Some(&a.dln),
+            &g[li.k],
+            &a.dk_pre,
+            &la.ln1,
+            &p[li.k],
+            n,
+            d,
+            kd,
+        )?;
+        ops::matmul_bwd(
+            cu,
+            Some(&a.dln),
+            &g[li.v],
+            &a.dv,
+            &la.ln1,
+            &p[li.v],
+            n,
+            d,
+            kd,
+        )?;
+        ops::rmsnorm_bwd(
+            cu,
+            &a.dres,
+            &g[li.input_norm],
+            &a.dln,
+            &a.resid[l],
+            &p[li.input_norm],
+            &la.ln1_rstd,
+            n,
+            d,
+        )?;
     }
     ops::embedding_bwd(cu, &g[md.embed], &a.dres, &a.ids, n, d, v)
 }

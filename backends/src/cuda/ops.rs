@@ -190,9 +190,21 @@ pub fn matmul_bwd(
     dout: usize,
 ) -> Result<()> {
     if let Some(dx) = dx {
-        gemm_f32(c, (dx, 0), (dy, 0), (w, 0), GemmF32::bwd_dx(rows, din, dout))?;
+        gemm_f32(
+            c,
+            (dx, 0),
+            (dy, 0),
+            (w, 0),
+            GemmF32::bwd_dx(rows, din, dout),
+        )?;
     }
-    gemm_f32(c, (dw, 0), (dy, 0), (x, 0), GemmF32::bwd_dw(rows, din, dout))
+    gemm_f32(
+        c,
+        (dw, 0),
+        (dy, 0),
+        (x, 0),
+        GemmF32::bwd_dw(rows, din, dout),
+    )
 }
 
 /// `dst[n] = bf16(src[n])` (round to nearest even), bf16 stored as `u16`.
@@ -332,11 +344,7 @@ pub struct AttnShape {
 }
 
 impl AttnShape {
-    fn args(
-        &self,
-        ptrs: impl IntoIterator<Item = Arg>,
-        what: &str,
-    ) -> Result<Vec<Arg>> {
+    fn args(&self, ptrs: impl IntoIterator<Item = Arg>, what: &str) -> Result<Vec<Arg>> {
         plan::check_head_dim(self.hd)?;
         let mut a: Vec<Arg> = ptrs.into_iter().collect();
         a.extend([

@@ -395,7 +395,11 @@ mod tests {
     #[test]
     fn gemm_strides_compute_the_linear_layer_products() {
         let (rows, din, dout) = (5, 7, 3);
-        let (x, w, dy) = (vals(rows * din, 1), vals(dout * din, 2), vals(rows * dout, 3));
+        let (x, w, dy) = (
+            vals(rows * din, 1),
+            vals(dout * din, 2),
+            vals(rows * dout, 3),
+        );
         let mut y = vec![0.0; rows * dout];
         cpu::matmul_fwd(&mut y, &x, &w, rows, din, dout);
         let mut gy = vec![9.0; rows * dout];
@@ -431,7 +435,9 @@ mod tests {
             (3, 1, 1)
         );
         assert_eq!(
-            LaunchDims::grid_stride(10_000_000, "residual_fwd").unwrap().grid,
+            LaunchDims::grid_stride(10_000_000, "residual_fwd")
+                .unwrap()
+                .grid,
             (4096, 1, 1)
         );
         assert_eq!(
@@ -439,7 +445,9 @@ mod tests {
             (1, 1, 1)
         );
         assert_eq!(
-            LaunchDims::per_thread(130, 128, "rmsnorm_bwd_dw").unwrap().grid,
+            LaunchDims::per_thread(130, 128, "rmsnorm_bwd_dw")
+                .unwrap()
+                .grid,
             (2, 1, 1)
         );
         assert_eq!(
@@ -456,9 +464,17 @@ mod tests {
     fn tensor_core_and_head_dim_checks() {
         assert!(check_tensor_core("matmul_fwd", &[1024, 128]).is_ok());
         let e = check_tensor_core("matmul_bwd_dx", &[1024, 12]).unwrap_err();
-        assert!(e.to_string().contains("12 is not a positive multiple of 8"), "{e}");
+        assert!(
+            e.to_string().contains("12 is not a positive multiple of 8"),
+            "{e}"
+        );
         assert!(check_head_dim(128).is_ok());
-        assert!(check_head_dim(4).unwrap_err().to_string().contains("head_dim"));
+        assert!(
+            check_head_dim(4)
+                .unwrap_err()
+                .to_string()
+                .contains("head_dim")
+        );
         assert_eq!(padded_head_dim(4), Some(32));
         assert_eq!(padded_head_dim(96), Some(96));
         assert_eq!(padded_head_dim(100), Some(128));
@@ -517,7 +533,12 @@ mod tests {
 
     #[test]
     fn vocab_chunks_cover_the_vocabulary_within_budget() {
-        for &(rows, vocab, budget) in &[(7, 151_936, 1 << 20), (1, 11, 1 << 20), (4096, 151_936, 1 << 22), (3, 1000, 10)] {
+        for &(rows, vocab, budget) in &[
+            (7, 151_936, 1 << 20),
+            (1, 11, 1 << 20),
+            (4096, 151_936, 1 << 22),
+            (3, 1000, 10),
+        ] {
             let ch = vocab_chunks(rows, vocab, budget);
             let mut at = 0;
             for (i, &(v0, len)) in ch.iter().enumerate() {

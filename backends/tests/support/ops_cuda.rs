@@ -102,7 +102,12 @@ impl OpRunner for CudaOps {
     }
     fn rmsnorm_fwd(&mut self, x: &[f32], w: &[f32], dim: usize, eps: f64) -> (Vec<f32>, Vec<f32>) {
         let rows = x.len() / dim;
-        let (xb, wb, ob, rb) = (self.up(x), self.up(w), self.zeros(x.len()), self.zeros(rows));
+        let (xb, wb, ob, rb) = (
+            self.up(x),
+            self.up(w),
+            self.zeros(x.len()),
+            self.zeros(rows),
+        );
         cu::rmsnorm_fwd(&self.c, &ob, &rb, &xb, &wb, rows, dim, eps).expect("rmsnorm_fwd");
         (self.get(&ob, x.len()), self.get(&rb, rows))
     }
@@ -139,8 +144,15 @@ impl OpRunner for CudaOps {
         din: usize,
         dout: usize,
     ) {
-        let (dxb, dwb, dyb, xb, wb) = (self.up(dx), self.up(dw), self.up(dy), self.up(x), self.up(w));
-        cu::matmul_bwd(&self.c, Some(&dxb), &dwb, &dyb, &xb, &wb, n, din, dout).expect("matmul_bwd");
+        let (dxb, dwb, dyb, xb, wb) = (
+            self.up(dx),
+            self.up(dw),
+            self.up(dy),
+            self.up(x),
+            self.up(w),
+        );
+        cu::matmul_bwd(&self.c, Some(&dxb), &dwb, &dyb, &xb, &wb, n, din, dout)
+            .expect("matmul_bwd");
         dx.copy_from_slice(&self.get(&dxb, dx.len()));
         dw.copy_from_slice(&self.get(&dwb, dw.len()));
     }
@@ -179,7 +191,11 @@ impl OpRunner for CudaOps {
         );
         let mb = self.up_u(&qmeta);
         let (ob, sb) = (self.zeros(n * h * hdp), self.zeros(2 * n * h));
-        let (dqb, dkb, dvb) = (self.zeros(n * h * hdp), self.zeros(n * kvh * hdp), self.zeros(n * kvh * hdp));
+        let (dqb, dkb, dvb) = (
+            self.zeros(n * h * hdp),
+            self.zeros(n * kvh * hdp),
+            self.zeros(n * kvh * hdp),
+        );
         let shape = AttnShape {
             n_q: n,
             n_k: n,
@@ -189,8 +205,10 @@ impl OpRunner for CudaOps {
             scale: plan::attention_scale(hd),
         };
         cu::attention_fwd(&self.c, &ob, &sb, &qb, &kb, &vb, &mb, shape).expect("attention_fwd");
-        cu::attention_bwd(&self.c, &dqb, &dkb, &dvb, &sb, &db, &ob, &qb, &kb, &vb, &mb, shape)
-            .expect("attention_bwd");
+        cu::attention_bwd(
+            &self.c, &dqb, &dkb, &dvb, &sb, &db, &ob, &qb, &kb, &vb, &mb, shape,
+        )
+        .expect("attention_bwd");
         [
             repad(&self.get(&ob, n * h * hdp), n * h, hdp, hd),
             repad(&self.get(&dqb, n * h * hdp), n * h, hdp, hd),
@@ -278,7 +296,11 @@ impl OpRunner for CudaOps {
             // even, bit for bit.
             let bits = bf.read(0, rows * len).expect("readback");
             for (x, b) in part.iter().zip(&bits) {
-                assert_eq!(half::bf16::from_f32(*x).to_bits(), *b, "logprob_bwd bf16 copy of {x}");
+                assert_eq!(
+                    half::bf16::from_f32(*x).to_bits(),
+                    *b,
+                    "logprob_bwd bf16 copy of {x}"
+                );
             }
             for r in 0..rows {
                 dz[r * v + v0..r * v + v0 + len].copy_from_slice(&part[r * len..(r + 1) * len]);
@@ -322,10 +344,26 @@ impl OpRunner for CudaOps {
         let s = self.get(&sb, 4);
         ([s[0], s[1], s[2], s[3]], self.get(&gb, n))
     }
-    fn adamw_step(&mut self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], a: Adam, t: u64) {
+    fn adamw_step(
+        &mut self,
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        a: Adam,
+        t: u64,
+    ) {
         let n = p.len();
         let (pb, gb, mb, vb) = (self.up(p), self.up(g), self.up(m), self.up(v));
-        let s = AdamScalars::new(a.grad_scale, a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, t);
+        let s = AdamScalars::new(
+            a.grad_scale,
+            a.lr,
+            a.beta1,
+            a.beta2,
+            a.eps,
+            a.weight_decay,
+            t,
+        );
         cu::adamw_step(&self.c, &pb, &gb, &mb, &vb, n, s).expect("adamw_step");
         p.copy_from_slice(&self.get(&pb, n));
         m.copy_from_slice(&self.get(&mb, n));
@@ -343,7 +381,13 @@ impl OpRunner for CudaOps {
         cu::grad_norm_reduce(&self.c, &out, &partials, total).expect("grad_norm_reduce");
         out.read(0, 1).expect("readback")[0] as f32
     }
-    fn sample(&mut self, z: &[f32], v: usize, p: &SamplingParams, us: &[f64]) -> (Vec<u32>, Vec<f32>) {
+    fn sample(
+        &mut self,
+        z: &[f32],
+        v: usize,
+        p: &SamplingParams,
+        us: &[f64],
+    ) -> (Vec<u32>, Vec<f32>) {
         let rows = us.len();
         let rowp: Vec<f32> = us
             .iter()
@@ -379,7 +423,14 @@ impl CudaOps {
     }
 
     /// The tensor-core product on bf16 operands (for the CUDA-only check).
-    pub fn matmul_fwd_bf16(&mut self, x: &[f32], w: &[f32], n: usize, din: usize, dout: usize) -> Vec<f32> {
+    pub fn matmul_fwd_bf16(
+        &mut self,
+        x: &[f32],
+        w: &[f32],
+        n: usize,
+        din: usize,
+        dout: usize,
+    ) -> Vec<f32> {
         let (xb, wb) = (self.up(x), self.up(w));
         let (xh, wh) = (
             self.c.alloc::<u16>(x.len()).expect("alloc"),
@@ -413,7 +464,8 @@ impl CudaOps {
         };
         let (dyh, xh, wh) = (half(self, dy), half(self, x), half(self, w));
         let (dxb, dwb) = (self.up(dx), self.up(dw));
-        cu::matmul_bwd_tc(&self.c, Some(&dxb), &dwb, &dyh, &xh, &wh, n, din, dout).expect("matmul_bwd");
+        cu::matmul_bwd_tc(&self.c, Some(&dxb), &dwb, &dyh, &xh, &wh, n, din, dout)
+            .expect("matmul_bwd");
         dx.copy_from_slice(&self.get(&dxb, dx.len()));
         dw.copy_from_slice(&self.get(&dwb, dw.len()));
     }
