@@ -411,3 +411,25 @@ impl<T: Elem> DBuf<T> {
         &self.cuda
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a machine without an NVIDIA driver (this one, CI's) opening is a one-line error
+    /// naming the cause, never a panic; with a device, it opens.
+    #[test]
+    fn open_without_a_driver_is_a_one_line_error() {
+        match unavailable_reason() {
+            None => {
+                let c = Cuda::open(0).expect("a usable device opens");
+                assert!(matches!(c.device_id(), DeviceId::Cuda { ordinal: 0, .. }));
+            }
+            Some(why) => {
+                assert!(!why.contains('\n'), "{why}");
+                let e = Cuda::open(0).expect_err("no device here").to_string();
+                assert_eq!(e, format!("device: {why}"));
+            }
+        }
+    }
+}
