@@ -6,7 +6,9 @@
 //! - [`grpo`], [`optim`]: advantages, aggregation and normaliser, AdamW with global-norm clipping
 //!   (SPEC §6), shared by all backends;
 //! - [`cpu`]: the f32 reference backend, plain forward/backward ops that the GPU backends are
-//!   checked against.
+//!   checked against;
+//! - [`cuda`]: the CUDA backend's launch ABI and planning (always), and with the `cuda`
+//!   feature the backend itself (PTX kernels through `cudarc`).
 //!
 //! ```
 //! use rolloutpipe_backends::{CpuBackend, GenRequest, ModelConfig, RolloutEngine, RequestKey,
@@ -25,6 +27,7 @@
 
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod error;
 pub mod grpo;
 pub mod optim;

@@ -16,7 +16,8 @@
 //!
 //! Without a wgpu adapter the wgpu tests print `SKIP` and pass, unless
 //! `ROLLOUTPIPE_REQUIRE_GPU=1` (set by CI, which installs lavapipe) turns the skip into a
-//! failure.
+//! failure. The CUDA instances (`--features cuda`) do the same without a CUDA device, unless
+//! `ROLLOUTPIPE_REQUIRE_CUDA=1` (set by `scripts/device/cuda.sh`).
 
 mod support;
 
@@ -27,6 +28,8 @@ use support::check::{assert_close, assert_close_scaled, rand_ids, rand_vec, tol}
 #[cfg(feature = "wgpu")]
 use support::device;
 use support::ops::CpuOps;
+#[cfg(feature = "cuda")]
+use support::ops_cuda::CudaOps;
 #[cfg(feature = "wgpu")]
 use support::ops_wgpu::WgpuOps;
 
@@ -35,6 +38,8 @@ use support::ops_wgpu::WgpuOps;
 op_suite!(cpu_ops, CpuOps::new());
 #[cfg(feature = "wgpu")]
 op_suite!(wgpu_ops, WgpuOps::new());
+#[cfg(feature = "cuda")]
+op_suite!(cuda_ops, CudaOps::new());
 
 /// Weights with some spread (the default init's std 0.02 makes every logit ~0, which would
 /// hide errors): matrices ×5, norm weights 1 ± 0.3.
@@ -91,6 +96,12 @@ fn random_seqs(
 /// suite itself (it must pass against its own reference).
 macro_rules! backend_suite {
     ($name:ident, $make:expr) => {
+        backend_suite!($name, $make, configs(), ModelConfig::tiny());
+    };
+    // `$configs`: the model sizes (default `configs()`); `$small`: the model of the seam and
+    // error tests (default the tiny model). A backend whose kernels need other head dims
+    // passes its own.
+    ($name:ident, $make:expr, $configs:expr, $small:expr) => {
         mod $name {
             use super::*;
 
@@ -109,7 +120,7 @@ macro_rules! backend_suite {
             /// takes the same-device path (CPU: host; wgpu: the suite's one shared device).
             #[test]
             fn seam_groups_limits_submit_poll_and_sync() {
-                let cfg = ModelConfig::tiny();
+                let cfg = $small;
                 let w = test_weights(&cfg, 77);
                 let Some(mut be) = make(&cfg, &w) else { return };
                 let mut cpu = reference(&cfg, &w);
@@ -201,7 +212,7 @@ macro_rules! backend_suite {
 
             #[test]
             fn logits_and_logprobs_match_cpu() {
-                for (seed, (cfg, long)) in configs().into_iter().enumerate() {
+                for (seed, (cfg, long)) in $configs.into_iter().enumerate() {
                     let w = test_weights(&cfg, seed as u64 + 1);
                     let Some(mut be) = make(&cfg, &w) else { return };
                     let mut cpu = reference(&cfg, &w);
@@ -228,7 +239,7 @@ macro_rules! backend_suite {
 
             #[test]
             fn grpo_step_matches_cpu() {
-                for (seed, (cfg, long)) in configs().into_iter().enumerate() {
+                for (seed, (cfg, long)) in $configs.into_iter().enumerate() {
                     let w = test_weights(&cfg, 10 + seed as u64);
                     let Some(mut be) = make(&cfg, &w) else { return };
                     let mut cpu = reference(&cfg, &w);
@@ -377,7 +388,7 @@ macro_rules! backend_suite {
 
             #[test]
             fn generation_matches_cpu_tokens() {
-                for (seed, (cfg, _)) in configs().into_iter().enumerate() {
+                for (seed, (cfg, _)) in $configs.into_iter().enumerate() {
                     let w = test_weights(&cfg, 20 + seed as u64);
                     let Some(mut be) = make(&cfg, &w) else { return };
                     let mut cpu = reference(&cfg, &w);
@@ -474,7 +485,7 @@ macro_rules! backend_suite {
 
             #[test]
             fn bad_input_is_a_typed_error() {
-                let cfg = ModelConfig::tiny();
+                let cfg = $small;
                 let w = test_weights(&cfg, 5);
                 let Some(mut be) = make(&cfg, &w) else { return };
                 let bad_tok = cfg.vocab_size as u32;
@@ -653,4 +664,66 @@ fn wgpu_decoding_is_batch_invariant() {
         distinct.len() > 6,
         "requests produce different continuations"
     );
+}
+
+/// The CUDA attention kernels take head dims 32, 64, 96 and 128: the CUDA instance runs the
+/// tiny model with 32-wide heads (everything else as `ModelConfig::tiny`).
+#[cfg(feature = "cuda")]
+fn cuda_tiny() -> ModelConfig {
+    ModelConfig {
+        head_dim: 32,
+        ..ModelConfig::tiny()
+    }
+}
+
+#[cfg(feature = "cuda")]
+backend_suite!(
+    cuda_backend,
+    |cfg, w| {
+        support::ops_cuda::cuda().map(|c| {
+            Box::new(
+                rolloutpipe_backends::cuda::CudaBackend::with_cuda(c, cfg, w)
+                    .expect("cuda backend"),
+            ) as Box<dyn Policy>
+        })
+    },
+    vec![(cuda_tiny(), false), (ModelConfig::small(), true)],
+    cuda_tiny()
+);
+
+/// The tensor-core products (bf16 operands, f32 accumulation) against the CPU reference
+/// on the same bf16-rounded operands, at widths that are multiples of 8 (their contract)
+/// and token counts that are not multiples of the 64-row tile.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_tensor_core_matmul_matches_cpu_on_bf16_operands() {
+    let Some(mut b) = CudaOps::new() else { return };
+    let bf = |v: Vec<f32>| -> Vec<f32> {
+        v.into_iter()
+            .map(|x| half::bf16::from_f32(x).to_f32())
+            .collect()
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    for &(n, din, dout) in &[(1, 8, 8), (65, 136, 72), (200, 1024, 128), (7, 64, 3000)] {
+        let x = bf(rand_vec(&mut rng, n * din, 1.0));
+        let w = bf(rand_vec(&mut rng, dout * din, 1.0));
+        let dy = bf(rand_vec(&mut rng, n * dout, 1.0));
+        let (dx0, dw0) = (
+            rand_vec(&mut rng, n * din, 1.0),
+            rand_vec(&mut rng, dout * din, 1.0),
+        );
+        let mut y = vec![0.0; n * dout];
+        cpu::ops::matmul_fwd(&mut y, &x, &w, n, din, dout);
+        let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
+        cpu::ops::matmul_bwd(Some(&mut dx), &mut dw, &dy, &x, &w, n, din, dout);
+        let gy = b.matmul_fwd_bf16(&x, &w, n, din, dout);
+        let (mut gdx, mut gdw) = (dx0, dw0);
+        b.matmul_bwd_bf16(&mut gdx, &mut gdw, &dy, &x, &w, n, din, dout);
+        // Products of bf16 values are exact in f32; only the summation order differs
+        // (MATMUL's reasoning, with sums up to 1024 long: scaled to the largest value).
+        let what = format!("tensor-core matmul {n}x{din}->{dout}");
+        assert_close_scaled(&format!("{what} y"), &gy, &y, tol::MATMUL);
+        assert_close_scaled(&format!("{what} dx"), &gdx, &dx, tol::MATMUL);
+        assert_close_scaled(&format!("{what} dw"), &gdw, &dw, tol::MATMUL);
+    }
 }

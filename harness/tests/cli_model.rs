@@ -284,3 +284,31 @@ fn grpo_step_reproduces_pytorch_on_the_golden_fixture() {
     }
     std::fs::remove_dir_all(&out_dir).unwrap();
 }
+
+/// `--backend cuda` on a machine without an NVIDIA driver (this one and CI's), or in a
+/// build without the `cuda` feature: one line naming the cause, a failure exit, no panic.
+/// (Skipped where a CUDA driver and device are present: there the backend opens.)
+#[test]
+fn backend_cuda_without_a_driver_is_one_line() {
+    if rolloutpipe_backends::cuda::availability().is_none() {
+        eprintln!("SKIP: this machine has a usable CUDA device");
+        return;
+    }
+    let dir = tempdir("cuda");
+    tiny_model(&dir);
+    let err = run_err(
+        bin()
+            .args(["logits", "--backend", "cuda", "--model"])
+            .arg(&dir)
+            .args(["--ids", "1,2"]),
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: --backend cuda: "), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    if cfg!(feature = "cuda") {
+        assert!(err.contains("CUDA driver"), "{err}");
+    } else {
+        assert!(err.contains("--features cuda"), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -6,5 +6,7 @@ pub mod check;
 pub mod device;
 pub mod op_tests;
 pub mod ops;
+#[cfg(feature = "cuda")]
+pub mod ops_cuda;
 #[cfg(feature = "wgpu")]
 pub mod ops_wgpu;

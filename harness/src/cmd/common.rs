@@ -23,6 +23,9 @@ pub enum BackendKind {
     /// The portable GPU backend (WGSL on any wgpu adapter: Vulkan, Metal, DX12, GL, lavapipe).
     #[cfg(feature = "wgpu")]
     Wgpu,
+    /// The CUDA backend (PTX kernels through cudarc; device 0). Needs a build with the
+    /// `cuda` feature and an NVIDIA driver; otherwise it fails with a one-line error.
+    Cuda,
 }
 
 /// Backend selection flags shared by the model subcommands.
@@ -80,6 +83,11 @@ pub fn open_backend(
     };
     // Weights, gradients and two optimizer moments: refuse absurd shapes before allocating.
     crate::limits::check_model_fits(&config, 4, "the model's size")?;
+    if kind == BackendKind::Cuda
+        && let Some(why) = rolloutpipe_backends::cuda::availability()
+    {
+        bail!("--backend cuda: {why}");
+    }
     match kind {
         BackendKind::Cpu => Ok(Box::new(
             CpuBackend::new(&config, &weights, threads).context("creating the CPU backend")?,
@@ -89,6 +97,16 @@ pub fn open_backend(
             rolloutpipe_backends::wgpu::WgpuBackend::new(&config, &weights)
                 .context("creating the wgpu backend")?,
         )),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => Ok(Box::new(
+            rolloutpipe_backends::cuda::CudaBackend::new(&config, &weights, 0)
+                .context("creating the CUDA backend")?,
+        )),
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Cuda => bail!(
+            "--backend cuda: {}",
+            rolloutpipe_backends::cuda::availability().unwrap_or_default()
+        ),
     }
 }
 

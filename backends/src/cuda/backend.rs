@@ -1,0 +1,538 @@
+//! [`CudaBackend`]: the seam v2 engine and trainer roles on one CUDA context.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::device::{Cuda, DBuf};
+use super::generate::Generator;
+use super::layout::Packed;
+use super::model::{self, Acts, DeviceModel, ensure_acts, upload_packed};
+use super::ops::{self, LossBufs};
+use super::plan::{self, AdamScalars, flags};
+use crate::config::ModelConfig;
+use crate::cpu::model::{Layout, check_sequence, check_tokens, validate_train_batch};
+use crate::error::{BackendError, Result};
+use crate::optim::AdamState;
+use crate::seam::*;
+use crate::weights::Weights;
+
+/// Qwen3 on a CUDA device: generation, log-probs and GRPO/SFT training.
+#[derive(Debug)]
+pub struct CudaBackend {
+    cuda: Arc<Cuda>,
+    model: DeviceModel,
+    acts: Option<Acts>,
+    generator: Generator,
+    /// AdamW moments per tensor (allocated zeroed with the model) and the step count.
+    opt_m: Vec<DBuf<f32>>,
+    opt_v: Vec<DBuf<f32>>,
+    opt_step: u64,
+    /// Per-tensor first partial of the grad-norm sum, and the f64 partials and total.
+    norm_bases: Vec<usize>,
+    partials: DBuf<f64>,
+    norm_total: DBuf<f64>,
+    admitted: HashMap<RequestKey, usize>,
+    limits: EngineLimits,
+    stepped: Option<Result<Vec<GenOutput>>>,
+}
+
+/// A same-device weight snapshot: parameter buffers copied on the device.
+struct CudaSnapshot {
+    cuda: Arc<Cuda>,
+    params: Vec<DBuf<f32>>,
+}
+
+impl CudaBackend {
+    /// A backend on device `ordinal` with a context of its own; a one-line `Device` error
+    /// when the machine has no usable driver or device.
+    pub fn new(cfg: &ModelConfig, w: &Weights, ordinal: usize) -> Result<Self> {
+        let cuda = Cuda::open(ordinal)?;
+        Self::with_cuda(cuda, cfg, w)
+    }
+
+    /// A backend on a context the caller opened (a trainer and engines sharing one GPU
+    /// share it, and sync on the device).
+    pub fn with_cuda(cuda: Arc<Cuda>, cfg: &ModelConfig, w: &Weights) -> Result<Self> {
+        cfg.validate()?;
+        plan::check_head_dim(cfg.head_dim)?;
+        w.validate(cfg)?;
+        let layout = Layout::new(cfg);
+        let flat = layout.flatten::<f32>(w)?;
+        let model = DeviceModel::new(&cuda, cfg, layout, &flat)?;
+        let lens: Vec<usize> = model.layout.entries.iter().map(|e| e.len).collect();
+        let (norm_bases, n_partials) = plan::grad_norm_bases(&lens);
+        let mut opt_m = Vec::with_capacity(lens.len());
+        let mut opt_v = Vec::with_capacity(lens.len());
+        for &n in &lens {
+            opt_m.push(cuda.alloc::<f32>(n)?);
+            opt_v.push(cuda.alloc::<f32>(n)?);
+        }
+        let partials = cuda.alloc::<f64>(n_partials)?;
+        let norm_total = cuda.alloc::<f64>(1)?;
+        cuda.sync()?;
+        Ok(Self {
+            cuda,
+            model,
+            acts: None,
+            generator: Generator::default(),
+            opt_m,
+            opt_v,
+            opt_step: 0,
+            norm_bases,
+            partials,
+            norm_total,
+            admitted: HashMap::new(),
+            limits: EngineLimits::default(),
+            stepped: None,
+        })
+    }
+
+    /// The context this backend runs on.
+    pub fn cuda(&self) -> &Arc<Cuda> {
+        &self.cuda
+    }
+
+    /// AdamW steps taken so far.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.opt_step
+    }
+
+    /// Σ g² over every gradient tensor (f64 partials, one fixed-order reduction).
+    fn grad_sumsq(&self) -> Result<f64> {
+        let cu = &*self.cuda;
+        for ((e, g), &base) in self
+            .model
+            .layout
+            .entries
+            .iter()
+            .zip(&self.model.grads)
+            .zip(&self.norm_bases)
+        {
+            ops::grad_norm(cu, &self.partials, g, e.len, base)?;
+        }
+        ops::grad_norm_reduce(cu, &self.norm_total, &self.partials, self.partials.len())?;
+        Ok(self.norm_total.read(0, 1)?[0])
+    }
+
+    /// Packs and uploads `b` and runs the forward to the scored rows' hidden states.
+    fn forward(&mut self, b: &Packed) -> Result<()> {
+        let (n, m) = (b.ids.len(), b.rows.len());
+        ensure_acts(&self.cuda, &self.model.cfg, &mut self.acts, n, m)?;
+        let a = self.acts()?;
+        upload_packed(a, b)?;
+        model::forward(&self.model, a, n, m)
+    }
+
+    fn acts(&self) -> Result<&Acts> {
+        self.acts
+            .as_ref()
+            .ok_or_else(|| BackendError::Device("activations missing".into()))
+    }
+}
+
+impl BackendInfo for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
+
+    fn device(&self) -> DeviceId {
+        self.cuda.device_id()
+    }
+}
+
+/// Checks requests before admission: valid, and no id already admitted or repeated.
+fn generate_check(
+    cfg: &ModelConfig,
+    reqs: &[GenRequest],
+    admitted: &HashMap<RequestKey, usize>,
+) -> Result<()> {
+    for (i, r) in reqs.iter().enumerate() {
+        crate::cpu::generate::validate_request(cfg, r)?;
+        if admitted.contains_key(&r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
+            return Err(BackendError::DuplicateRequest(r.id));
+        }
+    }
+    Ok(())
+}
+
+impl RolloutEngine for CudaBackend {
+    fn weight_dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
+        crate::cpu::refuse_while_generating(self.admitted.len())?;
+        if self.stepped.is_some() {
+            return Err(BackendError::StepInFlight("load_weights"));
+        }
+        snap.check_config(&self.model.cfg)?;
+        if let SnapshotPayload::Device(d) = &snap.payload
+            && let Some(src) = d.handle.downcast_ref::<CudaSnapshot>()
+            && Arc::ptr_eq(&src.cuda, &self.cuda)
+            && d.dtype == DType::F32
+        {
+            for ((e, from), to) in self
+                .model
+                .layout
+                .entries
+                .iter()
+                .zip(&src.params)
+                .zip(&self.model.params)
+            {
+                to.copy_from(0, from, 0, e.len)?;
+            }
+            self.cuda.sync()?;
+            return Ok(SyncPath::SameDevice);
+        }
+        let w = snap.host_weights(&self.model.cfg)?;
+        let flat = self.model.layout.flatten::<f32>(&w)?;
+        self.model.write_params(&flat)?;
+        Ok(SyncPath::Host)
+    }
+
+    fn limits(&self) -> EngineLimits {
+        self.limits
+    }
+
+    fn set_limits(&mut self, limits: EngineLimits) -> Result<()> {
+        self.limits = limits.validate()?;
+        Ok(())
+    }
+
+    fn load(&self) -> EngineLoad {
+        EngineLoad {
+            requests: self.admitted.len(),
+            kv_tokens: self.admitted.values().sum(),
+        }
+    }
+
+    fn add_request(&mut self, req: GenRequest) -> Result<()> {
+        generate_check(&self.model.cfg, std::slice::from_ref(&req), &self.admitted)?;
+        let (id, kv) = (req.id, req.kv_tokens());
+        self.load()
+            .admit(&self.limits, 1, kv, || Rejected::Request(req.clone()))?;
+        self.generator.add(&self.cuda, &self.model.cfg, req)?;
+        self.admitted.insert(id, kv);
+        Ok(())
+    }
+
+    fn add_group(&mut self, group: GroupRequest) -> Result<()> {
+        if group.samples.is_empty() {
+            return Err(BackendError::EmptyBatch("group with no samples".into()));
+        }
+        let reqs = group.clone().into_requests();
+        generate_check(&self.model.cfg, &reqs, &self.admitted)?;
+        // Each sample holds its own prompt rows (no shared-prefix KV pages yet).
+        let kv: usize = reqs.iter().map(GenRequest::kv_tokens).sum();
+        self.load()
+            .admit(&self.limits, reqs.len(), kv, || Rejected::Group(group))?;
+        for r in reqs {
+            let (id, kv) = (r.id, r.kv_tokens());
+            self.generator.add(&self.cuda, &self.model.cfg, r)?;
+            self.admitted.insert(id, kv);
+        }
+        Ok(())
+    }
+
+    fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
+        self.generator.cancel(id)?;
+        self.admitted.remove(&id);
+        Ok(())
+    }
+
+    fn submit_step(&mut self) -> Result<()> {
+        if self.stepped.is_some() {
+            return Err(BackendError::StepInFlight("submit_step"));
+        }
+        self.stepped = Some(self.generator.step(&self.model));
+        Ok(())
+    }
+
+    fn poll_step(&mut self, _wait: bool) -> Result<Option<Vec<GenOutput>>> {
+        let out = self.stepped.take().unwrap_or_else(|| Ok(Vec::new()))?;
+        for o in &out {
+            self.admitted.remove(&o.id);
+        }
+        Ok(Some(out))
+    }
+}
+
+impl Trainer for CudaBackend {
+    fn export_weights(&self) -> Result<Weights> {
+        let flat = self.model.read_flat(&self.model.params)?;
+        Ok(self.model.layout.to_weights(&flat))
+    }
+
+    fn import_weights(&mut self, w: &Weights) -> Result<()> {
+        crate::cpu::refuse_while_generating(self.admitted.len())?;
+        w.validate(&self.model.cfg)?;
+        let flat = self.model.layout.flatten::<f32>(w)?;
+        self.model.write_params(&flat)
+    }
+
+    fn snapshot_weights(&self, target: SyncTarget) -> Result<WeightSnapshot> {
+        if target.device == self.device() && target.dtype == DType::F32 {
+            let mut params = Vec::with_capacity(self.model.params.len());
+            for (e, b) in self.model.layout.entries.iter().zip(&self.model.params) {
+                let c = self.cuda.alloc::<f32>(e.len)?;
+                c.copy_from(0, b, 0, e.len)?;
+                params.push(c);
+            }
+            self.cuda.sync()?;
+            return Ok(WeightSnapshot {
+                config: self.model.cfg.clone(),
+                payload: SnapshotPayload::Device(DeviceSnapshot {
+                    device: self.device(),
+                    dtype: DType::F32,
+                    handle: Arc::new(CudaSnapshot {
+                        cuda: Arc::clone(&self.cuda),
+                        params,
+                    }),
+                }),
+            });
+        }
+        let w = self.export_weights()?;
+        WeightSnapshot::host(&self.model.cfg, &w, target.dtype)
+    }
+
+    fn checkpoint_optimizer(&self) -> Result<AdamState> {
+        if self.opt_step == 0 {
+            return Ok(AdamState::default());
+        }
+        Ok(AdamState {
+            m: self.model.read_flat(&self.opt_m)?,
+            v: self.model.read_flat(&self.opt_v)?,
+            step: self.opt_step,
+        })
+    }
+
+    fn restore_optimizer(&mut self, st: AdamState) -> Result<()> {
+        let n = self.model.layout.total;
+        if st.m.is_empty() && st.v.is_empty() {
+            for b in self.opt_m.iter().chain(&self.opt_v) {
+                b.clear()?;
+            }
+            self.cuda.sync()?;
+            self.opt_step = 0;
+            return Ok(());
+        }
+        if st.m.len() != n || st.v.len() != n {
+            return Err(BackendError::shape(
+                "optimizer state",
+                n,
+                st.m.len().max(st.v.len()),
+            ));
+        }
+        for (i, e) in self.model.layout.entries.iter().enumerate() {
+            self.opt_m[i].write(0, &st.m[e.offset..e.offset + e.len])?;
+            self.opt_v[i].write(0, &st.v[e.offset..e.offset + e.len])?;
+        }
+        self.opt_step = st.step;
+        Ok(())
+    }
+
+    fn logprobs(&mut self, seqs: &[Sequence], temperature: f32) -> Result<Vec<Vec<f32>>> {
+        if seqs.is_empty() {
+            return Err(BackendError::EmptyBatch("no sequences to score".into()));
+        }
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(BackendError::invalid(
+                "temperature",
+                format!("{temperature} must be positive"),
+            ));
+        }
+        for (i, s) in seqs.iter().enumerate() {
+            check_sequence(
+                &self.model.cfg,
+                &s.prompt,
+                &s.response,
+                &format!("sequence {i}"),
+            )?;
+        }
+        let pairs: Vec<(&[u32], &[u32])> = seqs
+            .iter()
+            .map(|s| (&s.prompt[..], &s.response[..]))
+            .collect();
+        let b = Packed::scored(&pairs);
+        self.forward(&b)?;
+        let a = self.acts()?;
+        let m = b.rows.len();
+        model::logprobs(&self.model, a, m, temperature as f64)?;
+        let lp = a.logp.read(0, m)?;
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut at = 0;
+        for s in seqs {
+            out.push(lp[at..at + s.response.len()].to_vec());
+            at += s.response.len();
+        }
+        Ok(out)
+    }
+
+    fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        let cfg = &self.model.cfg;
+        if ids.is_empty() {
+            return Err(BackendError::EmptyBatch("no token ids".into()));
+        }
+        check_tokens(cfg, ids, "ids")?;
+        if ids.len() > cfg.max_position_embeddings {
+            return Err(BackendError::shape(
+                "ids length",
+                cfg.max_position_embeddings,
+                ids.len(),
+            ));
+        }
+        let b = Packed::all_positions(ids);
+        self.forward(&b)?;
+        model::read_logits(&self.model, self.acts()?, ids.len())
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        for g in &self.model.grads {
+            g.clear()?;
+        }
+        self.cuda.sync()
+    }
+
+    fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats> {
+        validate_train_batch(&self.model.cfg, batch, obj)?;
+        let (grpo, temperature) = match *obj {
+            Objective::Grpo {
+                eps_low,
+                eps_high,
+                beta,
+                temperature,
+            } => (Some((eps_low, eps_high, beta)), temperature),
+            Objective::Sft => (None, 1.0),
+        };
+        let pairs: Vec<(&[u32], &[u32])> = batch
+            .sequences
+            .iter()
+            .map(|s| (&s.prompt[..], &s.response[..]))
+            .collect();
+        let b = Packed::scored(&pairs);
+        let (n, m) = (b.ids.len(), b.rows.len());
+        let (mut old, mut refp, mut adv, mut wts, mut fl) = (
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+            Vec::with_capacity(m),
+        );
+        for s in &batch.sequences {
+            let r = s.response.len();
+            let mut f = flags::SCORED;
+            match &s.old_logprobs {
+                Some(o) => {
+                    old.extend_from_slice(o);
+                    f |= flags::HAS_OLD;
+                }
+                None => old.extend(std::iter::repeat_n(0.0f32, r)),
+            }
+            match &s.ref_logprobs {
+                Some(x) => {
+                    refp.extend_from_slice(x);
+                    f |= flags::HAS_REF;
+                }
+                None => refp.extend(std::iter::repeat_n(0.0f32, r)),
+            }
+            adv.extend(std::iter::repeat_n(s.advantage as f32, r));
+            wts.extend(std::iter::repeat_n(s.weight as f32, r));
+            fl.extend(std::iter::repeat_n(f, r));
+        }
+        self.forward(&b)?;
+        let a = self.acts()?;
+        a.old.write(0, &old)?;
+        a.refp.write(0, &refp)?;
+        a.adv.write(0, &adv)?;
+        a.wts.write(0, &wts)?;
+        a.flags.write(0, &fl)?;
+        model::logprobs(&self.model, a, m, temperature)?;
+        let loss = LossBufs {
+            logp: &a.logp,
+            old: &a.old,
+            refp: &a.refp,
+            adv: &a.adv,
+            w: &a.wts,
+            flags: &a.flags,
+        };
+        ops::grpo_loss_fwd(&self.cuda, &a.loss_stats, loss, &a.entropy, m, grpo)?;
+        let st = a.loss_stats.read(0, 4)?;
+        let stats = AccumStats {
+            loss_sum: st[0] as f64,
+            tokens: m,
+            sequences: batch.sequences.len(),
+            kl_sum: st[1] as f64,
+            entropy_sum: st[3] as f64,
+            clipped: st[2].max(0.0) as usize,
+        };
+        // A non-finite loss is refused before the backward, leaving the sums untouched.
+        if !stats.loss_sum.is_finite() {
+            return Err(BackendError::non_finite("loss of the micro-batch"));
+        }
+        model::backward(&self.model, a, n, m, grpo, temperature)?;
+        if !self.grad_sumsq()?.is_finite() {
+            return Err(BackendError::non_finite(
+                "gradient sums after this micro-batch (overflow); call zero_grad before reusing them",
+            ));
+        }
+        Ok(stats)
+    }
+
+    fn optimizer_step(&mut self, normalizer: f64, opt: &AdamW) -> Result<OptStats> {
+        opt.validate()?;
+        if !(normalizer.is_finite() && normalizer > 0.0) {
+            return Err(BackendError::invalid(
+                "normalizer",
+                format!("{normalizer} is not a positive finite number"),
+            ));
+        }
+        let norm = self.grad_sumsq()?.sqrt() / normalizer;
+        if !norm.is_finite() {
+            return Err(BackendError::non_finite("gradient (global norm)"));
+        }
+        let clip = match opt.max_grad_norm {
+            Some(c) => (c / (norm + 1e-6)).min(1.0),
+            None => 1.0,
+        };
+        self.opt_step += 1;
+        let scale = (clip / normalizer) as f32;
+        let groups = self.model.layout.param_groups(opt.exclude_norms_from_decay);
+        for (i, g) in groups.iter().enumerate() {
+            let wd = if g.decay { opt.weight_decay } else { 0.0 };
+            let s = AdamScalars::new(
+                scale,
+                opt.lr,
+                opt.beta1,
+                opt.beta2,
+                opt.eps,
+                wd,
+                self.opt_step,
+            );
+            let md = &self.model;
+            ops::adamw_step(
+                &self.cuda,
+                &md.params[i],
+                &md.grads[i],
+                &self.opt_m[i],
+                &self.opt_v[i],
+                g.len,
+                s,
+            )?;
+        }
+        self.cuda.sync()?;
+        Ok(OptStats {
+            grad_norm: norm,
+            clip_scale: clip,
+            step: self.opt_step,
+        })
+    }
+
+    fn gradients(&self) -> Result<Weights> {
+        let flat = self.model.read_flat(&self.model.grads)?;
+        Ok(self.model.layout.to_weights(&flat))
+    }
+}
