@@ -45,6 +45,14 @@ pub struct Args {
     /// Print the resolved configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
+    /// Compare the allocation policies (GRPO, DAPO-style filter, VIGOR, Pilot-Commit) under
+    /// CGP+FGD instead of the modes; writes `alloc.md` and `alloc.csv` (docs/allocation.md).
+    #[arg(long)]
+    pub alloc: bool,
+    /// With `--alloc`: a policy's rollouts to the target accuracy over fixed G's, measured by
+    /// real runs, e.g. `vigor=0.8` (repeatable); fills the time-to-target column.
+    #[arg(long = "rollouts-to-target", value_name = "POLICY=RATIO")]
+    pub rollouts_to_target: Vec<String>,
 }
 
 /// One unit of work.
@@ -136,6 +144,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if args.bench {
         return bench(&cfg, threads);
+    }
+    if args.alloc {
+        return super::simulate_alloc::run(&cfg, &args.out, threads, &args.rollouts_to_target);
     }
     let (fp, fs) = args
         .focus
