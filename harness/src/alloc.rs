@@ -131,12 +131,18 @@ impl AllocSection {
     }
 
     /// Sets the plan fields the policy relies on (initial group size, sample budget, hold after
-    /// scoring). `plan` comes in as the fixed-G plan of B groups of G.
+    /// scoring). `plan` comes in as the fixed-G plan of B groups of G. VIGOR draws no
+    /// replacements (`max_groups = B`), as in its paper: with over-sampling, replacement draws
+    /// of `draw_batch` prompts would spend the budget that the extra rounds are for, and a
+    /// group still without variance after its rounds just shortens the batch.
     pub fn configure(&self, policy: &Policy, plan: &mut Plan) {
         let budget = self.budget_for(plan.batch_groups, plan.group_size);
         match policy {
             Policy::Fixed => {}
-            Policy::Vigor(v) => v.configure(plan),
+            Policy::Vigor(v) => {
+                v.configure(plan);
+                plan.max_groups = plan.batch_groups;
+            }
             Policy::PilotCommit(p) => {
                 p.configure(plan);
                 plan.sample_budget = budget;
@@ -248,7 +254,8 @@ mod tests {
             (4, 128, true)
         );
         assert_eq!(s.max_group_samples(&p, &plan), 12);
-        assert_eq!(s.request_capacity(&p, &plan), 32 * 4 + 128);
+        assert_eq!(plan.max_groups, 16);
+        assert_eq!(s.request_capacity(&p, &plan), 16 * 4 + 128);
         let s = sec("pilot_commit");
         let p = s.policy(16, 8).unwrap();
         let mut plan = Plan::new(16, 8);

@@ -333,7 +333,6 @@ impl<'c> Sim<'c> {
             },
         };
         let mut plan = Plan::new(s.batch, s.group as u16);
-        self.cfg.alloc.configure(&self.policy, &mut plan);
         plan.micro_batch = s.micro_batch;
         plan.opt_steps = s.opt_steps;
         plan.slots = self.slots;
@@ -354,6 +353,7 @@ impl<'c> Sim<'c> {
         } else {
             DispatchPolicy::Sync
         };
+        self.cfg.alloc.configure(&self.policy, &mut plan);
         plan
     }
 
