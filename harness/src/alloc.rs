@@ -9,7 +9,7 @@
 //! plain GRPO (a zero-variance group has zero advantage, so it adds no gradient).
 use anyhow::bail;
 use rolloutpipe_core::{
-    Allocate, Allocation, AllocParamError, FixedG, GroupId, PilotCommit, Plan, View, Vigor,
+    AllocParamError, Allocate, Allocation, FixedG, GroupId, PilotCommit, Plan, View, Vigor,
 };
 use serde::{Deserialize, Serialize};
 

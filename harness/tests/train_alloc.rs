@@ -64,7 +64,12 @@ fn check_counts(o: &RunOutcome, budget: u64) {
     let mut cum = 0;
     for (m, c) in ms.iter().zip(&o.counters) {
         assert!(c.is_conserved(), "step {}: {c:?}", m.step);
-        assert!(m.rollouts > 0 && m.rollouts <= budget, "step {}: {}", m.step, m.rollouts);
+        assert!(
+            m.rollouts > 0 && m.rollouts <= budget,
+            "step {}: {}",
+            m.step,
+            m.rollouts
+        );
         assert_eq!(m.rollouts, c.requests_generated + c.requests_discarded);
         cum += m.rollouts;
         assert_eq!(m.rollouts_cum, cum, "step {}", m.step);
@@ -73,7 +78,15 @@ fn check_counts(o: &RunOutcome, budget: u64) {
 
 #[test]
 fn vigor_extends_high_variance_groups_within_the_budget() {
-    let cfg = tiny(4, &["alloc.policy=vigor", "alloc.n0=4", "alloc.rounds=2", "alloc.increment=2"]);
+    let cfg = tiny(
+        4,
+        &[
+            "alloc.policy=vigor",
+            "alloc.n0=4",
+            "alloc.rounds=2",
+            "alloc.increment=2",
+        ],
+    );
     let o = go(&cfg, "vigor");
     check_counts(&o, 32);
     // Mixed rewards after the warm start: some group has variance, so some round extends.
@@ -88,7 +101,11 @@ fn vigor_extends_high_variance_groups_within_the_budget() {
 fn pilot_commit_trains_kept_prompts_with_their_committed_samples() {
     let cfg = tiny(
         4,
-        &["alloc.policy=pilot_commit", "alloc.n_pilot=4", "alloc.n_commit=4"],
+        &[
+            "alloc.policy=pilot_commit",
+            "alloc.n_pilot=4",
+            "alloc.n_commit=4",
+        ],
     );
     let o = go(&cfg, "pilot");
     check_counts(&o, 32);
@@ -101,7 +118,10 @@ fn pilot_commit_trains_kept_prompts_with_their_committed_samples() {
         *per_group.entry((t.rollout_step, t.group)).or_insert(0u32) += 1;
     }
     assert!(per_group.values().any(|&n| n == 8), "{per_group:?}");
-    assert!(per_group.values().all(|&n| n == 4 || n == 8), "{per_group:?}");
+    assert!(
+        per_group.values().all(|&n| n == 4 || n == 8),
+        "{per_group:?}"
+    );
 }
 
 #[test]

@@ -74,7 +74,10 @@ impl Curve {
 
     /// The best held-out accuracy.
     pub fn best(&self) -> f64 {
-        self.points.iter().map(|p| p.2).fold(f64::NEG_INFINITY, f64::max)
+        self.points
+            .iter()
+            .map(|p| p.2)
+            .fold(f64::NEG_INFINITY, f64::max)
     }
 }
 
@@ -114,8 +117,7 @@ pub fn read_curves(dir: &Path) -> anyhow::Result<Vec<Curve>> {
                 points.push((m.rollouts_cum as f64, m.elapsed_s - t0.max(0.0), a));
             }
         }
-        let rollouts_per_step =
-            ms.iter().map(|m| m.rollouts as f64).sum::<f64>() / ms.len() as f64;
+        let rollouts_per_step = ms.iter().map(|m| m.rollouts as f64).sum::<f64>() / ms.len() as f64;
         out.push(Curve {
             policy: policy.to_owned(),
             seed,
@@ -150,12 +152,16 @@ pub fn report(curves: &[Curve], baseline: &str, target: f64) -> anyhow::Result<(
     let Some(base) = by_policy.get(baseline) else {
         bail!("no runs of the baseline policy {baseline:?}");
     };
-    let base_r2t: BTreeMap<u64, Option<f64>> =
-        base.iter().map(|c| (c.seed, c.to_target(target, 0))).collect();
+    let base_r2t: BTreeMap<u64, Option<f64>> = base
+        .iter()
+        .map(|c| (c.seed, c.to_target(target, 0)))
+        .collect();
     let mut md = format!(
         "Target held-out accuracy: {target:.3}\n\n| policy | seeds | rollouts/step | best acc (mean ± sd) | reached | rollouts to target (mean ± sd) | ratio vs {baseline} (mean ± sd) | ratio min..max | s to target (mean) |\n|---|---|---|---|---|---|---|---|---|\n"
     );
-    let mut csv = String::from("policy,seed,rollouts_per_step,best,rollouts_to_target,s_to_target,ratio_vs_baseline\n");
+    let mut csv = String::from(
+        "policy,seed,rollouts_per_step,best,rollouts_to_target,s_to_target,ratio_vs_baseline\n",
+    );
     for (policy, cs) in &by_policy {
         let mut r2t = Vec::new();
         let mut s2t = Vec::new();
@@ -201,10 +207,26 @@ pub fn report(curves: &[Curve], baseline: &str, target: f64) -> anyhow::Result<(
             cs.len(),
             r2t.len(),
             cs.len(),
-            if r2t.is_empty() { "-".into() } else { format!("{rm:.0} ± {rs:.0}") },
-            if ratios.is_empty() { "-".into() } else { format!("{qm:.2} ± {qs:.2}") },
-            if ratios.is_empty() { "-".into() } else { format!("{lo:.2}..{hi:.2}") },
-            if s2t.is_empty() { "-".into() } else { format!("{sm:.1}") },
+            if r2t.is_empty() {
+                "-".into()
+            } else {
+                format!("{rm:.0} ± {rs:.0}")
+            },
+            if ratios.is_empty() {
+                "-".into()
+            } else {
+                format!("{qm:.2} ± {qs:.2}")
+            },
+            if ratios.is_empty() {
+                "-".into()
+            } else {
+                format!("{lo:.2}..{hi:.2}")
+            },
+            if s2t.is_empty() {
+                "-".into()
+            } else {
+                format!("{sm:.1}")
+            },
         );
     }
     Ok((md, csv))
@@ -234,9 +256,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.frac
     );
     let curves = read_curves(&args.runs)?;
-    ensure!(!curves.is_empty(), "{}: no <policy>-s<seed> run directories", args.runs.display());
-    let base: Vec<&Curve> = curves.iter().filter(|c| c.policy == args.baseline).collect();
-    ensure!(!base.is_empty(), "no runs of the baseline policy {:?}", args.baseline);
+    ensure!(
+        !curves.is_empty(),
+        "{}: no <policy>-s<seed> run directories",
+        args.runs.display()
+    );
+    let base: Vec<&Curve> = curves
+        .iter()
+        .filter(|c| c.policy == args.baseline)
+        .collect();
+    ensure!(
+        !base.is_empty(),
+        "no runs of the baseline policy {:?}",
+        args.baseline
+    );
     let target = match args.target {
         Some(t) => t,
         None => {
@@ -255,7 +288,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     policies.dedup();
     for (x, file, label) in [
         (0, "acc_vs_rollouts.svg", "cumulative rollouts"),
-        (1, "acc_vs_time.svg", "wall time of RL, s (evaluation included)"),
+        (
+            1,
+            "acc_vs_time.svg",
+            "wall time of RL, s (evaluation included)",
+        ),
     ] {
         let mut series: Vec<Series<(f64, f64)>> = policies
             .iter()
@@ -315,7 +352,10 @@ mod tests {
         // 1500 / 375 = 4.
         assert!(md.contains("| vigor | 1 | 100 |"), "{md}");
         assert!(md.contains("4.00 ± 0.00"), "{md}");
-        assert!(csv.contains("vigor,1,100.0,0.7000,375.000,3.750,4.000"), "{csv}");
+        assert!(
+            csv.contains("vigor,1,100.0,0.7000,375.000,3.750,4.000"),
+            "{csv}"
+        );
         assert!(report(&[], "grpo", 0.5).is_err());
     }
 }

@@ -235,10 +235,8 @@ pub fn simulate(
     alloc_plan.max_groups = max_groups;
     cfg.alloc.configure(&policy, &mut alloc_plan);
     let max_samples = u32::from(cfg.alloc.max_group_samples(&policy, &alloc_plan));
-    let mut storage = CoreStorage::new(
-        max_groups,
-        cfg.alloc.request_capacity(&policy, &alloc_plan),
-    );
+    let mut storage =
+        CoreStorage::new(max_groups, cfg.alloc.request_capacity(&policy, &alloc_plan));
     let [g0, g1] = &mut storage.groups;
     let [r0, r1] = &mut storage.requests;
     let mut scheds = [Scheduler::new(g0, r0), Scheduler::new(g1, r1)];

@@ -727,7 +727,10 @@ mod tests {
         // Configs written before [alloc] existed still load, as fixed G.
         let old = c.to_toml().unwrap().replace("[alloc]", "[ignored]");
         let old = old.split("[ignored]").next().unwrap();
-        assert_eq!(TrainConfig::from_toml_str(old).unwrap().alloc.policy, "fixed");
+        assert_eq!(
+            TrainConfig::from_toml_str(old).unwrap().alloc.policy,
+            "fixed"
+        );
     }
 
     #[test]

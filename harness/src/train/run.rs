@@ -854,8 +854,7 @@ impl Ctx<'_> {
         let plan = cfg.plan();
         let groups_cap = plan.max_groups as usize;
         let mut gslots = vec![GroupSlot::EMPTY; groups_cap];
-        let mut rslots =
-            vec![RequestSlot::EMPTY; cfg.alloc.request_capacity(&self.policy, &plan)];
+        let mut rslots = vec![RequestSlot::EMPTY; cfg.alloc.request_capacity(&self.policy, &plan)];
         let mut sched = Scheduler::new(&mut gslots, &mut rslots);
         let one_off = cfg.run.mode == Mode::OneStepOff;
         let steps = cfg.run.steps as u64;
