@@ -53,6 +53,10 @@ pub struct Args {
     /// real runs, e.g. `vigor=0.8` (repeatable); fills the time-to-target column.
     #[arg(long = "rollouts-to-target", value_name = "POLICY=RATIO")]
     pub rollouts_to_target: Vec<String>,
+    /// With `--alloc`: use `[alloc]`'s n0/increment/n_pilot/n_commit as given instead of
+    /// scaling them to each setting's G (n0 = n_pilot = n_commit = G/2, increment = G/4).
+    #[arg(long)]
+    pub alloc_unscaled: bool,
 }
 
 /// One unit of work.
@@ -146,7 +150,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return bench(&cfg, threads);
     }
     if args.alloc {
-        return super::simulate_alloc::run(&cfg, &args.out, threads, &args.rollouts_to_target);
+        return super::simulate_alloc::run(
+            &cfg,
+            &args.out,
+            threads,
+            &args.rollouts_to_target,
+            !args.alloc_unscaled,
+        );
     }
     let (fp, fs) = args
         .focus

@@ -4,7 +4,8 @@
 //! plain GRPO (fixed G, no over-sampling: `scheduler.max_groups_factor = 1`), a DAPO-style
 //! filter (fixed G with the configured over-sampling), VIGOR and Pilot-Commit (both at the
 //! fixed-G step's budget of B × G samples unless `alloc.budget` says otherwise, with the
-//! configured over-sampling). The simulator has no model of learning, so it reports what
+//! configured over-sampling; by default n0 = n_pilot = n_commit = G/2 and increment = G/4 of
+//! each setting, `--alloc-unscaled` keeps `[alloc]`'s values). The simulator has no model of learning, so it reports what
 //! scheduling decides: time per step, rollouts per step and trained samples per step. The
 //! time-to-accuracy column combines those with rollouts-to-target ratios measured by real
 //! training runs (`--rollouts-to-target POLICY=RATIO`, each policy's rollouts to the target
@@ -77,13 +78,28 @@ pub fn parse_ratios(pairs: &[String]) -> anyhow::Result<Vec<(String, f64)>> {
 }
 
 /// Simulates every selected (profile, setting) under the four policies (on `threads` threads).
-pub fn run_policies(cfg: &SimConfig, threads: usize) -> anyhow::Result<Vec<AllocRow>> {
+/// With `scale`, each setting's policy parameters are set from its G (see the body); without,
+/// `cfg.alloc`'s are used as they are.
+pub fn run_policies(cfg: &SimConfig, threads: usize, scale: bool) -> anyhow::Result<Vec<AllocRow>> {
     let mut work = Vec::new();
     for p in &cfg.run.profiles {
         for s in &cfg.run.settings {
             for (name, policy, oversample) in POLICIES {
                 let mut c = cfg.clone();
+                // Only this setting: `validate` checks [alloc] against every setting's B and G.
+                c.setting.retain(|k, _| k == s);
+                c.run.settings = vec![s.clone()];
                 c.alloc.policy = policy.to_owned();
+                if scale {
+                    // The same shape at every G: VIGOR n0 = G/2 then 2 rounds of G/4 (its
+                    // budget B x G allows every group both rounds); Pilot-Commit G/2 + G/2.
+                    let g = cfg.setting[s].group as u16;
+                    c.alloc.n0 = (g / 2).max(2);
+                    c.alloc.rounds = 2;
+                    c.alloc.increment = (g / 4).max(1);
+                    c.alloc.n_pilot = (g / 2).max(2);
+                    c.alloc.n_commit = (g / 2).max(2);
+                }
                 if !oversample {
                     c.scheduler.max_groups_factor = 1.0;
                 }
@@ -192,9 +208,10 @@ pub fn run(
     out: &Path,
     threads: usize,
     ratio_args: &[String],
+    scale: bool,
 ) -> anyhow::Result<()> {
     let ratios = parse_ratios(ratio_args)?;
-    let rows = run_policies(cfg, threads)?;
+    let rows = run_policies(cfg, threads, scale)?;
     let (md, csv) = tables(&rows, &ratios);
     print!("{md}");
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
@@ -225,7 +242,7 @@ mod tests {
         cfg.run.steps = 2;
         cfg.run.profiles = vec!["gsm8k".into()];
         cfg.run.settings = vec!["R1".into()];
-        let rows = run_policies(&cfg, 2).unwrap();
+        let rows = run_policies(&cfg, 2, true).unwrap();
         assert_eq!(rows.len(), 4);
         let s = &cfg.setting["R1"];
         let budget = u64::from(s.batch) * u64::from(s.group);
