@@ -21,7 +21,7 @@ SFT_STEPS=${SFT_STEPS:-300}
 EVAL_EVERY=${EVAL_EVERY:-10}
 POLICIES=${POLICIES:-"grpo dapo vigor pilot_commit"}
 export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2}
-cargo build --release --locked -p rolloutpipe-harness --bin rolloutpipe
+[ -n "${SKIP_BUILD:-}" ] || cargo build --release --locked -p rolloutpipe-harness --bin rolloutpipe
 BIN=target/release/rolloutpipe
 mkdir -p "$OUT"
 
