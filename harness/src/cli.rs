@@ -35,6 +35,8 @@ pub enum Command {
     Sft(cmd::sft::Args),
     /// Accuracy of a model on a task's held-out split or a JSONL file, as JSON.
     Eval(cmd::eval::Args),
+    /// Rollouts-to-target table and accuracy plots of allocation-policy runs (docs/allocation.md).
+    AllocReport(cmd::alloc_report::Args),
 }
 
 /// Parses arguments, sets up logging and runs the chosen job.
@@ -49,6 +51,7 @@ pub fn main() -> ExitCode {
         Command::GrpoStep(args) => cmd::grpo_step::run(args),
         Command::Sft(args) => cmd::sft::run(args),
         Command::Eval(args) => cmd::eval::run(args),
+        Command::AllocReport(args) => cmd::alloc_report::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

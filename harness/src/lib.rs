@@ -3,6 +3,7 @@
 //! discrete-event simulator, evaluates models and writes metrics, plots and traces.
 #![deny(missing_docs)]
 
+pub mod alloc;
 pub mod cli;
 pub mod cmd;
 pub mod interrupt;

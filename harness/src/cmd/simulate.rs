@@ -45,6 +45,18 @@ pub struct Args {
     /// Print the resolved configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
+    /// Compare the allocation policies (GRPO, DAPO-style filter, VIGOR, Pilot-Commit) under
+    /// CGP+FGD instead of the modes; writes `alloc.md` and `alloc.csv` (docs/allocation.md).
+    #[arg(long)]
+    pub alloc: bool,
+    /// With `--alloc`: a policy's rollouts to the target accuracy over fixed G's, measured by
+    /// real runs, e.g. `vigor=0.8` (repeatable); fills the time-to-target column.
+    #[arg(long = "rollouts-to-target", value_name = "POLICY=RATIO")]
+    pub rollouts_to_target: Vec<String>,
+    /// With `--alloc`: use `[alloc]`'s n0/increment/n_pilot/n_commit as given instead of
+    /// scaling them to each setting's G (n0 = n_pilot = n_commit = G/2, increment = G/4).
+    #[arg(long)]
+    pub alloc_unscaled: bool,
 }
 
 /// One unit of work.
@@ -136,6 +148,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if args.bench {
         return bench(&cfg, threads);
+    }
+    if args.alloc {
+        return super::simulate_alloc::run(
+            &cfg,
+            &args.out,
+            threads,
+            &args.rollouts_to_target,
+            !args.alloc_unscaled,
+        );
     }
     let (fp, fs) = args
         .focus

@@ -33,6 +33,10 @@ pub struct SimConfig {
     pub profile: BTreeMap<String, Profile>,
     /// Rollout settings by name.
     pub setting: BTreeMap<String, Setting>,
+    /// The allocation policy (samples per prompt); fixed G when absent. Its budget defaults to
+    /// each setting's B × G.
+    #[serde(default)]
+    pub alloc: crate::alloc::AllocSection,
 }
 
 /// What to run.
@@ -488,6 +492,9 @@ impl SimConfig {
                     .max()
                     .unwrap_or(0),
             ) + u64::from(s.cap);
+            self.alloc
+                .policy(s.batch, s.group as u16)
+                .with_context(|| format!("setting {name}"))?;
             ensure!(
                 largest <= ro.kv_capacity_tokens,
                 "rollout.kv_capacity_tokens ({}) cannot hold one request of setting {name} (prompt + cap = {largest})",

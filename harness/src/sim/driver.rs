@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use anyhow::{Context, anyhow, bail, ensure};
 use rolloutpipe_core::{
-    AdmissionPolicy, Completion, DispatchPolicy, GroupId, GroupSlot, GroupState, Plan,
+    AdmissionPolicy, Allocation, Completion, DispatchPolicy, GroupId, GroupSlot, GroupState, Plan,
     PolicyVersion, RequestId, RequestSlot, Scheduler, StepId, SubmitOrder, Tick,
 };
 
@@ -146,6 +146,10 @@ struct StepCtx {
     mux_ns: Ns,
     mux_groups: u32,
     migrations: u32,
+    /// Samples of the groups dispatched to the trainer.
+    trained_samples: u64,
+    /// Groups the allocation policy extended.
+    extended: u32,
     metrics: Option<StepMetrics>,
     /// One-step-off: the barrier after this step's rollout has fired.
     barrier_passed: bool,
@@ -184,6 +188,10 @@ struct Sim<'c> {
     conserved: bool,
     record: bool,
     rec: Recording,
+    /// The `[alloc]` policy.
+    policy: crate::alloc::Policy,
+    /// Most samples one group can end with (responses drawn per prompt).
+    max_samples: u32,
 }
 
 /// Storage for the core: two schedulers, so one-step-off can train step k while rolling out k+1.
@@ -193,9 +201,9 @@ struct CoreStorage {
 }
 
 impl CoreStorage {
-    fn new(max_groups: u32, group_size: u32) -> Self {
+    fn new(max_groups: u32, requests: usize) -> Self {
         let g = max_groups as usize;
-        let r = g * group_size as usize;
+        let r = requests;
         Self {
             groups: [vec![GroupSlot::EMPTY; g], vec![GroupSlot::EMPTY; g]],
             requests: [vec![RequestSlot::EMPTY; r], vec![RequestSlot::EMPTY; r]],
@@ -222,7 +230,13 @@ pub fn simulate(
     let max_running = s.max_running(&cfg.rollout);
     let max_groups =
         ((f64::from(s.batch) * cfg.scheduler.max_groups_factor).ceil() as u32).max(s.batch);
-    let mut storage = CoreStorage::new(max_groups, s.group);
+    let policy = cfg.alloc.policy(s.batch, s.group as u16)?;
+    let mut alloc_plan = Plan::new(s.batch, s.group as u16);
+    alloc_plan.max_groups = max_groups;
+    cfg.alloc.configure(&policy, &mut alloc_plan);
+    let max_samples = u32::from(cfg.alloc.max_group_samples(&policy, &alloc_plan));
+    let mut storage =
+        CoreStorage::new(max_groups, cfg.alloc.request_capacity(&policy, &alloc_plan));
     let [g0, g1] = &mut storage.groups;
     let [r0, r1] = &mut storage.requests;
     let mut scheds = [Scheduler::new(g0, r0), Scheduler::new(g1, r1)];
@@ -258,6 +272,8 @@ pub fn simulate(
         conserved: true,
         record,
         rec: Recording::default(),
+        policy,
+        max_samples,
     };
     sim.queue.push(0, Ev::StartRollout { step: 0 });
     while let Some((at, ev)) = sim.queue.pop() {
@@ -335,6 +351,7 @@ impl<'c> Sim<'c> {
         } else {
             DispatchPolicy::Sync
         };
+        self.cfg.alloc.configure(&self.policy, &mut plan);
         plan
     }
 
@@ -410,7 +427,8 @@ impl<'c> Sim<'c> {
             &self.cfg.profile[self.profile_name],
             self.setting(),
             progress,
-        )?;
+        )?
+        .with_samples(self.max_samples);
         let retractions: u64 = self.engines.iter().map(Engine::retractions).sum();
         let engine_busy_at_start: Ns = self.engines.iter().map(Engine::busy_ns).sum();
         ensure!(
@@ -441,6 +459,8 @@ impl<'c> Sim<'c> {
             mux_ns: 0,
             mux_groups: 0,
             migrations: 0,
+            trained_samples: 0,
+            extended: 0,
             metrics: None,
             barrier_passed: false,
         });
@@ -576,6 +596,25 @@ impl<'c> Sim<'c> {
                 sched
                     .on_abort_acked(tick(self.now), id)
                     .map_err(|e| anyhow!("{id}: abort ack: {e}"))?;
+            }
+            // Allocation decisions (VIGOR's rounds, Pilot-Commit's verdicts): a round-2 request
+            // is admitted only now, after its group's round-1 rewards are all in.
+            while let Some(a) = sched.poll_allocation_with(tick(self.now), &self.policy) {
+                let state = sched.group(a.group).map(|g| g.state);
+                let c = &mut self.ctxs[step as usize];
+                let gi = a.group.0 as usize;
+                if matches!(a.applied, Allocation::Extend(_)) {
+                    c.extended += 1;
+                } else if !c.completed[gi]
+                    && matches!(state, Some(GroupState::Trainable | GroupState::Dispatched))
+                {
+                    // A held group completes when it is committed, not at its last reward.
+                    c.completed[gi] = true;
+                    c.completions.push(self.now - c.start);
+                    if self.record {
+                        self.rec.completions.push((step, a.group.0, self.now));
+                    }
+                }
             }
             // Over-sampling draws.
             while let Some(n) = sched.poll_draw(tick(self.now)) {
@@ -797,6 +836,10 @@ impl<'c> Sim<'c> {
             );
             c.dispatched.push(d.group);
             let gi = d.group.0 as usize;
+            // The trainer sees the group's final size, not every response drawn for it.
+            let target = sched.group(d.group).map_or(0, |g| usize::from(g.target));
+            c.groups[gi].samples.truncate(target);
+            c.trained_samples += target as u64;
             let tokens = c.groups[gi].train_tokens();
             let ready = from + secs_to_ns(per_mtok * tokens as f64 * 1e-6);
             c.data_ready[gi] = ready;
@@ -1042,6 +1085,10 @@ impl<'c> Sim<'c> {
             mux_s: secs(c.mux_ns),
             mux_groups: c.mux_groups,
             migrations: c.migrations,
+            rollouts: counters.requests_generated + counters.requests_discarded,
+            trained_samples: c.trained_samples,
+            extended: c.extended,
+            skipped: counters.filtered_skipped,
         });
         // FGD widens its frontier by the filter rate seen so far (what a live system can know).
         self.expected_filter_ppm = (observed_filter.clamp(0.0, 0.95) * 1e6) as u32;

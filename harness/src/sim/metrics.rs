@@ -59,6 +59,14 @@ pub struct StepMetrics {
     pub mux_groups: u32,
     /// Requests migrated between engines.
     pub migrations: u32,
+    /// Rollouts: responses generated to the end (aborted requests excluded).
+    pub rollouts: u64,
+    /// Samples of the trained groups (their final sizes under an allocation policy).
+    pub trained_samples: u64,
+    /// Groups the allocation policy extended.
+    pub extended: u32,
+    /// Groups the allocation policy skipped.
+    pub skipped: u32,
 }
 
 impl StepMetrics {
@@ -217,6 +225,16 @@ impl RunResult {
     /// Mean staleness in versions.
     pub fn mean_staleness(&self) -> f64 {
         mean(self.steps.iter().map(|s| s.staleness as f64))
+    }
+
+    /// Mean rollouts per step.
+    pub fn mean_rollouts(&self) -> f64 {
+        mean(self.steps.iter().map(|s| s.rollouts as f64))
+    }
+
+    /// Mean trained samples per step.
+    pub fn mean_trained_samples(&self) -> f64 {
+        mean(self.steps.iter().map(|s| s.trained_samples as f64))
     }
 
     /// Totals over steps: (drawn, trained, filtered, aborted groups, aborted requests).

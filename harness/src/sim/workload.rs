@@ -108,6 +108,14 @@ impl Workload {
         })
     }
 
+    /// Draws `n` responses per prompt instead of the setting's G: room for the extra samples of
+    /// an allocation policy. Responses are drawn in sample order from one stream, so the first G
+    /// are the same whatever `n`.
+    pub fn with_samples(mut self, n: u32) -> Self {
+        self.group = n;
+        self
+    }
+
     /// The `index`-th prompt drawn in `step` (deterministic).
     pub fn group(&self, step: u64, index: u64) -> GroupDraw {
         let mut rng = ChaCha8Rng::seed_from_u64(mix(self.seed ^ mix(step ^ mix(index))));

@@ -32,6 +32,9 @@ pub struct TrainConfig {
     pub trainer: TrainerSection,
     /// Test-only fault injection.
     pub fault: FaultSection,
+    /// The allocation policy (samples per prompt); fixed G when absent.
+    #[serde(default)]
+    pub alloc: crate::alloc::AllocSection,
 }
 
 /// A scheduling mode (which core policies the run uses).
@@ -433,6 +436,7 @@ impl TrainConfig {
                 "fault.fail_engine_at_request needs rollout.engines >= 2: with one engine nothing is left to re-admit the failed requests"
             );
         }
+        self.alloc.policy(rl.batch_groups, rl.group_size)?;
         self.plan()
             .validate()
             .map_err(|e| anyhow::anyhow!("rl/rollout settings: {e}"))?;
@@ -561,7 +565,16 @@ impl TrainConfig {
             // One-step-off trains the whole batch during the next rollout, so it waits for it.
             Mode::Sync | Mode::OneStepOff => DispatchPolicy::Sync,
         };
+        // `validate` refuses a bad [alloc]; unvalidated, it falls back to fixed G.
+        if let Ok(policy) = self.alloc_policy() {
+            self.alloc.configure(&policy, &mut p);
+        }
         p
+    }
+
+    /// The `[alloc]` policy for this config's batch shape.
+    pub fn alloc_policy(&self) -> anyhow::Result<crate::alloc::Policy> {
+        self.alloc.policy(self.rl.batch_groups, self.rl.group_size)
     }
 
     /// The fresh model's shape (vocabulary from the tokenizer).
@@ -676,6 +689,48 @@ mod tests {
         );
         let bad = c.with_overrides(&["run.backend=cuda".into()]).unwrap();
         assert!(bad.validate().unwrap_err().to_string().contains("cuda"));
+    }
+
+    #[test]
+    fn alloc_section_is_validated_and_configures_the_plan() {
+        let c = TrainConfig::default_config().unwrap();
+        assert_eq!(c.alloc.policy, "fixed");
+        assert_eq!(c.plan(), {
+            let mut p = c.clone();
+            p.alloc.policy = "fixed".into();
+            p.plan()
+        });
+        let v = c.with_overrides(&["alloc.policy=vigor".into()]).unwrap();
+        v.validate().unwrap();
+        let plan = v.plan();
+        assert_eq!(
+            (plan.group_size, plan.sample_budget, plan.hold_scored),
+            (4, 16 * 8, true)
+        );
+        for (set, want) in [
+            ("alloc.n0=1", "alloc.n0 is 1, must be at least 2"),
+            (
+                "alloc.budget=10",
+                "alloc.budget 10 is below n0 × batch_groups = 64 samples",
+            ),
+            ("alloc.policy=dapo", "alloc.policy \"dapo\" is not one of"),
+        ] {
+            let bad = v.with_overrides(&[set.into()]).unwrap();
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.starts_with(want), "{set}: {e}");
+        }
+        let p = c
+            .with_overrides(&["alloc.policy=pilot_commit".into(), "alloc.upper=1.5".into()])
+            .unwrap();
+        let e = p.validate().unwrap_err().to_string();
+        assert_eq!(e, "alloc.upper is 1.5, must be within [0, 1]");
+        // Configs written before [alloc] existed still load, as fixed G.
+        let old = c.to_toml().unwrap().replace("[alloc]", "[ignored]");
+        let old = old.split("[ignored]").next().unwrap();
+        assert_eq!(
+            TrainConfig::from_toml_str(old).unwrap().alloc.policy,
+            "fixed"
+        );
     }
 
     #[test]

@@ -39,6 +39,28 @@ impl DataSource {
         self.problems[i].clone()
     }
 
+    /// The next problem whose pool index `evicted` does not hold, with that index; evicted
+    /// problems are passed over (their draws still advance `pos`), unless every problem is
+    /// evicted, in which case the next one is drawn anyway so that a step never starves.
+    pub fn draw_unevicted(
+        &mut self,
+        evicted: &std::collections::HashSet<usize>,
+    ) -> (usize, Arc<Problem>, Arc<Vec<u32>>) {
+        let n = self.problems.len();
+        for _ in 0..n {
+            let i = (self.pos % n as u64) as usize;
+            self.pos += 1;
+            if !evicted.contains(&i) {
+                let (p, ids) = self.problems[i].clone();
+                return (i, p, ids);
+            }
+        }
+        let i = (self.pos % n as u64) as usize;
+        self.pos += 1;
+        let (p, ids) = self.problems[i].clone();
+        (i, p, ids)
+    }
+
     /// Number of distinct problems.
     pub fn len(&self) -> usize {
         self.problems.len()

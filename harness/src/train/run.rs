@@ -4,7 +4,7 @@
 //! Each step is one loop: ask the core what to do (draw, abort, admit, dispatch, micro-batch,
 //! optimizer step), tell the workers, then wait for one event and report it to the core. Time
 //! is `Tick` = microseconds since the run started, read from one `Instant`.
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -19,8 +19,8 @@ use rolloutpipe_backends::{
     SamplingParams, SyncTarget, Tensor, WeightSnapshot, Weights, load_model_dir,
 };
 use rolloutpipe_core::{
-    Counters, GroupId, GroupSlot, GroupState, PolicyVersion, RequestId, RequestSlot, Scheduler,
-    StepId, Tick,
+    Allocated, Allocation, Counters, GroupId, GroupSlot, GroupState, PolicyVersion, RequestId,
+    RequestSlot, Scheduler, SkipReason, StepId, Tick,
 };
 use serde::{Deserialize, Serialize};
 
@@ -91,6 +91,19 @@ pub struct StepMetrics {
     pub aborted: u32,
     /// Requests that failed and were re-admitted or filtered.
     pub requests_failed: u64,
+    /// Rollouts (responses generated to the end, whatever then became of their group) this
+    /// step; aborted requests are not counted (their tokens are in `tokens`).
+    #[serde(default)]
+    pub rollouts: u64,
+    /// Rollouts of every step so far, this one included (across resumptions).
+    #[serde(default)]
+    pub rollouts_cum: u64,
+    /// Groups the allocation policy extended (VIGOR's extra rounds, Pilot-Commit's commits).
+    #[serde(default)]
+    pub extended: u32,
+    /// Groups the allocation policy skipped (Pilot-Commit: too easy, solved or too hard).
+    #[serde(default)]
+    pub skipped: u32,
     /// Seconds since the run (or its resumption) started.
     pub elapsed_s: f64,
 }
@@ -174,6 +187,9 @@ struct CheckpointState {
     pending: Vec<(Vec<SavedGroup>, bool)>,
     /// One-step-off: the step that pending batch belongs to.
     pending_step: Option<u64>,
+    /// Pool indices of problems evicted from later epochs (Pilot-Commit's solved prompts).
+    #[serde(default)]
+    evicted: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -270,6 +286,7 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
         engine_version: 0,
         pending: Vec::new(),
         pending_step: None,
+        evicted: Vec::new(),
     };
     let mut accuracy_initial = None;
     let mut test_initial = None;
@@ -442,6 +459,8 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
         },
         summary: SummaryBase::read(out, resume, started),
         interrupted: None,
+        policy: cfg.alloc_policy()?,
+        evicted: state.evicted.iter().copied().collect(),
     };
     ctx.trace_header();
     ctx.summary.accuracy_initial = ctx.summary.accuracy_initial.or(accuracy_initial);
@@ -561,6 +580,8 @@ impl TrainAgg {
 }
 
 struct GroupRec {
+    /// The problem's index in the training pool (for eviction).
+    index: usize,
     prompt: Arc<Vec<u32>>,
     problem: Arc<Problem>,
     samples: Vec<Option<Sample>>,
@@ -578,6 +599,8 @@ struct Rollout {
     tokens: u64,
     spans: Vec<(u16, f64, f64)>,
     group_done: Vec<f64>,
+    /// Groups the allocation policy extended.
+    extended: u32,
 }
 
 struct Ctx<'c> {
@@ -601,6 +624,10 @@ struct Ctx<'c> {
     summary: SummaryBase,
     /// Set when a signal stopped the run: the step a resume continues at.
     interrupted: Option<u64>,
+    /// The `[alloc]` policy: how many samples each prompt gets.
+    policy: crate::alloc::Policy,
+    /// Pool indices of problems evicted from later epochs.
+    evicted: HashSet<usize>,
 }
 
 /// `summary.json` across invocations: accuracies of the run's start come from the first
@@ -827,7 +854,7 @@ impl Ctx<'_> {
         let plan = cfg.plan();
         let groups_cap = plan.max_groups as usize;
         let mut gslots = vec![GroupSlot::EMPTY; groups_cap];
-        let mut rslots = vec![RequestSlot::EMPTY; groups_cap * plan.group_size as usize];
+        let mut rslots = vec![RequestSlot::EMPTY; cfg.alloc.request_capacity(&self.policy, &plan)];
         let mut sched = Scheduler::new(&mut gslots, &mut rslots);
         let one_off = cfg.run.mode == Mode::OneStepOff;
         let steps = cfg.run.steps as u64;
@@ -846,6 +873,11 @@ impl Ctx<'_> {
                 .rev()
                 .find(|m| m.step == s)
         });
+        // Rollouts before the first step this invocation (re)writes.
+        let mut rollouts_cum = read_metrics(out)
+            .ok()
+            .and_then(|ms| ms.iter().rev().find(|m| m.step < redo_from).cloned())
+            .map_or(0, |m| m.rollouts_cum);
         let mut metrics_file = open_metrics(out, redo_from)?;
         let bar = progress_bar(cfg, steps, state.next_step);
         let mut metrics = Vec::new();
@@ -889,6 +921,7 @@ impl Ctx<'_> {
                 tokens: 0,
                 spans: Vec::new(),
                 group_done: Vec::new(),
+                extended: 0,
             };
             if rollout_this {
                 sched
@@ -1088,8 +1121,13 @@ impl Ctx<'_> {
                     filtered: c.filtered(),
                     aborted: c.aborted,
                     requests_failed: c.requests_failed,
+                    rollouts: c.requests_generated + c.requests_discarded,
+                    extended: ro.extended,
+                    skipped: c.filtered_skipped,
                     ..Default::default()
                 };
+                rollouts_cum += m.rollouts;
+                m.rollouts_cum = rollouts_cum;
                 self.timeline = Some(self.gantt(&ro));
                 if one_off {
                     // Training of this batch happens in the next phase.
@@ -1160,6 +1198,8 @@ impl Ctx<'_> {
             }
             state.next_step = k + 1;
             state.data_pos = self.data.pos;
+            state.evicted = self.evicted.iter().copied().collect();
+            state.evicted.sort_unstable();
             state.engine_version = engine_version.0;
             if ckpt_now && k < steps {
                 state.pending = pending
@@ -1239,19 +1279,27 @@ impl Ctx<'_> {
         dispatched: &mut Vec<GroupBatch>,
         now: Tick,
     ) -> anyhow::Result<()> {
+        // Allocation decisions first: a committed or skipped group may call for a draw, an
+        // extended one for admissions.
+        while let Some(a) = sched.poll_allocation_with(now, &self.policy) {
+            self.on_allocated(sched, ro, a);
+        }
         while let Some(n) = sched.poll_draw(now) {
             let first = sched
                 .on_prompts_drawn(now, n)
                 .map_err(|e| anyhow::anyhow!("draw: {e}"))?;
             for i in 0..n {
-                let (problem, prompt) = self.data.draw();
+                let (index, problem, prompt) = self.data.draw_unevicted(&self.evicted);
                 self.measured.prompt_tokens.push(prompt.len() as u32);
+                let g = GroupId(first.0 + i);
+                let size = sched.group(g).map_or(0, |info| info.target as usize);
                 ro.groups.insert(
-                    GroupId(first.0 + i),
+                    g,
                     GroupRec {
+                        index,
                         prompt,
                         problem,
-                        samples: vec![None; self.cfg.rl.group_size as usize],
+                        samples: vec![None; size],
                     },
                 );
             }
@@ -1317,6 +1365,34 @@ impl Ctx<'_> {
             });
         }
         Ok(())
+    }
+
+    /// Carries out what the core applied for a held group: room for an extension's samples,
+    /// or the eviction of a solved prompt (Pilot-Commit's p = 1) from later epochs.
+    fn on_allocated(&mut self, sched: &Scheduler<'_>, ro: &mut Rollout, a: Allocated) {
+        match a.applied {
+            Allocation::Extend(_) => {
+                ro.extended += 1;
+                let target = sched.group(a.group).map_or(0, |info| info.target as usize);
+                if let Some(g) = ro.groups.get_mut(&a.group) {
+                    g.samples.resize(target, None);
+                }
+            }
+            Allocation::Skip(SkipReason::Solved) if self.cfg.alloc.evict_solved => {
+                if let Some(g) = ro.groups.get(&a.group) {
+                    self.evicted.insert(g.index);
+                }
+            }
+            Allocation::Commit
+                if sched.group(a.group).is_some_and(|g| {
+                    matches!(g.state, GroupState::Trainable | GroupState::Dispatched)
+                }) =>
+            {
+                // A held group completes when it is committed, not at its last reward.
+                ro.group_done.push(ro.start.elapsed().as_secs_f64());
+            }
+            _ => {}
+        }
     }
 
     /// Reports one worker event to the core.
