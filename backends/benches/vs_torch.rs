@@ -10,6 +10,9 @@
 //!   the first step of a rollout), then one AdamW step;
 //! - `logits`: the full logits of 64 tokens;
 //! - `generate`: 16 requests of 16-token prompts × 64 new tokens, greedy, no stop token.
+//!
+//! The model directory is memory-mapped (`CpuBackend::from_model_dir`); `grpo` trains f32
+//! master weights, `logits` and `generate` run a bf16-storage engine (`--f32-engine`: f32).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -49,10 +52,18 @@ fn run() -> std::result::Result<(), String> {
     let [task, dir] = &args[..] else {
         return Err("usage: vs_torch (grpo|logits|generate) MODEL_DIR".into());
     };
+    // The trainer keeps f32 master weights; the inference workloads run an engine, which
+    // stores the checkpoint's bf16 weights as they are (`--f32-engine`: widened to f32). Both
+    // compute in f32 on the same values, so the results are identical.
+    let dtype = if task == "grpo" || std::env::args().any(|a| a == "--f32-engine") {
+        DType::F32
+    } else {
+        DType::Bf16
+    };
     let t0 = Instant::now();
-    let (cfg, w) = load_model_dir(&PathBuf::from(dir)).map_err(|e| format!("{dir}: {e}"))?;
-    let mut be = CpuBackend::new(&cfg, &w, 0).map_err(|e| e.to_string())?;
-    drop(w);
+    let mut be = CpuBackend::from_model_dir(&PathBuf::from(dir), 0, dtype)
+        .map_err(|e| format!("{dir}: {e}"))?;
+    let cfg = be.config().clone();
     let load_s = t0.elapsed().as_secs_f64();
     let v = cfg.vocab_size;
     let t1 = Instant::now();
@@ -128,7 +139,7 @@ fn run() -> std::result::Result<(), String> {
         other => return Err(format!("unknown task {other:?} (grpo, logits, generate)")),
     };
     println!(
-        "{{\"side\":\"ours\",\"task\":\"{task}\",\"load_s\":{load_s},\"run_s\":{},{detail}}}",
+        "{{\"side\":\"ours\",\"task\":\"{task}\",\"weights\":\"{dtype}\",\"load_s\":{load_s},\"run_s\":{},{detail}}}",
         t1.elapsed().as_secs_f64()
     );
     Ok(())
