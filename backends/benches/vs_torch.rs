@@ -34,6 +34,27 @@ fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// This process's resident set now and at its peak (`VmRSS`, `VmHWM` of /proc/self/status), GiB;
+/// zeros where /proc is unavailable.
+fn rss() -> (f64, f64) {
+    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = |key: &str| {
+        text.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / (1024.0 * 1024.0)
+    };
+    (kb("VmRSS:"), kb("VmHWM:"))
+}
+
+/// `"name":[rss, peak]` for the JSON line.
+fn phase(name: &str) -> String {
+    let (now, peak) = rss();
+    format!("\"{name}\":[{now:.3},{peak:.3}]")
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("vs_torch: {e}");
@@ -65,6 +86,8 @@ fn run() -> std::result::Result<(), String> {
         .map_err(|e| format!("{dir}: {e}"))?;
     let cfg = be.config().clone();
     let load_s = t0.elapsed().as_secs_f64();
+    // Resident GiB [now, peak so far] after each phase: where the memory goes.
+    let mut phases = vec![phase("loaded")];
     let v = cfg.vocab_size;
     let t1 = Instant::now();
     let detail = match task.as_str() {
@@ -94,10 +117,12 @@ fn run() -> std::result::Result<(), String> {
             };
             be.zero_grad().unwrap();
             let st = be.accumulate(&batch, &obj).map_err(|e| e.to_string())?;
+            phases.push(phase("accumulated"));
             let norm = normalizer(Aggregation::TokenMean, std::slice::from_ref(&batch));
             let os = be
                 .optimizer_step(norm, &AdamW::default())
                 .map_err(|e| e.to_string())?;
+            phases.push(phase("stepped"));
             format!(
                 "\"loss\":{},\"entropy\":{},\"grad_norm\":{}",
                 st.loss_sum / norm,
@@ -138,9 +163,11 @@ fn run() -> std::result::Result<(), String> {
         }
         other => return Err(format!("unknown task {other:?} (grpo, logits, generate)")),
     };
+    let run_s = t1.elapsed().as_secs_f64();
+    phases.push(phase("done"));
     println!(
-        "{{\"side\":\"ours\",\"task\":\"{task}\",\"weights\":\"{dtype}\",\"load_s\":{load_s},\"run_s\":{},{detail}}}",
-        t1.elapsed().as_secs_f64()
+        "{{\"side\":\"ours\",\"task\":\"{task}\",\"weights\":\"{dtype}\",\"load_s\":{load_s},\"run_s\":{run_s},{detail},\"rss_gib\":{{{}}}}}",
+        phases.join(",")
     );
     Ok(())
 }
