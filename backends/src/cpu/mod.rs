@@ -322,32 +322,15 @@ impl RolloutEngine for CpuBackend {
             && let Some(flat) = d.handle.downcast_ref::<CpuSnapshot>()
         {
             let m = self.model_mut("load_weights")?;
-            match (&flat.data, m.is_bf16()) {
-                (TensorData::Bf16(v), true) => {
-                    if v.len() != m.layout.total {
-                        return Err(BackendError::shape(
-                            "weight snapshot",
-                            m.layout.total,
-                            v.len(),
-                        ));
-                    }
-                    m.half = Some(store::HalfStore::new(&m.layout, v.clone())?);
-                }
-                (_, true) => {
-                    let v = match flat.data.to_dtype(DType::Bf16) {
-                        TensorData::Bf16(v) => v,
-                        other => store::round_to_bf16(&other.to_f32()),
-                    };
-                    if v.len() != m.layout.total {
-                        return Err(BackendError::shape(
-                            "weight snapshot",
-                            m.layout.total,
-                            v.len(),
-                        ));
-                    }
-                    m.half = Some(store::HalfStore::new(&m.layout, v)?);
-                }
-                (_, false) => flat.data.write_f32(&mut m.params)?,
+            if m.is_bf16() {
+                // HalfStore::new checks the length.
+                let v = match &flat.data {
+                    TensorData::Bf16(v) => v.clone(),
+                    other => store::round_to_bf16(&other.to_f32()),
+                };
+                m.half = Some(store::HalfStore::new(&m.layout, v)?);
+            } else {
+                flat.data.write_f32(&mut m.params)?;
             }
             return Ok(path);
         }
