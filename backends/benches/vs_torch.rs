@@ -10,6 +10,9 @@
 //!   the first step of a rollout), then one AdamW step;
 //! - `logits`: the full logits of 64 tokens;
 //! - `generate`: 16 requests of 16-token prompts × 64 new tokens, greedy, no stop token.
+//!
+//! The model directory is memory-mapped (`CpuBackend::from_model_dir`); `grpo` trains f32
+//! master weights, `logits` and `generate` run a bf16-storage engine (`--f32-engine`: f32).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -31,6 +34,27 @@ fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// This process's resident set now and at its peak (`VmRSS`, `VmHWM` of /proc/self/status), GiB;
+/// zeros where /proc is unavailable.
+fn rss() -> (f64, f64) {
+    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = |key: &str| {
+        text.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / (1024.0 * 1024.0)
+    };
+    (kb("VmRSS:"), kb("VmHWM:"))
+}
+
+/// `"name":[rss, peak]` for the JSON line.
+fn phase(name: &str) -> String {
+    let (now, peak) = rss();
+    format!("\"{name}\":[{now:.3},{peak:.3}]")
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("vs_torch: {e}");
@@ -49,11 +73,21 @@ fn run() -> std::result::Result<(), String> {
     let [task, dir] = &args[..] else {
         return Err("usage: vs_torch (grpo|logits|generate) MODEL_DIR".into());
     };
+    // The trainer keeps f32 master weights; the inference workloads run an engine, which
+    // stores the checkpoint's bf16 weights as they are (`--f32-engine`: widened to f32). Both
+    // compute in f32 on the same values, so the results are identical.
+    let dtype = if task == "grpo" || std::env::args().any(|a| a == "--f32-engine") {
+        DType::F32
+    } else {
+        DType::Bf16
+    };
     let t0 = Instant::now();
-    let (cfg, w) = load_model_dir(&PathBuf::from(dir)).map_err(|e| format!("{dir}: {e}"))?;
-    let mut be = CpuBackend::new(&cfg, &w, 0).map_err(|e| e.to_string())?;
-    drop(w);
+    let mut be = CpuBackend::from_model_dir(&PathBuf::from(dir), 0, dtype)
+        .map_err(|e| format!("{dir}: {e}"))?;
+    let cfg = be.config().clone();
     let load_s = t0.elapsed().as_secs_f64();
+    // Resident GiB [now, peak so far] after each phase: where the memory goes.
+    let mut phases = vec![phase("loaded")];
     let v = cfg.vocab_size;
     let t1 = Instant::now();
     let detail = match task.as_str() {
@@ -83,10 +117,12 @@ fn run() -> std::result::Result<(), String> {
             };
             be.zero_grad().unwrap();
             let st = be.accumulate(&batch, &obj).map_err(|e| e.to_string())?;
+            phases.push(phase("accumulated"));
             let norm = normalizer(Aggregation::TokenMean, std::slice::from_ref(&batch));
             let os = be
                 .optimizer_step(norm, &AdamW::default())
                 .map_err(|e| e.to_string())?;
+            phases.push(phase("stepped"));
             format!(
                 "\"loss\":{},\"entropy\":{},\"grad_norm\":{}",
                 st.loss_sum / norm,
@@ -127,9 +163,11 @@ fn run() -> std::result::Result<(), String> {
         }
         other => return Err(format!("unknown task {other:?} (grpo, logits, generate)")),
     };
+    let run_s = t1.elapsed().as_secs_f64();
+    phases.push(phase("done"));
     println!(
-        "{{\"side\":\"ours\",\"task\":\"{task}\",\"load_s\":{load_s},\"run_s\":{},{detail}}}",
-        t1.elapsed().as_secs_f64()
+        "{{\"side\":\"ours\",\"task\":\"{task}\",\"weights\":\"{dtype}\",\"load_s\":{load_s},\"run_s\":{run_s},{detail},\"rss_gib\":{{{}}}}}",
+        phases.join(",")
     );
     Ok(())
 }

@@ -3,7 +3,8 @@
 //! `Weights` is the exchange format between backends (weight sync to rollout engines, saving,
 //! golden tests): plain row-major f32, matrices `[out, in]` as torch stores them. A model
 //! directory is `config.json` + `model.safetensors`; F32, F16 and BF16 tensors are read, F32 is
-//! written, and a tied checkpoint carries no `lm_head.weight`.
+//! written, and a tied checkpoint carries no `lm_head.weight`. Model directories are read
+//! memory-mapped ([`mapped`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -14,6 +15,8 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
+
+pub mod mapped;
 
 /// One dense row-major f32 tensor.
 #[derive(Debug, Clone, PartialEq)]
@@ -242,90 +245,17 @@ impl Weights {
             source,
         })
     }
-
-    /// Drops a tied checkpoint's redundant `lm_head.weight` when it equals the embedding
-    /// (some exporters write both); a different one is an error, not silently ignored.
-    fn normalise_tied(&mut self, cfg: &ModelConfig) -> Result<()> {
-        if !cfg.tie_word_embeddings {
-            return Ok(());
-        }
-        if let Some(head) = self.tensors.get("lm_head.weight") {
-            let emb = self.get("model.embed_tokens.weight")?;
-            if head != emb {
-                return Err(BackendError::UnexpectedTensor(
-                    "lm_head.weight (differs from the embedding in a tied checkpoint)".into(),
-                ));
-            }
-            self.tensors.remove("lm_head.weight");
-        }
-        Ok(())
-    }
 }
 
 /// Reads a model directory (`config.json` + `model.safetensors`, or shards listed in
-/// `model.safetensors.index.json`), validating the tensors against the configuration.
+/// `model.safetensors.index.json`), validating the tensors against the configuration. The
+/// files are memory-mapped and each tensor widened to f32 once (see [`mapped`]); a backend that
+/// keeps its own flat storage loads faster and in less memory with
+/// [`mapped::MappedCheckpoint`] directly.
 pub fn load_model_dir(dir: &Path) -> Result<(ModelConfig, Weights)> {
-    let cfg_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path).map_err(|source| BackendError::Io {
-        path: cfg_path.clone(),
-        source,
-    })?;
-    let cfg = ModelConfig::from_json_str(&text)?;
-    let single = dir.join("model.safetensors");
-    let index = dir.join("model.safetensors.index.json");
-    let mut w = if !single.exists() && index.exists() {
-        load_sharded(dir, &index)?
-    } else {
-        Weights::load_safetensors(&single)?
-    };
-    w.normalise_tied(&cfg)?;
-    w.validate(&cfg)?;
-    Ok((cfg, w))
-}
-
-/// Reads a checkpoint split into shards (larger Hub models): the index's `weight_map` names
-/// each tensor's shard; every shard is read once and each tensor taken from the shard the index
-/// names, so a tensor repeated in two shards cannot silently shadow the other.
-fn load_sharded(dir: &Path, index: &Path) -> Result<Weights> {
-    let text = std::fs::read_to_string(index).map_err(|source| BackendError::Io {
-        path: index.to_path_buf(),
-        source,
-    })?;
-    let bad = |reason: String| BackendError::Safetensors {
-        what: index.display().to_string(),
-        reason,
-    };
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-    let map = v
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| bad("no `weight_map` object".into()))?;
-    let mut by_shard: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (name, shard) in map {
-        let shard = shard
-            .as_str()
-            .ok_or_else(|| bad(format!("shard of `{name}` is not a string")))?;
-        if shard.contains('/') || shard.contains('\\') || shard.starts_with('.') {
-            return Err(bad(format!(
-                "shard name `{shard}` leaves the model directory"
-            )));
-        }
-        by_shard.entry(shard).or_default().push(name);
-    }
-    let mut out = Weights::default();
-    for (shard, names) in by_shard {
-        let mut part = Weights::load_safetensors(&dir.join(shard))?;
-        for name in names {
-            let t = part.tensors.remove(name).ok_or_else(|| {
-                bad(format!(
-                    "`{name}` is mapped to {shard} but not stored there"
-                ))
-            })?;
-            out.tensors.insert(name.to_string(), t);
-        }
-    }
-    Ok(out)
+    let ck = mapped::MappedCheckpoint::open_dir(dir)?;
+    let w = ck.to_weights()?;
+    Ok((ck.config().clone(), w))
 }
 
 /// Writes a model directory (creating it): `config.json` and F32 `model.safetensors`.

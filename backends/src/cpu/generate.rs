@@ -313,9 +313,9 @@ impl Generator {
         }
         let n = s.ids.len();
         fit(&mut s.x, n * d);
-        embedding_fwd(&mut s.x, &s.ids, m.embed(), d);
+        embedding_fwd(&mut s.x, &s.ids, m.embed_fwd(), d);
         for l in 0..c.num_hidden_layers {
-            let w = m.layer(l);
+            let w = m.layer_fwd(l);
             fit(&mut s.ln, n * d);
             fit(&mut s.rstd, n * h);
             rmsnorm_fwd(&mut s.ln, &mut s.rstd, &s.x, w.input_norm, d, eps);
@@ -390,7 +390,7 @@ impl Generator {
         fit(&mut s.rstd, r);
         rmsnorm_fwd(&mut s.hsel, &mut s.rstd, &s.tmp, m.final_norm(), d, eps);
         fit(&mut s.logits, r * v);
-        matmul_fwd(&mut s.logits, &s.hsel, m.lm_head(), r, d, v);
+        matmul_fwd(&mut s.logits, &s.hsel, m.lm_head_fwd(), r, d, v);
         let forked = Self::fork_followers(&mut self.active, &mut self.free, c, &s.chunk);
         // Each row's draw depends only on its own logits, settings and stream, so the rows are
         // sampled in parallel (a 151,936-entry softmax per row is not free).

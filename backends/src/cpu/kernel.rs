@@ -10,7 +10,13 @@
 //!
 //! Without AVX2+FMA the product falls back to matrixmultiply, whose per-element arithmetic also
 //! does not depend on the number of rows.
+//!
+//! [`matmul_nt_bf16`] is the same product with bf16 weights (engines that store their weights
+//! in bf16): each 8-lane load widens eight bf16 values to f32 in registers (a 16-bit shift,
+//! exact), and everything else is the f32 kernel's instruction sequence, so its result is
+//! bit-identical to [`matmul_nt_f32`] on the widened weights, and batch-invariant the same way.
 
+use half::bf16;
 use rayon::prelude::*;
 
 /// Rows per tile.
@@ -36,24 +42,78 @@ pub fn matmul_nt_f32(out: &mut [f32], x: &[f32], w: &[f32], n: usize, din: usize
         "matmul_nt_f32 operand out of bounds (n={n}, din={din}, dout={dout})"
     );
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        let out = &mut out[..n * dout];
-        if n * din * dout >= PAR_MIN_FMA {
-            blocked(out, x, w, n, din, dout);
-        } else {
-            // SAFETY: features detected above; slices bounded by the assert.
-            unsafe { avx::rows(out, x, w, n, din, dout, 0, dout) }
-        }
+    if has_avx2_fma() {
+        // SAFETY: features detected; slices bounded by the assert.
+        unsafe { dispatch(out, x, w, n, din, dout, avx::rows_f32) };
         return;
     }
     crate::cpu::ops::gemm_nt_fallback(out, x, w, n, din, dout);
+}
+
+/// `out[n, dout] = x[n, din] · widen(w[dout, din])ᵀ` with bf16 weights: bit-identical to
+/// [`matmul_nt_f32`] on the weights widened to f32.
+pub fn matmul_nt_bf16(out: &mut [f32], x: &[f32], w: &[bf16], n: usize, din: usize, dout: usize) {
+    assert!(
+        out.len() >= n * dout && x.len() >= n * din && w.len() >= dout * din,
+        "matmul_nt_bf16 operand out of bounds (n={n}, din={din}, dout={dout})"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // `bf16` is a transparent `u16`; the kernel reads the bit patterns.
+        // SAFETY: same length and alignment as `u16`; features detected; bounded above.
+        let w16 = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u16>(), w.len()) };
+        unsafe { dispatch(out, x, w16, n, din, dout, avx::rows_bf16) };
+        return;
+    }
+    let wide: Vec<f32> = w[..dout * din].iter().map(|v| v.to_f32()).collect();
+    crate::cpu::ops::gemm_nt_fallback(out, x, &wide, n, din, dout);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+/// A tile routine of `avx` for one weight storage type.
+#[cfg(target_arch = "x86_64")]
+type Rows<W> = unsafe fn(&mut [f32], &[f32], &[W], usize, usize, usize, usize, usize);
+
+/// Small products on the calling thread, large ones through [`blocked`].
+///
+/// # Safety
+/// AVX2 and FMA must be available and the operands bounded as `matmul_nt_f32` asserts.
+#[cfg(target_arch = "x86_64")]
+unsafe fn dispatch<W: Sync>(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[W],
+    n: usize,
+    din: usize,
+    dout: usize,
+    rows: Rows<W>,
+) {
+    let out = &mut out[..n * dout];
+    if n * din * dout >= PAR_MIN_FMA {
+        blocked(out, x, w, n, din, dout, rows);
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { rows(out, x, w, n, din, dout, 0, dout) }
+    }
 }
 
 /// The threaded product: row blocks in turn, column blocks in parallel, each computed into its
 /// own contiguous scratch and then copied to its place. Every element is still one `avx` dot
 /// product with the fixed instruction sequence, so blocking changes no bits.
 #[cfg(target_arch = "x86_64")]
-fn blocked(out: &mut [f32], x: &[f32], w: &[f32], n: usize, din: usize, dout: usize) {
+fn blocked<W: Sync>(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[W],
+    n: usize,
+    din: usize,
+    dout: usize,
+    rows_fn: Rows<W>,
+) {
     let ncb = dout.div_ceil(CB);
     let mut tmp = vec![0.0f32; RB.min(n) * ncb * CB];
     for r0 in (0..n).step_by(RB) {
@@ -64,9 +124,10 @@ fn blocked(out: &mut [f32], x: &[f32], w: &[f32], n: usize, din: usize, dout: us
             .enumerate()
             .for_each(|(b, t)| {
                 let (c0, c1) = (b * CB, ((b + 1) * CB).min(dout));
-                // SAFETY: the caller detected AVX2 and FMA and bounded x and w; `t` holds
-                // rows × CB ≥ rows × (c1 − c0) values, xs holds `rows` rows of `din`.
-                unsafe { avx::rows(t, xs, w, rows, din, dout, c0, c1) }
+                // SAFETY: only called (through `dispatch`) after AVX2 and FMA were detected
+                // and x and w bounded; `t` holds rows × CB ≥ rows × (c1 − c0) values, xs holds
+                // `rows` rows of `din`.
+                unsafe { rows_fn(t, xs, w, rows, din, dout, c0, c1) }
             });
         for b in 0..ncb {
             let (c0, c1) = (b * CB, ((b + 1) * CB).min(dout));
@@ -98,130 +159,172 @@ mod avx {
         _mm_cvtss_f32(s)
     }
 
-    /// One output element, with exactly the operations of a tile element.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn one(x: &[f32], w: &[f32], din: usize) -> f32 {
-        let k8 = din / 8 * 8;
-        let mut acc = _mm256_setzero_ps();
-        let mut k = 0;
-        while k < k8 {
-            // SAFETY: k + 8 <= k8 <= din <= len of both rows (callers pass full rows).
-            let (a, b) = unsafe {
-                (
-                    _mm256_loadu_ps(x.as_ptr().add(k)),
-                    _mm256_loadu_ps(w.as_ptr().add(k)),
-                )
-            };
-            acc = _mm256_fmadd_ps(a, b, acc);
-            k += 8;
-        }
-        let mut s = hsum(acc);
-        for k in k8..din {
-            s = x[k].mul_add(w[k], s);
-        }
-        s
-    }
-
-    /// `out[r, c − c0] = x[r]·w[c]` for `r < rows`, `c0 <= c < c1`; `out` rows have stride
-    /// `c1 − c0`.
+    /// Eight f32 weights.
     ///
     /// # Safety
-    /// AVX2 and FMA must be available; `x` holds `rows × din`, `w` holds `c1 × din` values and
-    /// `out` holds `rows × (c1 − c0)`.
+    /// AVX2 must be available and `p` must point at 8 readable values.
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn rows(
-        out: &mut [f32],
-        x: &[f32],
-        w: &[f32],
-        rows: usize,
-        din: usize,
-        _dout: usize,
-        c0: usize,
-        c1: usize,
-    ) {
-        let width = c1 - c0;
-        let k8 = din / 8 * 8;
-        let mut r = 0;
-        while r + TR <= rows {
-            let mut c = c0;
-            while c + TC <= c1 {
-                let mut acc = [[_mm256_setzero_ps(); TC]; TR];
-                let xp: [*const f32; TR] = std::array::from_fn(|i| x[(r + i) * din..].as_ptr());
-                let wp: [*const f32; TC] = std::array::from_fn(|j| w[(c + j) * din..].as_ptr());
-                let mut k = 0;
-                while k < k8 {
-                    // SAFETY: each pointer starts a full row of `din` values and k + 8 <= din.
-                    let wv: [__m256; TC] =
-                        std::array::from_fn(|j| unsafe { _mm256_loadu_ps(wp[j].add(k)) });
-                    for i in 0..TR {
-                        // SAFETY: as above for the x rows.
-                        let xv = unsafe { _mm256_loadu_ps(xp[i].add(k)) };
-                        for j in 0..TC {
-                            acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-                        }
-                    }
-                    k += 8;
-                }
-                for i in 0..TR {
-                    let xr = &x[(r + i) * din..(r + i + 1) * din];
-                    for j in 0..TC {
-                        let wr = &w[(c + j) * din..(c + j + 1) * din];
-                        let mut s = hsum(acc[i][j]);
-                        for k in k8..din {
-                            s = xr[k].mul_add(wr[k], s);
-                        }
-                        out[(r + i) * width + (c + j - c0)] = s;
-                    }
-                }
-                c += TC;
-            }
-            for c in c..c1 {
-                for i in 0..TR {
-                    out[(r + i) * width + (c - c0)] = one(
-                        &x[(r + i) * din..(r + i + 1) * din],
-                        &w[c * din..(c + 1) * din],
-                        din,
-                    );
-                }
-            }
-            r += TR;
-        }
-        for r in r..rows {
-            let xr = &x[r * din..(r + 1) * din];
-            let mut c = c0;
-            // Leftover rows (a one-token decode step has only these): four independent
-            // columns at a time hide the FMA latency that one serial accumulator would expose.
-            while c + 4 <= c1 {
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let wp: [*const f32; 4] = std::array::from_fn(|j| w[(c + j) * din..].as_ptr());
-                let mut k = 0;
-                while k < k8 {
-                    // SAFETY: xr and each w row hold `din` values and k + 8 <= din.
-                    let xv = unsafe { _mm256_loadu_ps(xr.as_ptr().add(k)) };
-                    for j in 0..4 {
-                        // SAFETY: as above.
-                        let wv = unsafe { _mm256_loadu_ps(wp[j].add(k)) };
-                        acc[j] = _mm256_fmadd_ps(xv, wv, acc[j]);
-                    }
-                    k += 8;
-                }
-                for j in 0..4 {
-                    let wr = &w[(c + j) * din..(c + j + 1) * din];
-                    let mut s = hsum(acc[j]);
-                    for k in k8..din {
-                        s = xr[k].mul_add(wr[k], s);
-                    }
-                    out[r * width + (c + j - c0)] = s;
-                }
-                c += 4;
-            }
-            for c in c..c1 {
-                out[r * width + (c - c0)] = one(xr, &w[c * din..(c + 1) * din], din);
-            }
-        }
+    unsafe fn load_f32(p: *const f32) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_loadu_ps(p) }
     }
+
+    /// Eight bf16 weights (bit patterns) widened to f32: zero-extend to 32 bits, shift into the
+    /// high half. Exact.
+    ///
+    /// # Safety
+    /// AVX2 must be available and `p` must point at 8 readable values.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load_bf16(p: *const u16) -> __m256 {
+        // SAFETY: the caller's contract (8 × 2 bytes readable).
+        let h = unsafe { _mm_loadu_si128(p.cast::<__m128i>()) };
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+
+    #[inline]
+    fn get_f32(x: f32) -> f32 {
+        x
+    }
+
+    #[inline]
+    fn get_bf16(x: u16) -> f32 {
+        f32::from_bits((x as u32) << 16)
+    }
+
+    /// The dot-product routines for one weight storage type: `$one` computes one element,
+    /// `$rows` a block of rows × columns; both with the same instruction sequence per element.
+    macro_rules! kernels {
+        ($one:ident, $rows:ident, $W:ty, $load:ident, $get:ident) => {
+            /// One output element, with exactly the operations of a tile element.
+            #[inline]
+            #[target_feature(enable = "avx2,fma")]
+            fn $one(x: &[f32], w: &[$W], din: usize) -> f32 {
+                let k8 = din / 8 * 8;
+                let mut acc = _mm256_setzero_ps();
+                let mut k = 0;
+                while k < k8 {
+                    // SAFETY: k + 8 <= k8 <= din <= len of both rows (callers pass full rows).
+                    let (a, b) =
+                        unsafe { (_mm256_loadu_ps(x.as_ptr().add(k)), $load(w.as_ptr().add(k))) };
+                    acc = _mm256_fmadd_ps(a, b, acc);
+                    k += 8;
+                }
+                let mut s = hsum(acc);
+                for k in k8..din {
+                    s = x[k].mul_add($get(w[k]), s);
+                }
+                s
+            }
+
+            /// `out[r, c − c0] = x[r]·w[c]` for `r < rows`, `c0 <= c < c1`; `out` rows have stride
+            /// `c1 − c0`.
+            ///
+            /// # Safety
+            /// AVX2 and FMA must be available; `x` holds `rows × din`, `w` holds `c1 × din` values and
+            /// `out` holds `rows × (c1 − c0)`.
+            #[target_feature(enable = "avx2,fma")]
+            #[allow(clippy::too_many_arguments)]
+            pub unsafe fn $rows(
+                out: &mut [f32],
+                x: &[f32],
+                w: &[$W],
+                rows: usize,
+                din: usize,
+                _dout: usize,
+                c0: usize,
+                c1: usize,
+            ) {
+                let width = c1 - c0;
+                let k8 = din / 8 * 8;
+                let mut r = 0;
+                while r + TR <= rows {
+                    let mut c = c0;
+                    while c + TC <= c1 {
+                        let mut acc = [[_mm256_setzero_ps(); TC]; TR];
+                        let xp: [*const f32; TR] =
+                            std::array::from_fn(|i| x[(r + i) * din..].as_ptr());
+                        let wp: [*const $W; TC] =
+                            std::array::from_fn(|j| w[(c + j) * din..].as_ptr());
+                        let mut k = 0;
+                        while k < k8 {
+                            // SAFETY: each pointer starts a full row of `din` values and k + 8 <= din.
+                            let wv: [__m256; TC] =
+                                std::array::from_fn(|j| unsafe { $load(wp[j].add(k)) });
+                            for i in 0..TR {
+                                // SAFETY: as above for the x rows.
+                                let xv = unsafe { _mm256_loadu_ps(xp[i].add(k)) };
+                                for j in 0..TC {
+                                    acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+                                }
+                            }
+                            k += 8;
+                        }
+                        for i in 0..TR {
+                            let xr = &x[(r + i) * din..(r + i + 1) * din];
+                            for j in 0..TC {
+                                let wr = &w[(c + j) * din..(c + j + 1) * din];
+                                let mut s = hsum(acc[i][j]);
+                                for k in k8..din {
+                                    s = xr[k].mul_add($get(wr[k]), s);
+                                }
+                                out[(r + i) * width + (c + j - c0)] = s;
+                            }
+                        }
+                        c += TC;
+                    }
+                    for c in c..c1 {
+                        for i in 0..TR {
+                            out[(r + i) * width + (c - c0)] = $one(
+                                &x[(r + i) * din..(r + i + 1) * din],
+                                &w[c * din..(c + 1) * din],
+                                din,
+                            );
+                        }
+                    }
+                    r += TR;
+                }
+                for r in r..rows {
+                    let xr = &x[r * din..(r + 1) * din];
+                    let mut c = c0;
+                    // Leftover rows (a one-token decode step has only these): four independent
+                    // columns at a time hide the FMA latency that one serial accumulator would expose.
+                    while c + 4 <= c1 {
+                        let mut acc = [_mm256_setzero_ps(); 4];
+                        let wp: [*const $W; 4] =
+                            std::array::from_fn(|j| w[(c + j) * din..].as_ptr());
+                        let mut k = 0;
+                        while k < k8 {
+                            // SAFETY: xr and each w row hold `din` values and k + 8 <= din.
+                            let xv = unsafe { _mm256_loadu_ps(xr.as_ptr().add(k)) };
+                            for j in 0..4 {
+                                // SAFETY: as above.
+                                let wv = unsafe { $load(wp[j].add(k)) };
+                                acc[j] = _mm256_fmadd_ps(xv, wv, acc[j]);
+                            }
+                            k += 8;
+                        }
+                        for j in 0..4 {
+                            let wr = &w[(c + j) * din..(c + j + 1) * din];
+                            let mut s = hsum(acc[j]);
+                            for k in k8..din {
+                                s = xr[k].mul_add($get(wr[k]), s);
+                            }
+                            out[r * width + (c + j - c0)] = s;
+                        }
+                        c += 4;
+                    }
+                    for c in c..c1 {
+                        out[r * width + (c - c0)] = $one(xr, &w[c * din..(c + 1) * din], din);
+                    }
+                }
+            }
+        };
+    }
+
+    kernels!(one_f32, rows_f32, f32, load_f32, get_f32);
+    kernels!(one_bf16, rows_bf16, u16, load_bf16, get_bf16);
 }
 
 #[cfg(test)]
@@ -266,6 +369,40 @@ mod tests {
                     &y[r * dout..(r + 1) * dout],
                     "row {r} of {n}x{din}x{dout}"
                 );
+            }
+        }
+    }
+
+    /// bf16 weights give the f32 kernel's bits on the widened weights, for every path (small,
+    /// tiled, leftover rows and columns, threaded blocks), and each row alone the same bits.
+    #[test]
+    fn bf16_weights_match_f32_kernel_on_widened_weights() {
+        for (n, din, dout) in [
+            (1, 3, 5),
+            (7, 19, 11),
+            (9, 128, 384),
+            (1, 1024, 200),
+            (70, 64, 200),
+        ] {
+            let x: Vec<f32> = (0..n * din)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+                .collect();
+            let w: Vec<bf16> = (0..dout * din)
+                .map(|i| bf16::from_f32(((i * 53 % 97) as f32 - 48.0) * 0.0113))
+                .collect();
+            let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+            let (mut a, mut b) = (vec![0.0f32; n * dout], vec![0.0f32; n * dout]);
+            matmul_nt_bf16(&mut a, &x, &w, n, din, dout);
+            matmul_nt_f32(&mut b, &x, &wide, n, din, dout);
+            assert_eq!(
+                a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{n}x{din}x{dout}"
+            );
+            for r in 0..n {
+                let mut y1 = vec![0.0f32; dout];
+                matmul_nt_bf16(&mut y1, &x[r * din..(r + 1) * din], &w, 1, din, dout);
+                assert_eq!(&y1[..], &a[r * dout..(r + 1) * dout], "row {r}");
             }
         }
     }

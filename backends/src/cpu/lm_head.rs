@@ -14,7 +14,7 @@
 use rayon::prelude::*;
 
 use super::model::fit;
-use super::ops::{Float, matmul_bwd};
+use super::ops::{Float, Mat, matmul_bwd, matmul_fwd};
 
 /// Vocabulary rows per chunk: large enough that each chunk's product is an efficient GEMM,
 /// small enough that `rows × chunk` scratch stays a few MB.
@@ -32,12 +32,12 @@ struct Lse {
 /// `v` rows of `w[v, d]`, writes `logp[r] = z[targets[r]] − lse[r]`, `entropy[r]` of
 /// `softmax(z)` and `lse[r] = logsumexp(z)`. `scratch` is grow-only chunk storage.
 #[allow(clippy::too_many_arguments)]
-pub fn lm_head_logprob_fwd<T: Float>(
+pub fn lm_head_logprob_fwd<'a, T: Float>(
     logp: &mut [T],
     entropy: &mut [T],
     lse: &mut [T],
     x: &[T],
-    w: &[T],
+    w: impl Into<Mat<'a, T>>,
     targets: &[u32],
     m: usize,
     d: usize,
@@ -45,6 +45,7 @@ pub fn lm_head_logprob_fwd<T: Float>(
     temperature: f64,
     scratch: &mut Vec<T>,
 ) {
+    let w = w.into();
     let it = T::from_f64(1.0 / temperature);
     let mut st = vec![
         Lse {
@@ -58,7 +59,7 @@ pub fn lm_head_logprob_fwd<T: Float>(
     for c0 in (0..v).step_by(VOCAB_CHUNK) {
         let c = VOCAB_CHUNK.min(v - c0);
         fit(scratch, m * c);
-        T::matmul_nt(scratch, x, &w[c0 * d..(c0 + c) * d], m, d, c);
+        matmul_fwd(scratch, x, w.slice(c0 * d..(c0 + c) * d), m, d, c);
         scratch
             .par_chunks(c)
             .zip(st.par_iter_mut())

@@ -11,6 +11,7 @@ pub mod kernel;
 pub mod lm_head;
 pub mod model;
 pub mod ops;
+pub mod store;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,7 +23,15 @@ use crate::optim::{self, AdamState};
 use crate::seam::*;
 use crate::weights::Weights;
 use generate::Generator;
-use model::{Activations, Model, PackedBatch, check_tokens};
+use model::{Activations, Layout, Model, PackedBatch, check_tokens};
+
+/// The CPU backend stores F32 or BF16.
+fn unsupported_dtype(dtype: DType) -> BackendError {
+    BackendError::invalid(
+        "weight dtype",
+        format!("{dtype} storage is not supported by the CPU backend (F32, BF16)"),
+    )
+}
 
 /// The result a decode step sends back from the pool with the generator it ran on.
 type StepResult = (Generator, Result<Vec<GenOutput>>);
@@ -49,7 +58,8 @@ struct CpuSnapshot {
     data: TensorData,
 }
 
-/// Qwen3 on the CPU in f32: generation, log-probs and GRPO/SFT training.
+/// Qwen3 on the CPU: generation, log-probs and GRPO/SFT training on f32 weights, or
+/// generation and log-probs only on bf16 weights ([`CpuBackend::with_dtype`]; f32 compute).
 pub struct CpuBackend {
     /// Shared with a decode step in flight; training needs it unshared.
     model: Arc<Model<f32>>,
@@ -80,14 +90,65 @@ impl CpuBackend {
     /// steps on `threads` threads (0 = one per core). GEMMs use matrixmultiply's own threads
     /// (`MATMUL_NUM_THREADS`).
     pub fn new(cfg: &ModelConfig, w: &Weights, threads: usize) -> Result<Self> {
-        let model = Model::new(cfg, w)?;
+        Self::from_model(Model::new(cfg, w)?, threads)
+    }
+
+    /// A backend storing its weights in `dtype`: F32 (trains and generates) or BF16 (an
+    /// engine: generation, logits and log-probs with f32 compute, half the weight memory;
+    /// training calls are refused). Values are rounded to bf16 to nearest-even.
+    pub fn with_dtype(
+        cfg: &ModelConfig,
+        w: &Weights,
+        threads: usize,
+        dtype: DType,
+    ) -> Result<Self> {
+        match dtype {
+            DType::F32 => Self::new(cfg, w, threads),
+            DType::Bf16 => {
+                cfg.validate()?;
+                w.validate(cfg)?;
+                let flat: Vec<f32> = Layout::new(cfg).flatten(w)?;
+                let half = store::round_to_bf16(&flat);
+                drop(flat);
+                Self::from_model(Model::from_bf16(cfg, half)?, threads)
+            }
+            DType::F16 => Err(unsupported_dtype(dtype)),
+        }
+    }
+
+    /// A backend over a model directory (`config.json` + safetensors, single or sharded),
+    /// memory-mapped and converted tensor by tensor straight into the backend's flat storage
+    /// in `dtype` (F32 or BF16, as [`CpuBackend::with_dtype`]): no intermediate copy of the
+    /// whole model exists, and bf16 checkpoints load into a bf16 backend without conversion.
+    pub fn from_model_dir(dir: &std::path::Path, threads: usize, dtype: DType) -> Result<Self> {
+        let ck = crate::weights::mapped::MappedCheckpoint::open_dir(dir)?;
+        let cfg = ck.config().clone();
+        let layout = Layout::new(&cfg);
+        let model = match dtype {
+            DType::F32 => {
+                let flat = ck.flatten_f32(&layout)?;
+                Model::from_flat(&cfg, layout, flat)?
+            }
+            DType::Bf16 => Model::from_bf16(&cfg, ck.flatten_bf16(&layout)?)?,
+            DType::F16 => return Err(unsupported_dtype(dtype)),
+        };
+        drop(ck);
+        Self::from_model(model, threads)
+    }
+
+    fn from_model(model: Model<f32>, threads: usize) -> Result<Self> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("rolloutpipe-cpu-{i}"))
             .build()
             .map_err(|e| BackendError::Device(format!("thread pool: {e}")))?;
         Ok(Self {
-            grads: vec![0.0; model.layout.total],
+            // An engine-only bf16 backend has no gradients.
+            grads: if model.is_bf16() {
+                Vec::new()
+            } else {
+                vec![0.0; model.layout.total]
+            },
             model: Arc::new(model),
             opt: AdamState::default(),
             acts: Activations::default(),
@@ -117,6 +178,39 @@ impl CpuBackend {
         }
         self.opt = st;
         Ok(())
+    }
+
+    /// Refuses a training call on a bf16 (engine-only) backend.
+    fn trainable(&self, what: &str) -> Result<()> {
+        if self.model.is_bf16() {
+            return Err(BackendError::invalid(
+                what,
+                "this backend stores its weights in bf16 for generation only; train on an f32 backend",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Replaces every parameter with the flat f32 values `flat` (rounded to bf16 on a bf16
+    /// backend).
+    fn set_flat(&mut self, flat: Vec<f32>) -> Result<()> {
+        let m = self.model_mut("load_weights")?;
+        if m.is_bf16() {
+            let half = store::round_to_bf16(&flat);
+            drop(flat);
+            m.half = Some(store::HalfStore::new(&m.layout, half)?);
+        } else {
+            m.params = flat;
+        }
+        Ok(())
+    }
+
+    /// The parameters widened to f32 (a copy).
+    fn flat_f32(&self) -> Vec<f32> {
+        match &self.model.half {
+            Some(h) => h.data.iter().map(|x| x.to_f32()).collect(),
+            None => self.model.params.clone(),
+        }
     }
 
     /// The model for an update; refused while a decode step reads it.
@@ -212,7 +306,11 @@ impl BackendInfo for CpuBackend {
 
 impl RolloutEngine for CpuBackend {
     fn weight_dtype(&self) -> DType {
-        DType::F32
+        if self.model.is_bf16() {
+            DType::Bf16
+        } else {
+            DType::F32
+        }
     }
 
     fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
@@ -224,12 +322,22 @@ impl RolloutEngine for CpuBackend {
             && let Some(flat) = d.handle.downcast_ref::<CpuSnapshot>()
         {
             let m = self.model_mut("load_weights")?;
-            flat.data.write_f32(&mut m.params)?;
+            if m.is_bf16() {
+                // HalfStore::new checks the length.
+                let v = match &flat.data {
+                    TensorData::Bf16(v) => v.clone(),
+                    other => store::round_to_bf16(&other.to_f32()),
+                };
+                m.half = Some(store::HalfStore::new(&m.layout, v)?);
+            } else {
+                flat.data.write_f32(&mut m.params)?;
+            }
             return Ok(path);
         }
         let w = snap.host_weights(&self.model.cfg)?;
         let flat = self.model.layout.flatten(&w)?;
-        self.model_mut("load_weights")?.params = flat;
+        drop(w);
+        self.set_flat(flat)?;
         Ok(SyncPath::Host)
     }
 
@@ -365,14 +473,16 @@ impl RolloutEngine for CpuBackend {
 
 impl CpuBackend {
     fn fast_snapshot(&self, dtype: DType) -> WeightSnapshot {
+        let data = match &self.model.half {
+            Some(h) => TensorData::Bf16(h.data.clone()).to_dtype(dtype),
+            None => TensorData::from_f32(&self.model.params, dtype),
+        };
         WeightSnapshot {
             config: self.model.cfg.clone(),
             payload: SnapshotPayload::Device(DeviceSnapshot {
                 device: DeviceId::Host,
                 dtype,
-                handle: Arc::new(CpuSnapshot {
-                    data: TensorData::from_f32(&self.model.params, dtype),
-                }),
+                handle: Arc::new(CpuSnapshot { data }),
             }),
         }
     }
@@ -396,15 +506,14 @@ impl Trainer for CpuBackend {
     }
 
     fn export_weights(&self) -> Result<Weights> {
-        Ok(self.model.layout.to_weights(&self.model.params))
+        Ok(self.model.layout.to_weights(&self.flat_f32()))
     }
 
     fn import_weights(&mut self, w: &Weights) -> Result<()> {
         refuse_while_generating(self.admitted.len())?;
         w.validate(&self.model.cfg)?;
         let flat = self.model.layout.flatten(w)?;
-        self.model_mut("import_weights")?.params = flat;
-        Ok(())
+        self.set_flat(flat)
     }
 
     fn logprobs(&mut self, seqs: &[Sequence], temperature: f32) -> Result<Vec<Vec<f32>>> {
@@ -443,6 +552,7 @@ impl Trainer for CpuBackend {
     }
 
     fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats> {
+        self.trainable("accumulate")?;
         let (model, acts, grads) = (&self.model, &mut self.acts, &mut self.grads);
         // A non-finite loss is refused before the backward, leaving the sums untouched.
         let stats = self
@@ -457,6 +567,11 @@ impl Trainer for CpuBackend {
     }
 
     fn optimizer_step(&mut self, normalizer: f64, opt: &AdamW) -> Result<OptStats> {
+        self.trainable("optimizer_step")?;
+        // The step ends a round of micro-batches: their activations are not needed until the
+        // next forward, so they are released before the moments are touched (at Qwen3-0.6B
+        // size 0.7 GiB that would otherwise sit beside the four parameter-sized buffers).
+        self.acts = Activations::default();
         let groups = self.model.layout.param_groups(opt.exclude_norms_from_decay);
         let model =
             Arc::get_mut(&mut self.model).ok_or(BackendError::StepInFlight("optimizer_step"))?;
@@ -471,6 +586,7 @@ impl Trainer for CpuBackend {
     }
 
     fn gradients(&self) -> Result<Weights> {
+        self.trainable("gradients")?;
         Ok(self.model.layout.to_weights(&self.grads))
     }
 }

@@ -13,6 +13,7 @@ use rayon::prelude::*;
 
 use super::lm_head::{lm_head_logprob_bwd, lm_head_logprob_fwd};
 use super::ops::*;
+use super::store::HalfStore;
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
 use crate::optim::ParamGroup;
@@ -340,15 +341,38 @@ pub struct LayerW<'a, T> {
     pub down: &'a [T],
 }
 
+/// Weights of one layer as the forward reads them: matrices in the compute type or bf16
+/// ([`Mat`]), norm weights in the compute type.
+#[allow(missing_docs)]
+pub struct LayerFwd<'a, T> {
+    pub input_norm: &'a [T],
+    pub q: Mat<'a, T>,
+    pub k: Mat<'a, T>,
+    pub v: Mat<'a, T>,
+    pub o: Mat<'a, T>,
+    pub q_norm: &'a [T],
+    pub k_norm: &'a [T],
+    pub post_norm: &'a [T],
+    pub gate: Mat<'a, T>,
+    pub up: Mat<'a, T>,
+    pub down: Mat<'a, T>,
+}
+
 /// A Qwen3 model: config, layout, flat parameters and RoPE tables.
+///
+/// The parameters are either `params` (the compute type: trainers, f32 engines) or `half`
+/// (bf16 storage for engine-only models, see [`HalfStore`]); exactly one is non-empty. A bf16
+/// model runs every forward (generation, logits, scoring) and refuses training.
 #[derive(Debug, Clone)]
 pub struct Model<T> {
     /// Configuration.
     pub cfg: ModelConfig,
     /// Parameter layout.
     pub layout: Layout,
-    /// Flat parameters.
+    /// Flat parameters (empty when `half` holds them).
     pub params: Vec<T>,
+    /// bf16 storage of the flat parameters, for engine-only models.
+    pub half: Option<HalfStore<T>>,
     /// RoPE tables for every position up to `max_position_embeddings`.
     pub rope: RopeTable<T>,
 }
@@ -360,15 +384,111 @@ impl<T: Float> Model<T> {
         w.validate(cfg)?;
         let layout = Layout::new(cfg);
         let params = layout.flatten(w)?;
+        Self::from_flat(cfg, layout, params)
+    }
+
+    /// A model over already flattened parameters in the layout of `cfg` (values not checked).
+    pub fn from_flat(cfg: &ModelConfig, layout: Layout, params: Vec<T>) -> Result<Self> {
+        cfg.validate()?;
+        if params.len() != layout.total {
+            return Err(BackendError::shape(
+                "parameters",
+                layout.total,
+                params.len(),
+            ));
+        }
         Ok(Self {
             rope: RopeTable::new(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings),
             cfg: cfg.clone(),
             layout,
             params,
+            half: None,
         })
     }
 
-    /// The weights of layer `l`.
+    /// An engine-only model storing its flat parameters (the layout of `cfg`) in bf16.
+    pub fn from_bf16(cfg: &ModelConfig, data: Vec<half::bf16>) -> Result<Self> {
+        cfg.validate()?;
+        let layout = Layout::new(cfg);
+        let half = HalfStore::new(&layout, data)?;
+        Ok(Self {
+            rope: RopeTable::new(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings),
+            cfg: cfg.clone(),
+            layout,
+            params: Vec::new(),
+            half: Some(half),
+        })
+    }
+
+    /// Whether the parameters are stored in bf16 (engine-only).
+    pub fn is_bf16(&self) -> bool {
+        self.half.is_some()
+    }
+
+    /// Bytes of parameter storage.
+    pub fn param_bytes(&self) -> usize {
+        match &self.half {
+            Some(h) => h.bytes(),
+            None => self.params.len() * std::mem::size_of::<T>(),
+        }
+    }
+
+    /// The tensor at `off..off + len` as the forward reads it.
+    fn mat(&self, off: usize, len: usize) -> Mat<'_, T> {
+        match &self.half {
+            Some(h) => Mat::Bf16(&h.data[off..off + len]),
+            None => Mat::Full(&self.params[off..off + len]),
+        }
+    }
+
+    /// The 1-D tensor at `off..off + len` in the compute type.
+    fn small(&self, off: usize, len: usize) -> &[T] {
+        match &self.half {
+            Some(h) => h.small(off, len),
+            None => &self.params[off..off + len],
+        }
+    }
+
+    /// The weights of layer `l` as the forward reads them (any storage).
+    pub fn layer_fwd(&self, l: usize) -> LayerFwd<'_, T> {
+        let c = &self.cfg;
+        let o = &self.layout.layers[l];
+        let (d, f, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
+        LayerFwd {
+            input_norm: self.small(o.input_norm, d),
+            q: self.mat(o.q, c.q_dim() * d),
+            k: self.mat(o.k, c.kv_dim() * d),
+            v: self.mat(o.v, c.kv_dim() * d),
+            o: self.mat(o.o, d * c.q_dim()),
+            q_norm: self.small(o.q_norm, hd),
+            k_norm: self.small(o.k_norm, hd),
+            post_norm: self.small(o.post_norm, d),
+            gate: self.mat(o.gate, f * d),
+            up: self.mat(o.up, f * d),
+            down: self.mat(o.down, d * f),
+        }
+    }
+
+    /// `[vocab, hidden]` embedding as the forward reads it.
+    pub fn embed_fwd(&self) -> Mat<'_, T> {
+        self.mat(
+            self.layout.embed,
+            self.cfg.vocab_size * self.cfg.hidden_size,
+        )
+    }
+
+    /// `[vocab, hidden]` output projection as the forward reads it.
+    pub fn lm_head_fwd(&self) -> Mat<'_, T> {
+        self.mat(
+            self.layout.lm_head,
+            self.cfg.vocab_size * self.cfg.hidden_size,
+        )
+    }
+
+    /// The weights of layer `l` in the compute type (training).
+    ///
+    /// # Panics
+    /// On a bf16 model ([`Model::is_bf16`]), which has no compute-type copy.
     pub fn layer(&self, l: usize) -> LayerW<'_, T> {
         let c = &self.cfg;
         let o = &self.layout.layers[l];
@@ -403,7 +523,7 @@ impl<T: Float> Model<T> {
 
     /// `[hidden]` final norm weight.
     pub fn final_norm(&self) -> &[T] {
-        &self.params[self.layout.final_norm..self.layout.final_norm + self.cfg.hidden_size]
+        self.small(self.layout.final_norm, self.cfg.hidden_size)
     }
 
     /// Forward pass over a packed batch; leaves the full logits of `b.rows` in `a.logits` (for
@@ -415,7 +535,7 @@ impl<T: Float> Model<T> {
         self.forward_hidden(b, a);
         let (m, d, v) = (b.rows.len(), self.cfg.hidden_size, self.cfg.vocab_size);
         fit(&mut a.logits, m * v);
-        matmul_fwd(&mut a.logits, &a.hsel, self.lm_head(), m, d, v);
+        matmul_fwd(&mut a.logits, &a.hsel, self.lm_head_fwd(), m, d, v);
     }
 
     /// Forward pass to the log-probs of `b.targets` at `temperature`: leaves them, the entropy
@@ -438,7 +558,7 @@ impl<T: Float> Model<T> {
             &mut a.entropy,
             &mut a.lse,
             &a.hsel,
-            self.lm_head(),
+            self.lm_head_fwd(),
             &b.targets,
             m,
             d,
@@ -469,10 +589,10 @@ impl<T: Float> Model<T> {
             att_total += h * s.len();
         }
         fit(&mut a.resid[0], n * d);
-        embedding_fwd(&mut a.resid[0], &b.ids, self.embed(), d);
+        embedding_fwd(&mut a.resid[0], &b.ids, self.embed_fwd(), d);
         fit(&mut a.tmp, n * d);
         for l in 0..nl {
-            let w = self.layer(l);
+            let w = self.layer_fwd(l);
             let (lo, hi) = a.resid.split_at_mut(l + 1);
             let (x_in, x_out) = (&lo[l], &mut hi[0]);
             let la = &mut a.layers[l];
@@ -601,7 +721,8 @@ impl<T: Float> Model<T> {
     /// selected rows' log-probs `a.logp` is `dlogp` into `grads` (flat, same layout).
     ///
     /// # Panics
-    /// When `dlogp` or `grads` are shorter than the batch and layout require.
+    /// When `dlogp` or `grads` are shorter than the batch and layout require, or on a bf16
+    /// model ([`Model::accumulate`] refuses those with an error).
     pub fn backward(
         &self,
         b: &PackedBatch,
@@ -830,7 +951,7 @@ impl<T: Float> Model<T> {
     /// with the forward's own ops and saved rstd values, so they are bit-identical.
     fn recompute(&self, la: &mut LayerActs<T>, x_in: &[T], b: &PackedBatch, l: usize) {
         let c = &self.cfg;
-        let w = self.layer(l);
+        let w = self.layer_fwd(l);
         let (n, d, f) = (b.ids.len(), c.hidden_size, c.intermediate_size);
         let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let eps = c.rms_norm_eps;
@@ -866,6 +987,12 @@ impl<T: Float> Model<T> {
         grads: Option<&mut [T]>,
     ) -> Result<AccumStats> {
         validate_train_batch(&self.cfg, batch, obj)?;
+        if grads.is_some() && self.is_bf16() {
+            return Err(BackendError::invalid(
+                "training",
+                "this model stores its weights in bf16 for generation only; train on f32 weights",
+            ));
+        }
         if let Some(g) = &grads
             && g.len() != self.layout.total
         {

@@ -10,6 +10,7 @@
 //! same ones). Shapes use `n` rows (tokens), `d`/`din`/`dout` widths, `h` query heads, `kvh`
 //! key/value heads, `hd` head width, `v` vocabulary.
 
+use half::bf16;
 use std::fmt::Debug;
 use std::ops::{Add, AddAssign, Div, DivAssign, Mul, MulAssign, Neg, Sub, SubAssign};
 
@@ -59,6 +60,9 @@ pub trait Float:
     /// `out[n, dout] = x[n, din]·wᵀ` (the forward product; f32 uses the batch-invariant SIMD
     /// kernel of `cpu::kernel`, f64 the GEMM).
     fn matmul_nt(out: &mut [Self], x: &[Self], w: &[Self], n: usize, din: usize, dout: usize);
+    /// The same product with bf16 weights, bit-identical to [`Float::matmul_nt`] on the
+    /// weights widened to `Self` (f32: `cpu::kernel::matmul_nt_bf16`).
+    fn matmul_nt_bf16(out: &mut [Self], x: &[Self], w: &[bf16], n: usize, din: usize, dout: usize);
     /// `C ← α·A·B + β·C` with element strides, as `matrixmultiply::{s,d}gemm`.
     ///
     /// # Safety
@@ -84,8 +88,18 @@ pub trait Float:
 }
 
 macro_rules! impl_float {
-    ($t:ty, $gemm:path, $nt:path) => {
+    ($t:ty, $gemm:path, $nt:path, $nt16:path) => {
         impl Float for $t {
+            fn matmul_nt_bf16(
+                out: &mut [Self],
+                x: &[Self],
+                w: &[bf16],
+                n: usize,
+                din: usize,
+                dout: usize,
+            ) {
+                $nt16(out, x, w, n, din, dout)
+            }
             fn matmul_nt(
                 out: &mut [Self],
                 x: &[Self],
@@ -164,9 +178,63 @@ macro_rules! impl_float {
 impl_float!(
     f32,
     matrixmultiply::sgemm,
-    crate::cpu::kernel::matmul_nt_f32
+    crate::cpu::kernel::matmul_nt_f32,
+    crate::cpu::kernel::matmul_nt_bf16
 );
-impl_float!(f64, matrixmultiply::dgemm, gemm_nt_fallback);
+impl_float!(
+    f64,
+    matrixmultiply::dgemm,
+    gemm_nt_fallback,
+    widened_nt_fallback
+);
+
+/// `out = x·widen(w)ᵀ` for bf16 weights through the GEMM (f64 models).
+fn widened_nt_fallback<T: Float>(
+    out: &mut [T],
+    x: &[T],
+    w: &[bf16],
+    n: usize,
+    din: usize,
+    dout: usize,
+) {
+    let wide: Vec<T> = w[..dout * din]
+        .iter()
+        .map(|v| T::from_f64(v.to_f64()))
+        .collect();
+    gemm_nt_fallback(out, x, &wide, n, din, dout);
+}
+
+/// A weight matrix (or a tensor the forward reads) in the compute type or in bf16: engines
+/// store their weights in bf16 and the kernel widens them in registers (exact).
+#[derive(Debug, Clone, Copy)]
+pub enum Mat<'a, T> {
+    /// Values in the compute type.
+    Full(&'a [T]),
+    /// bf16 values.
+    Bf16(&'a [bf16]),
+}
+
+impl<'a, T> Mat<'a, T> {
+    /// The elements `r`.
+    pub fn slice(self, r: std::ops::Range<usize>) -> Self {
+        match self {
+            Mat::Full(w) => Mat::Full(&w[r]),
+            Mat::Bf16(w) => Mat::Bf16(&w[r]),
+        }
+    }
+}
+
+impl<'a, T> From<&'a [T]> for Mat<'a, T> {
+    fn from(w: &'a [T]) -> Self {
+        Mat::Full(w)
+    }
+}
+
+impl<'a, T> From<&'a Vec<T>> for Mat<'a, T> {
+    fn from(w: &'a Vec<T>) -> Self {
+        Mat::Full(w)
+    }
+}
 
 /// Highest element index + 1 that a `rows × cols` operand with these strides touches.
 fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
@@ -247,10 +315,23 @@ fn dot<T: Float>(a: &[T], b: &[T]) -> T {
 }
 
 /// `out[n, d] = table[ids[t], :]`. `table` is `[vocab, d]`; ids must be below vocab.
-pub fn embedding_fwd<T: Float>(out: &mut [T], ids: &[u32], table: &[T], d: usize) {
+pub fn embedding_fwd<'a, T: Float>(
+    out: &mut [T],
+    ids: &[u32],
+    table: impl Into<Mat<'a, T>>,
+    d: usize,
+) {
+    let table = table.into();
     for (row, &id) in out.chunks_exact_mut(d).zip(ids) {
         let id = id as usize;
-        row.copy_from_slice(&table[id * d..(id + 1) * d]);
+        match table {
+            Mat::Full(t) => row.copy_from_slice(&t[id * d..(id + 1) * d]),
+            Mat::Bf16(t) => {
+                for (o, x) in row.iter_mut().zip(&t[id * d..(id + 1) * d]) {
+                    *o = T::from_f64(x.to_f64());
+                }
+            }
+        }
     }
 }
 
@@ -315,9 +396,20 @@ pub fn rmsnorm_bwd<T: Float>(
 }
 
 /// `out[n, dout] = x[n, din] · wᵀ` with `w` stored `[dout, din]` (torch's Linear, no bias).
-/// In f32 each output element's bits do not depend on `n` (see `cpu::kernel`).
-pub fn matmul_fwd<T: Float>(out: &mut [T], x: &[T], w: &[T], n: usize, din: usize, dout: usize) {
-    T::matmul_nt(out, x, w, n, din, dout);
+/// In f32 each output element's bits do not depend on `n` (see `cpu::kernel`); bf16 weights
+/// give the bits of their f32 widening.
+pub fn matmul_fwd<'a, T: Float>(
+    out: &mut [T],
+    x: &[T],
+    w: impl Into<Mat<'a, T>>,
+    n: usize,
+    din: usize,
+    dout: usize,
+) {
+    match w.into() {
+        Mat::Full(w) => T::matmul_nt(out, x, w, n, din, dout),
+        Mat::Bf16(w) => T::matmul_nt_bf16(out, x, w, n, din, dout),
+    }
 }
 
 /// `out = x·wᵀ` through matrixmultiply (f64, and f32 without AVX2+FMA).
