@@ -33,6 +33,8 @@ head_dim = 16
 steps = 20
 batch = 16
 lr = 1e-2
+# The default's carry-dropping teacher is for the main job; these tests check mechanics.
+carry_drop = 0.0
 [rl]
 batch_groups = 4
 group_size = 4
@@ -174,6 +176,7 @@ fn every_bad_input_is_one_line_without_a_panic() {
         ("model.hidden_size=100000000000", "model."),
         ("model.layers=100000000000", "model."),
         ("rl.lr=nan", "rl.lr"),
+        ("sft.carry_drop=2", "sft.carry_drop"),
         ("rl.lr=-1.0", "rl.lr"),
         ("rl.weight_decay=-0.1", "rl.weight_decay"),
         ("rl.max_grad_norm=-1.0", "rl.max_grad_norm"),

@@ -106,6 +106,11 @@ pub struct Args {
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Responses sampled per problem (needs --temperature > 0 when above 1): the report adds
+    /// `pass_at_k`, the fraction of problems with at least one correct response among them, and
+    /// `accuracy` is the mean over all responses.
+    #[arg(long, default_value_t = 1)]
+    pub samples: usize,
     /// Most generated tokens per problem.
     #[arg(long, default_value_t = 48)]
     pub max_tokens: usize,
@@ -139,6 +144,8 @@ pub struct EvalReport {
     pub mean_tokens: f64,
     /// The first few problems with the model's response and verdict.
     pub examples: Vec<serde_json::Value>,
+    /// Whether each problem's response was verified correct, in problem order.
+    pub correct_each: Vec<bool>,
 }
 
 impl EvalReport {
@@ -183,6 +190,7 @@ pub fn evaluate(
         mean_reward: 0.0,
         mean_tokens: 0.0,
         examples: Vec::new(),
+        correct_each: Vec::with_capacity(problems.len()),
     };
     let mut reward_sum = 0.0f64;
     let mut token_sum = 0usize;
@@ -203,6 +211,7 @@ pub fn evaluate(
         };
         reward_sum += f64::from(reward);
         token_sum += out.tokens.len();
+        report.correct_each.push(verdict.is_correct());
         match &verdict {
             Verdict::Correct => report.correct += 1,
             Verdict::Malformed(_) => report.malformed += 1,
@@ -236,9 +245,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     anyhow::ensure!(args.concurrency >= 1, "--concurrency must be at least 1");
     anyhow::ensure!(args.max_tokens >= 1, "--max-tokens must be at least 1");
+    anyhow::ensure!(args.samples >= 1, "--samples must be at least 1");
+    anyhow::ensure!(
+        args.samples == 1 || args.temperature > 0.0,
+        "--samples {} with --temperature 0: greedy responses are all the same; give a temperature",
+        args.samples
+    );
     crate::limits::finite_nonneg("--temperature", f64::from(args.temperature))?;
     // A generated problem, its prompt ids and its report entry: well under 1 KiB each.
     crate::limits::check_fits("--n", args.n as u128, 1024)?;
+    crate::limits::check_fits(
+        "--n x --samples",
+        args.n as u128 * args.samples as u128,
+        1024,
+    )?;
     args.task.check()?;
     let task = task_by_name(&args.task.task, &args.task.options())?;
     // Every report names the distribution its accuracy was measured on.
@@ -312,27 +332,37 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ..SamplingParams::default()
     };
     let start = std::time::Instant::now();
+    // Each problem `samples` times in a row; every response gets its own sampling seed.
+    let k = args.samples;
+    let sampled: Vec<Problem> = problems
+        .iter()
+        .flat_map(|p| std::iter::repeat_n(p.clone(), k))
+        .collect();
     let report = evaluate(
         be.as_mut(),
         tok.as_ref(),
         task.as_ref(),
-        &problems,
+        &sampled,
         &params,
         args.concurrency,
         true,
     )?;
+    let pass_at_k = pass_at_k(&report.correct_each, k);
     let value = json!({
         "task": task.name(),
         "split": if args.data.is_some() { "data" } else if args.uniform { "uniform" } else { "held-out" },
         "distribution": distribution,
         "data": args.data,
-        "n": report.n,
+        "n": problems.len(),
+        "responses": report.n,
         "correct": report.correct,
         "accuracy": report.accuracy(),
         "malformed": report.malformed,
         "mean_reward": report.mean_reward,
         "mean_tokens": report.mean_tokens,
         "temperature": args.temperature,
+        "samples": k,
+        "pass_at_k": pass_at_k,
         "seed": args.seed,
         "seconds": start.elapsed().as_secs_f64(),
         "examples": report.examples,
@@ -342,4 +372,34 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     println!("{}", serde_json::to_string_pretty(&value)?);
     Ok(())
+}
+
+/// Fraction of problems with at least one correct response, `correct` holding `k` verdicts per
+/// problem in a row.
+pub fn pass_at_k(correct: &[bool], k: usize) -> f64 {
+    let k = k.max(1);
+    let problems = correct.len() / k;
+    if problems == 0 {
+        return 0.0;
+    }
+    let solved = correct
+        .chunks(k)
+        .filter(|c| c.len() == k && c.iter().any(|&x| x))
+        .count();
+    solved as f64 / problems as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pass_at_k;
+
+    #[test]
+    fn pass_at_k_counts_problems_with_any_correct_response() {
+        let c = [false, true, false, false, false, false, true, true];
+        // Pairs: [f t] [f f] [f f] [t t]; fours: [f t f f] [f f t t].
+        assert_eq!(pass_at_k(&c, 2), 0.5);
+        assert_eq!(pass_at_k(&c, 4), 1.0);
+        assert_eq!(pass_at_k(&c, 1), 3.0 / 8.0);
+        assert_eq!(pass_at_k(&[], 8), 0.0);
+    }
 }

@@ -140,7 +140,7 @@ fn commutative_key(a: u128, b: u128, op: char) -> String {
 }
 
 /// Operands of a prompt `"{a}{op}{b}="`, if it has that shape.
-fn parse_operands(prompt: &str, op: char) -> Option<(u128, u128)> {
+pub(crate) fn parse_operands(prompt: &str, op: char) -> Option<(u128, u128)> {
     let body = prompt.strip_suffix('=')?;
     let (a, b) = body.split_once(op)?;
     Some((a.parse().ok()?, b.parse().ok()?))

@@ -20,6 +20,7 @@ mod arith;
 mod countdown;
 mod jsonl;
 mod split;
+mod teacher;
 pub mod tokenizer;
 
 use std::fmt;
@@ -31,6 +32,7 @@ pub use arith::{AddTask, MulTask, uniform_problems};
 pub use countdown::{CountdownTask, eval_countdown_expr};
 pub use jsonl::{JsonlKeys, load_jsonl, load_jsonl_with, parse_jsonl, parse_jsonl_with};
 pub use split::{Split, split_of};
+pub use teacher::{apply_carry_dropping_teacher, carry_dropping_sum};
 pub use tokenizer::{CharTokenizer, HfTokenizer, Tokenizer, TokenizerError};
 
 /// One problem: what the model is shown, a reference answer, and task-specific data

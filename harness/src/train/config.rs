@@ -198,6 +198,11 @@ pub struct SftSection {
     /// problems to RL.
     #[serde(default)]
     pub digits: u32,
+    /// `add`: the SFT targets come from an imperfect teacher that forgets each carry with this
+    /// probability (0 = the true answers). RL's reward and every evaluation use the true answers,
+    /// so the warm start is deliberately flawed and RL has something to correct.
+    #[serde(default)]
+    pub carry_drop: f64,
 }
 
 /// How `logπ_old` is obtained.
@@ -459,6 +464,21 @@ impl TrainConfig {
         if self.sft.steps > 0 {
             finite_positive("sft.lr", self.sft.lr)?;
         }
+        let drop = self.sft.carry_drop;
+        ensure!(
+            drop.is_finite() && (0.0..=1.0).contains(&drop),
+            "sft.carry_drop = {drop} must be a probability in 0..=1"
+        );
+        ensure!(
+            drop == 0.0 || (self.task.name == "add" && self.task.jsonl.as_os_str().is_empty()),
+            "sft.carry_drop applies to the generated add task only (task.name = {:?}{})",
+            self.task.name,
+            if self.task.jsonl.as_os_str().is_empty() {
+                ""
+            } else {
+                " with task.jsonl"
+            }
+        );
         // Sizes. Per-item costs are generous upper bounds of what the run keeps per item.
         let m = &self.model;
         if m.dir.as_os_str().is_empty() {
@@ -689,6 +709,17 @@ mod tests {
         );
         let bad = c.with_overrides(&["run.backend=cuda".into()]).unwrap();
         assert!(bad.validate().unwrap_err().to_string().contains("cuda"));
+        for (set, says) in [
+            (vec!["sft.carry_drop=1.5"], "probability"),
+            (vec!["sft.carry_drop=-0.1"], "probability"),
+            (vec!["sft.carry_drop=0.5", "task.name=mul"], "add task only"),
+        ] {
+            let set: Vec<String> = set.into_iter().map(Into::into).collect();
+            let e = c.with_overrides(&set).unwrap().validate().unwrap_err();
+            assert!(e.to_string().contains(says), "{set:?}: {e}");
+        }
+        let ok = c.with_overrides(&["sft.carry_drop=1".into()]).unwrap();
+        ok.validate().unwrap();
     }
 
     #[test]

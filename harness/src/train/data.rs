@@ -11,8 +11,8 @@ use rolloutpipe_backends::{
 
 use super::config::TrainConfig;
 use crate::tasks::{
-    Problem, Split, Task, TaskOptions, Tokenizer, generate, load_jsonl_with, split_of,
-    task_by_name, uniform_test_set,
+    Problem, Split, Task, TaskOptions, Tokenizer, apply_carry_dropping_teacher, generate,
+    load_jsonl_with, split_of, task_by_name, uniform_test_set,
 };
 
 /// Training problems drawn in a fixed order; `pos` is the data position of a checkpoint.
@@ -124,7 +124,17 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
         } else {
             task.clone()
         };
-        let sft = generate(sft_task.as_ref(), seed ^ 0x5F7_5EED, Split::Train, n_sft)?;
+        let mut sft = generate(sft_task.as_ref(), seed ^ 0x5F7_5EED, Split::Train, n_sft)?;
+        if cfg.sft.carry_drop > 0.0 {
+            let wrong =
+                apply_carry_dropping_teacher(&mut sft, cfg.sft.carry_drop, t.reverse, seed)?;
+            tracing::info!(
+                carry_drop = cfg.sft.carry_drop,
+                wrong,
+                of = sft.len(),
+                "SFT targets from the carry-dropping teacher"
+            );
+        }
         (train, held, sft)
     } else {
         let keys = crate::tasks::JsonlKeys {
