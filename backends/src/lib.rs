@@ -30,6 +30,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod grpo;
+pub mod loss_inputs;
 pub mod optim;
 pub mod seam;
 pub mod weights;

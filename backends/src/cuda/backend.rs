@@ -8,10 +8,11 @@ use super::generate::Generator;
 use super::layout::Packed;
 use super::model::{self, Acts, DeviceModel, ensure_acts, upload_packed};
 use super::ops::{self, LossBufs};
-use super::plan::{self, AdamScalars, flags};
+use super::plan::{self, AdamScalars};
 use crate::config::ModelConfig;
 use crate::cpu::model::{Layout, check_sequence, check_tokens, validate_train_batch};
 use crate::error::{BackendError, Result};
+use crate::loss_inputs::LossInputs;
 use crate::optim::AdamState;
 use crate::seam::*;
 use crate::weights::Weights;
@@ -415,34 +416,13 @@ impl Trainer for CudaBackend {
             .collect();
         let b = Packed::scored(&pairs);
         let (n, m) = (b.ids.len(), b.rows.len());
-        let (mut old, mut refp, mut adv, mut wts, mut fl) = (
-            Vec::with_capacity(m),
-            Vec::with_capacity(m),
-            Vec::with_capacity(m),
-            Vec::with_capacity(m),
-            Vec::with_capacity(m),
-        );
-        for s in &batch.sequences {
-            let r = s.response.len();
-            let mut f = flags::SCORED;
-            match &s.old_logprobs {
-                Some(o) => {
-                    old.extend_from_slice(o);
-                    f |= flags::HAS_OLD;
-                }
-                None => old.extend(std::iter::repeat_n(0.0f32, r)),
-            }
-            match &s.ref_logprobs {
-                Some(x) => {
-                    refp.extend_from_slice(x);
-                    f |= flags::HAS_REF;
-                }
-                None => refp.extend(std::iter::repeat_n(0.0f32, r)),
-            }
-            adv.extend(std::iter::repeat_n(s.advantage as f32, r));
-            wts.extend(std::iter::repeat_n(s.weight as f32, r));
-            fl.extend(std::iter::repeat_n(f, r));
-        }
+        let LossInputs {
+            old,
+            refp,
+            adv,
+            wts,
+            flags: fl,
+        } = LossInputs::from_batch(batch, m);
         self.forward(&b)?;
         let a = self.acts()?;
         a.old.write(0, &old)?;

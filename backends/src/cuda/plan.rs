@@ -262,15 +262,8 @@ impl AdamScalars {
     }
 }
 
-/// Per-token flags of the loss kernels (`grpo_loss_fwd.ptx`).
-pub mod flags {
-    /// A scored token (others are skipped).
-    pub const SCORED: u32 = 1;
-    /// `old_logp` holds a stored value (else old = logp, ratio 1).
-    pub const HAS_OLD: u32 = 2;
-    /// `ref_logp` holds a stored value (else ref = logp, KL 0).
-    pub const HAS_REF: u32 = 4;
-}
+/// Per-token flag bits of the loss kernels (shared by every device backend).
+pub use crate::loss_inputs::flags;
 
 /// The loss kernels' scalar arguments: `(objective, lo, hi, beta)`, objective 0 = GRPO,
 /// 1 = SFT; `lo = 1 - eps_low` and `hi = 1 + eps_high` in f64, rounded once.

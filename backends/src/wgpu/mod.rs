@@ -43,6 +43,7 @@ pub use gpu::{Exec, Gpu};
 use crate::config::ModelConfig;
 use crate::cpu::model::{Layout, check_sequence, check_tokens, validate_train_batch};
 use crate::error::{BackendError, Result};
+use crate::loss_inputs::LossInputs;
 use crate::optim::AdamState;
 use crate::seam::*;
 use crate::weights::Weights;
@@ -50,7 +51,7 @@ use generate::Generator;
 use model::{
     Acts, DeviceModel, Packed, encode_backward, encode_forward, ensure_acts, upload_packed,
 };
-use ops::{AdamScalars, Loss, flags};
+use ops::{AdamScalars, Loss};
 
 /// Largest `head_dim` the attention kernels support (each of 64 threads owns ≤ 4 dims).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -538,34 +539,13 @@ impl Trainer for WgpuBackend {
             .collect();
         let b = Packed::scored(&pairs);
         let (n, m) = (b.ids.len(), b.rows.len());
-        let (mut old, mut refp, mut adv, mut wts, mut fl) = (
-            Vec::with_capacity(m),
-            Vec::with_capacity(m),
-            Vec::with_capacity(m),
-            Vec::with_capacity(m),
-            Vec::with_capacity(m),
-        );
-        for s in &batch.sequences {
-            let r = s.response.len();
-            let mut f = flags::SCORED;
-            match &s.old_logprobs {
-                Some(o) => {
-                    old.extend_from_slice(o);
-                    f |= flags::HAS_OLD;
-                }
-                None => old.extend(std::iter::repeat_n(0.0f32, r)),
-            }
-            match &s.ref_logprobs {
-                Some(x) => {
-                    refp.extend_from_slice(x);
-                    f |= flags::HAS_REF;
-                }
-                None => refp.extend(std::iter::repeat_n(0.0f32, r)),
-            }
-            adv.extend(std::iter::repeat_n(s.advantage as f32, r));
-            wts.extend(std::iter::repeat_n(s.weight as f32, r));
-            fl.extend(std::iter::repeat_n(f, r));
-        }
+        let LossInputs {
+            old,
+            refp,
+            adv,
+            wts,
+            flags: fl,
+        } = LossInputs::from_batch(batch, m);
         self.forward(&b)?;
         let a = self
             .acts

@@ -342,15 +342,8 @@ pub fn logprob_bwd(
     );
 }
 
-/// Per-token flag bits of the loss kernels.
-pub mod flags {
-    /// The token is scored.
-    pub const SCORED: u32 = 1;
-    /// `old_logp` holds a value (else the current log-prob, detached).
-    pub const HAS_OLD: u32 = 2;
-    /// `ref_logp` holds a value (else the current log-prob: no KL).
-    pub const HAS_REF: u32 = 4;
-}
+/// Per-token flag bits of the loss kernels (shared by every device backend).
+pub use crate::loss_inputs::flags;
 
 /// The objective of the loss kernels.
 #[derive(Debug, Clone, Copy, PartialEq)]
