@@ -312,3 +312,29 @@ fn backend_cuda_without_a_driver_is_one_line() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `train --backend cuda` where CUDA cannot run (a build without the feature, or no driver):
+/// one line naming the cause, before any SFT work, and no panic.
+#[test]
+fn train_backend_cuda_without_a_driver_is_one_line() {
+    if rolloutpipe_backends::cuda::availability().is_none() {
+        eprintln!("SKIP: this machine has a usable CUDA device");
+        return;
+    }
+    let dir = tempdir("train-cuda");
+    let err = run_err(
+        bin()
+            .args(["train", "--backend", "cuda", "--out"])
+            .arg(dir.join("run"))
+            .args(["--set", "run.steps=1"]),
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("run.backend \"cuda\": "), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    if cfg!(feature = "cuda") {
+        assert!(err.contains("CUDA driver"), "{err}");
+    } else {
+        assert!(err.contains("--features cuda"), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -15,7 +15,7 @@ pub struct Args {
     /// Overrides one value: `section.key=value` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
-    /// Backend of the engines and the trainer: cpu or wgpu (overrides run.backend).
+    /// Backend of the engines and the trainer: cpu, wgpu or cuda (overrides run.backend).
     #[arg(long)]
     pub backend: Option<String>,
     /// Scheduling mode: sync, cgp, rolloutpipe or one-step-off (overrides run.mode).
@@ -180,8 +180,8 @@ mod tests {
                 .contains("unknown mode")
         );
         let mut a = args();
-        a.backend = Some("cuda".into());
-        assert!(resolve(&a).unwrap_err().to_string().contains("cuda"));
+        a.backend = Some("tpu".into());
+        assert!(resolve(&a).unwrap_err().to_string().contains("tpu"));
     }
 
     #[test]

@@ -90,7 +90,8 @@ pub struct RunSection {
     pub steps: u32,
     /// Scheduling mode.
     pub mode: Mode,
-    /// `cpu` or `wgpu`.
+    /// `cpu`, `wgpu` or `cuda` (the last two need their cargo features; `cuda` also an NVIDIA
+    /// driver at run time).
     pub backend: String,
     /// Run directory.
     pub out: PathBuf,
@@ -362,8 +363,8 @@ impl TrainConfig {
         ensure!(r.steps > 0, "run.steps must be at least 1");
         self.validate_numbers()?;
         ensure!(
-            r.backend == "cpu" || r.backend == "wgpu",
-            "run.backend {:?} is not one of cpu, wgpu",
+            matches!(r.backend.as_str(), "cpu" | "wgpu" | "cuda"),
+            "run.backend {:?} is not one of cpu, wgpu, cuda",
             r.backend
         );
         ensure!(
@@ -707,8 +708,13 @@ mod tests {
                 .to_string()
                 .contains("engines >= 2")
         );
-        let bad = c.with_overrides(&["run.backend=cuda".into()]).unwrap();
-        assert!(bad.validate().unwrap_err().to_string().contains("cuda"));
+        let bad = c.with_overrides(&["run.backend=tpu".into()]).unwrap();
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("\"tpu\" is not one of cpu, wgpu, cuda")
+        );
         for (set, says) in [
             (vec!["sft.carry_drop=1.5"], "probability"),
             (vec!["sft.carry_drop=-0.1"], "probability"),

@@ -29,7 +29,7 @@ use super::data::{self, DataSource};
 use super::guard::{self, RunOptions};
 use super::workers::{
     EngineCmd, Event, GroupBatch, Sample, TrainCmd, TrainerReply, TrainerSetup, VerifyJob,
-    engine_thread, make_engine, make_trainer, trainer_thread, verifier_thread,
+    check_backend, engine_thread, make_engine, make_trainer, trainer_thread, verifier_thread,
 };
 use crate::plot::{self, GanttRow, Series, Span};
 use crate::rundir::save_model;
@@ -227,6 +227,7 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
 pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Result<RunOutcome> {
     let resume = opts.resume;
     cfg.validate()?;
+    check_backend(&cfg.run.backend)?;
     // Held until the run returns: a second writer of `out` is refused meanwhile.
     let _lock = guard::prepare(cfg, out, opts)?;
     let started = Instant::now();

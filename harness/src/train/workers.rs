@@ -73,6 +73,26 @@ pub fn make_engine(
     Ok(EngineBackend(b))
 }
 
+/// Refuses, before any work, a backend this binary or machine cannot run: `wgpu` without its
+/// feature, `cuda` without its feature or without a loadable NVIDIA driver.
+pub fn check_backend(name: &str) -> anyhow::Result<()> {
+    match name {
+        "wgpu" if !cfg!(feature = "wgpu") => make_wgpu_unavailable(),
+        "cuda" => match rolloutpipe_backends::cuda::availability() {
+            Some(why) => anyhow::bail!("run.backend \"cuda\": {why}"),
+            None => Ok(()),
+        },
+        _ => Ok(()),
+    }
+}
+
+fn make_wgpu_unavailable() -> anyhow::Result<()> {
+    anyhow::bail!(
+        "the wgpu backend is not built into this binary; rebuild with `--features wgpu` \
+         (it is a default feature) or use --backend cpu"
+    )
+}
+
 /// Builds a backend by name in both roles; callers keep the role they need.
 fn make_backend(
     name: &str,
@@ -83,7 +103,8 @@ fn make_backend(
     match name {
         "cpu" => Ok(Box::new(CpuBackend::new(cfg, w, threads)?)),
         "wgpu" => make_wgpu(cfg, w),
-        other => anyhow::bail!("unknown backend {other:?}; valid: cpu, wgpu"),
+        "cuda" => make_cuda(cfg, w),
+        other => anyhow::bail!("unknown backend {other:?}; valid: cpu, wgpu, cuda"),
     }
 }
 
@@ -101,6 +122,30 @@ fn make_wgpu(_cfg: &ModelConfig, _w: &Weights) -> anyhow::Result<Box<dyn Policy>
         "the wgpu backend is not built into this binary; rebuild with `--features wgpu` \
          (it is a default feature) or use --backend cpu"
     )
+}
+
+/// The CUDA backend on device 0. Without the `cuda` feature, or without a loadable NVIDIA
+/// driver, this is the one-line reason (never a panic: cudarc panics when no driver loads, so
+/// availability is checked first).
+fn make_cuda(cfg: &ModelConfig, w: &Weights) -> anyhow::Result<Box<dyn Policy>> {
+    #[cfg(feature = "cuda")]
+    {
+        use anyhow::Context;
+        if let Some(why) = rolloutpipe_backends::cuda::availability() {
+            anyhow::bail!("run.backend \"cuda\": {why}");
+        }
+        let b = rolloutpipe_backends::cuda::CudaBackend::new(cfg, w, 0)
+            .context("starting the CUDA backend")?;
+        Ok(Box::new(b))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (cfg, w);
+        anyhow::bail!(
+            "run.backend \"cuda\": {}",
+            rolloutpipe_backends::cuda::availability().unwrap_or_default()
+        )
+    }
 }
 
 /// One generated, scored response.
