@@ -3,14 +3,42 @@
 # tests need (Vulkan on the CPU through Mesa's lavapipe, the nightly
 # toolchain's rust-src and miri for the no-alloc build and Miri), then runs
 # `cargo test` for the whole workspace and each extra check in scripts/ci.d/.
+#
+# The core's proofs (scripts/ci.d/core.sh: Miri and the bounded fuzz run are single-threaded)
+# run in the background beside the rest, so the second core is not idle while they interpret;
+# their log is printed when they end, and their failure fails the whole run. Each part prints
+# how long it took, so the CI budget (30 minutes on 2 cores) can be watched.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+total=$SECONDS
 bash scripts/setup.sh
+
+core_log=$(mktemp)
+core_pid=
+# A failing foreground part ends the run: stop the background proofs with it.
+trap '[ -n "$core_pid" ] && kill "$core_pid" 2>/dev/null; rm -f "$core_log"' EXIT
+core_t0=$SECONDS
+bash scripts/ci.d/core.sh >"$core_log" 2>&1 &
+core_pid=$!
+
+t0=$SECONDS
 echo "== cargo test --workspace"
 cargo test --workspace --locked
+echo "== cargo test --workspace took $((SECONDS - t0)) s"
 for check in scripts/ci.d/*.sh; do
   [ -e "$check" ] || continue
+  [ "$check" = scripts/ci.d/core.sh ] && continue
+  t0=$SECONDS
   echo "== $check"
   bash "$check"
+  echo "== $check took $((SECONDS - t0)) s"
 done
-echo "all checks passed"
+
+echo "== scripts/ci.d/core.sh (ran in the background; its log follows)"
+core_rc=0
+wait "$core_pid" || core_rc=$?
+core_pid=
+cat "$core_log"
+echo "== scripts/ci.d/core.sh ended $((SECONDS - core_t0)) s after it started (exit $core_rc)"
+[ "$core_rc" = 0 ] || { echo "scripts/ci.d/core.sh failed"; exit "$core_rc"; }
+echo "all checks passed in $((SECONDS - total)) s"
