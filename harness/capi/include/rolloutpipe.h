@@ -110,7 +110,8 @@
 // Skipped (filtered).
 #define RP_ALLOC_SKIP 2
 
-// An opaque scheduler handle owning its storage (created by `rp_scheduler_new`).
+// An opaque scheduler handle: library-owned storage (`rp_scheduler_new`) or placed in caller
+// memory (`rp_scheduler_new_in`; the second field says so).
 typedef struct RpScheduler RpScheduler;
 
 // A status code: `RP_OK`, `RP_EMPTY`, or a negative `RP_ERR_*`.
@@ -334,7 +335,25 @@ RpStatus rp_plan_default(uint32_t batch_groups, uint16_t group_size, struct RpPl
 // See the module.
 RpStatus rp_scheduler_new(size_t groups, size_t requests, struct RpScheduler **out);
 
-// Frees a scheduler and its storage. Null is a no-op.
+// Bytes `rp_scheduler_new_in` needs for `groups` group slots and `requests` request slots
+// (the handle included, at any alignment of the memory); 0 when the capacity is refused.
+size_t rp_scheduler_storage_size(size_t groups, size_t requests);
+
+// Creates a scheduler whose handle and slots live in `mem` (`bytes` long, any alignment;
+// `rp_scheduler_storage_size` says how much): caller-owned storage, so the scheduler allocates
+// nothing. `rp_scheduler_free` ends it without freeing `mem`; the caller frees `mem` after.
+//
+// # Safety
+// See the module; `mem` is valid for reads and writes of `bytes` bytes, not otherwise accessed
+// until `rp_scheduler_free`, and outlives the handle.
+RpStatus rp_scheduler_new_in(void *mem,
+                             size_t bytes,
+                             size_t groups,
+                             size_t requests,
+                             struct RpScheduler **out);
+
+// Ends a scheduler. Library-owned storage (`rp_scheduler_new`) is freed; caller-owned memory
+// (`rp_scheduler_new_in`) is left to the caller. Null is a no-op.
 //
 // # Safety
 // `s` is null or a live handle, not used afterwards.

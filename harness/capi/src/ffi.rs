@@ -6,7 +6,7 @@
 //! # Safety (all functions)
 //! Pointer arguments are either null (reported as `RP_ERR_NULL`, or skipped where the header
 //! says an out-parameter is optional) or valid for the access the header describes; a
-//! scheduler handle comes from `rp_scheduler_new`, is not yet freed, and is used by one thread
+//! scheduler handle comes from `rp_scheduler_new` or `rp_scheduler_new_in`, is not yet freed, and is used by one thread
 //! at a time.
 
 use std::cell::RefCell;
@@ -49,8 +49,9 @@ pub const RP_ERR_PANIC: RpStatus = -10;
 /// The C ABI's version: bumped whenever a signature, struct layout or code changes meaning.
 pub const RP_ABI_VERSION: u32 = 1;
 
-/// An opaque scheduler handle owning its storage (created by `rp_scheduler_new`).
-pub struct RpScheduler(HeapScheduler);
+/// An opaque scheduler handle: library-owned storage (`rp_scheduler_new`) or placed in caller
+/// memory (`rp_scheduler_new_in`; the second field says so).
+pub struct RpScheduler(HeapScheduler, bool);
 
 pub(crate) type Res = Result<RpStatus, (RpStatus, String)>;
 
@@ -162,28 +163,100 @@ pub unsafe extern "C" fn rp_scheduler_new(
         if out.is_null() {
             return Err((RP_ERR_NULL, "out is null".into()));
         }
-        // The core indexes at most 2^24 groups and u32::MAX - 1 requests; refuse what it
-        // would silently ignore rather than allocate it.
-        if groups > 1 << 24 || requests >= u32::MAX as usize {
-            return Err((
-                RP_ERR_ARG,
-                format!("capacity {groups} groups / {requests} requests exceeds 2^24 / 2^32 - 2"),
-            ));
-        }
-        let h = Box::into_raw(Box::new(RpScheduler(HeapScheduler::new(groups, requests))));
+        check_capacity(groups, requests)?;
+        let h = Box::into_raw(Box::new(RpScheduler(
+            HeapScheduler::new(groups, requests),
+            false,
+        )));
         unsafe { put(out, h, "out") }
     })
 }
 
-/// Frees a scheduler and its storage. Null is a no-op.
+/// The core indexes at most 2^24 groups and u32::MAX - 1 requests; refuse what it would
+/// silently ignore.
+fn check_capacity(groups: usize, requests: usize) -> Result<(), (RpStatus, String)> {
+    if groups > 1 << 24 || requests >= u32::MAX as usize {
+        return Err((
+            RP_ERR_ARG,
+            format!("capacity {groups} groups / {requests} requests exceeds 2^24 / 2^32 - 2"),
+        ));
+    }
+    Ok(())
+}
+
+/// Bytes `rp_scheduler_new_in` needs for `groups` group slots and `requests` request slots
+/// (the handle included, at any alignment of the memory); 0 when the capacity is refused.
+#[unsafe(no_mangle)]
+pub extern "C" fn rp_scheduler_storage_size(groups: usize, requests: usize) -> usize {
+    if check_capacity(groups, requests).is_err() {
+        return 0;
+    }
+    HeapScheduler::storage_bytes(groups, requests)
+        .and_then(|b| b.checked_add(size_of::<RpScheduler>() + align_of::<RpScheduler>() - 1))
+        .unwrap_or(0)
+}
+
+/// Creates a scheduler whose handle and slots live in `mem` (`bytes` long, any alignment;
+/// `rp_scheduler_storage_size` says how much): caller-owned storage, so the scheduler allocates
+/// nothing. `rp_scheduler_free` ends it without freeing `mem`; the caller frees `mem` after.
+///
+/// # Safety
+/// See the module; `mem` is valid for reads and writes of `bytes` bytes, not otherwise accessed
+/// until `rp_scheduler_free`, and outlives the handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rp_scheduler_new_in(
+    mem: *mut std::ffi::c_void,
+    bytes: usize,
+    groups: usize,
+    requests: usize,
+    out: *mut *mut RpScheduler,
+) -> RpStatus {
+    guard(|| {
+        if out.is_null() || mem.is_null() {
+            let what = if out.is_null() { "out" } else { "mem" };
+            return Err((RP_ERR_NULL, format!("{what} is null")));
+        }
+        check_capacity(groups, requests)?;
+        let need = rp_scheduler_storage_size(groups, requests);
+        if need == 0 || bytes < need {
+            return Err((
+                RP_ERR_ARG,
+                format!("mem has {bytes} bytes; {groups} groups / {requests} requests need {need}"),
+            ));
+        }
+        let mem = mem.cast::<u8>();
+        let at = mem.align_offset(align_of::<RpScheduler>());
+        let slots_at = at + size_of::<RpScheduler>();
+        // SAFETY: `need` counts the handle, its alignment slack and the slots, so every offset
+        // below stays inside `mem`; the caller's contract gives us the memory exclusively.
+        unsafe {
+            let inner =
+                HeapScheduler::new_in(mem.add(slots_at), bytes - slots_at, groups, requests)
+                    .ok_or((RP_ERR_ARG, "mem is too short for the slots".to_string()))?;
+            let h = mem.add(at).cast::<RpScheduler>();
+            h.write(RpScheduler(inner, true));
+            put(out, h, "out")
+        }
+    })
+}
+
+/// Ends a scheduler. Library-owned storage (`rp_scheduler_new`) is freed; caller-owned memory
+/// (`rp_scheduler_new_in`) is left to the caller. Null is a no-op.
 ///
 /// # Safety
 /// `s` is null or a live handle, not used afterwards.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rp_scheduler_free(s: *mut RpScheduler) {
-    if !s.is_null() {
-        // SAFETY: from `Box::into_raw` in `rp_scheduler_new`, freed once by contract.
-        drop(unsafe { Box::from_raw(s) });
+    if s.is_null() {
+        return;
+    }
+    // SAFETY: a live handle by contract; the flag says where it came from.
+    unsafe {
+        if (*s).1 {
+            std::ptr::drop_in_place(s); // placed by `rp_scheduler_new_in`
+        } else {
+            drop(Box::from_raw(s)); // from `Box::into_raw` in `rp_scheduler_new`
+        }
     }
 }
 

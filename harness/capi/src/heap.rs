@@ -1,7 +1,9 @@
-//! A scheduler that owns heap storage sized at run time: what a C handle or a Python object
-//! holds. `OwnedScheduler<G, R>` fixes its capacities at compile time, which a foreign caller
-//! cannot choose; this type allocates `groups` + `requests` slots once, at creation, and the
-//! core still never allocates.
+//! A scheduler over storage sized at run time: what a C handle or a Python object holds.
+//! `OwnedScheduler<G, R>` fixes its capacities at compile time, which a foreign caller cannot
+//! choose; this type either allocates `groups` + `requests` slots once, at creation
+//! ([`HeapScheduler::new`]), or places them in memory the caller owns
+//! ([`HeapScheduler::new_in`], for C callers that allocate nothing at run time). The core never
+//! allocates either way.
 //!
 //! The scheduler borrows the two slot arrays for `'static` while this value owns them (a
 //! self-reference), so the arrays are held as raw pointers and freed only after the scheduler is
@@ -28,6 +30,9 @@ pub struct HeapScheduler {
     live: Option<Scheduler<'static>>,
     groups: *mut [GroupSlot],
     requests: *mut [RequestSlot],
+    /// The slot arrays came from `Box::leak` and are freed on drop; otherwise the caller owns
+    /// the memory and frees it after this value is gone.
+    owned: bool,
 }
 
 // SAFETY: the raw pointers are owned allocations that only `live` reads, and only through
@@ -50,7 +55,62 @@ impl HeapScheduler {
             live: Some(Scheduler::new(g, r)),
             groups: gp,
             requests: rp,
+            owned: true,
         }
+    }
+
+    /// Bytes of caller memory [`new_in`](Self::new_in) needs for `groups` + `requests` slots,
+    /// at any alignment (the slack to align the arrays is included). `None` on overflow.
+    pub fn storage_bytes(groups: usize, requests: usize) -> Option<usize> {
+        let g = groups.checked_mul(size_of::<GroupSlot>())?;
+        let r = requests.checked_mul(size_of::<RequestSlot>())?;
+        g.checked_add(r)?
+            .checked_add(align_of::<GroupSlot>() - 1)?
+            .checked_add(align_of::<RequestSlot>() - 1)
+    }
+
+    /// A scheduler whose `groups` + `requests` slots live in `mem` (caller-owned storage): no
+    /// allocation, and nothing is freed on drop. `mem` may have any alignment; it needs
+    /// [`storage_bytes`](Self::storage_bytes) bytes. `None` when it is too short.
+    ///
+    /// # Safety
+    /// `mem` is valid for reads and writes of `len` bytes, not accessed otherwise while the
+    /// returned value lives, and outlives it (the caller frees it after dropping this value).
+    pub unsafe fn new_in(mem: *mut u8, len: usize, groups: usize, requests: usize) -> Option<Self> {
+        if mem.is_null() || len < Self::storage_bytes(groups, requests)? {
+            return None;
+        }
+        let g_at = mem.align_offset(align_of::<GroupSlot>());
+        let g_end = g_at + groups * size_of::<GroupSlot>();
+        // SAFETY: g_end <= len (storage_bytes counts the alignment slack), so the offset stays in
+        // `mem`'s allocation.
+        let r_at = g_end + unsafe { mem.add(g_end) }.align_offset(align_of::<RequestSlot>());
+        debug_assert!(r_at + requests * size_of::<RequestSlot>() <= len);
+        // SAFETY: both ranges are inside `mem` (checked above), aligned for their element type,
+        // disjoint, and exclusively ours for the value's life by the caller's contract. Every
+        // element is written before the slices are formed.
+        let (g, r) = unsafe {
+            let gp = mem.add(g_at).cast::<GroupSlot>();
+            let rp = mem.add(r_at).cast::<RequestSlot>();
+            for i in 0..groups {
+                gp.add(i).write(GroupSlot::EMPTY);
+            }
+            for i in 0..requests {
+                rp.add(i).write(RequestSlot::EMPTY);
+            }
+            (
+                std::ptr::slice_from_raw_parts_mut(gp, groups),
+                std::ptr::slice_from_raw_parts_mut(rp, requests),
+            )
+        };
+        // SAFETY: as above; the borrow is held only by `live`, which goes before the memory.
+        let live = unsafe { Scheduler::new(&mut *g, &mut *r) };
+        Some(HeapScheduler {
+            live: Some(live),
+            groups: g,
+            requests: r,
+            owned: false,
+        })
     }
 
     /// Runs `f` on the scheduler. Returns `None` only if an earlier `f` panicked (the step's
@@ -68,7 +128,14 @@ impl HeapScheduler {
     /// after a panic inside `f`, later calls see a fresh idle scheduler over the same storage.
     pub fn with<R>(&mut self, f: impl for<'s> FnOnce(&mut Scheduler<'s>) -> R) -> R {
         if self.live.is_none() {
-            *self = HeapScheduler::new(self.capacity_slots().0, self.capacity_slots().1);
+            // SAFETY: the only borrower of the storage (`live`) is gone, so these are the sole
+            // references; the storage outlives `self` (owned: freed in drop after `live`;
+            // caller-owned: by `new_in`'s contract). Reset over the same storage, which keeps a
+            // caller-owned scheduler allocation-free.
+            let (g, r) = unsafe { (&mut *self.groups, &mut *self.requests) };
+            g.fill(GroupSlot::EMPTY);
+            r.fill(RequestSlot::EMPTY);
+            self.live = Some(Scheduler::new(g, r));
         }
         match self.try_with(f) {
             Some(r) => r,
@@ -95,6 +162,9 @@ impl Drop for HeapScheduler {
     fn drop(&mut self) {
         // The borrower goes first, then the storage it borrowed.
         self.live = None;
+        if !self.owned {
+            return; // caller-owned memory: the slots are `Copy`, nothing to drop or free
+        }
         // SAFETY: both pointers came from `Box::leak` in `new` and are freed only here; the
         // only borrower (`live`) is gone and `with` cannot have moved it elsewhere.
         unsafe {
@@ -130,6 +200,31 @@ mod tests {
         h.with(|s| *s = Scheduler::new(&mut [], &mut []));
         assert_eq!(h.with(|s| s.capacity()), (0, 0));
         drop(h); // frees the 4 + 16 slots; run under Miri to check
+    }
+
+    #[test]
+    fn caller_owned_storage_at_any_alignment_runs_a_step_and_is_not_freed() {
+        let need = HeapScheduler::storage_bytes(4, 16).unwrap();
+        let mut buf = vec![0xA5u8; need + 3];
+        for shift in 0..3 {
+            let mem = buf[shift..].as_mut_ptr();
+            // SAFETY: `buf[shift..]` has `need` bytes, outlives `h` and is untouched meanwhile.
+            let mut h = unsafe { HeapScheduler::new_in(mem, need, 4, 16) }.unwrap();
+            assert_eq!(h.capacity(), (4, 16));
+            h.with(|s| s.begin_step(Tick(0), StepId(0), PolicyVersion(0), Plan::new(2, 2)))
+                .unwrap();
+            let n = h.with(|s| s.poll_draw(Tick(0))).unwrap();
+            h.with(|s| s.on_prompts_drawn(Tick(0), n)).unwrap();
+            assert_eq!(h.with(|s| s.counters().drawn), 2);
+            assert!(h.with_ref(|s| s.audit()).unwrap().is_ok());
+            drop(h); // frees nothing: Miri would report a double free of `buf` otherwise
+        }
+        // One byte short, or null, is refused.
+        // SAFETY: refused before any access.
+        assert!(unsafe { HeapScheduler::new_in(buf.as_mut_ptr(), need - 1, 4, 16) }.is_none());
+        // SAFETY: as above.
+        assert!(unsafe { HeapScheduler::new_in(std::ptr::null_mut(), need, 4, 16) }.is_none());
+        assert!(HeapScheduler::storage_bytes(usize::MAX, 1).is_none());
     }
 
     #[test]

@@ -213,3 +213,54 @@ fn a_seeded_storm_of_random_calls_never_panics_and_keeps_the_audit_clean() {
         assert!(seen[idx(code)] > 0, "no {code} in {seen:?}");
     }
 }
+
+#[test]
+fn caller_owned_storage_runs_in_the_callers_memory_and_refuses_short_or_null_memory() {
+    let need = rp_scheduler_storage_size(4, 16);
+    assert!(need > 0);
+    assert_eq!(rp_scheduler_storage_size(1 << 25, 1), 0, "refused capacity");
+    let mut buf = vec![0u8; need + 7];
+    // SAFETY (whole block): pointers are null on purpose or into `buf`, which outlives every
+    // handle placed in it and is not touched while one lives.
+    unsafe {
+        let mut s = null_mut();
+        let mem = buf.as_mut_ptr().add(3).cast::<std::ffi::c_void>();
+        assert_eq!(
+            rp_scheduler_new_in(mem, need - 1, 4, 16, &mut s),
+            RP_ERR_ARG
+        );
+        assert!(message().contains(&format!("need {need}")), "{}", message());
+        assert_eq!(
+            rp_scheduler_new_in(null_mut(), need, 4, 16, &mut s),
+            RP_ERR_NULL
+        );
+        assert_eq!(message(), "mem is null");
+        assert_eq!(
+            rp_scheduler_new_in(mem, need, 4, 16, null_mut()),
+            RP_ERR_NULL
+        );
+        assert_eq!(
+            rp_scheduler_new_in(mem, need, 1 << 25, 1, &mut s),
+            RP_ERR_ARG
+        );
+        assert!(s.is_null(), "nothing written on refusal");
+
+        assert_eq!(rp_scheduler_new_in(mem, need, 4, 16, &mut s), RP_OK);
+        let (lo, hi) = (buf.as_ptr() as usize, buf.as_ptr() as usize + buf.len());
+        assert!(
+            (lo..hi).contains(&(s as usize)),
+            "the handle lives in the caller's memory"
+        );
+        let mut plan = RpPlan::default();
+        assert_eq!(rp_plan_default(2, 2, &mut plan), RP_OK);
+        assert_eq!(rp_begin_step(s, 0, 0, 0, &plan), RP_OK);
+        let mut n = 0u32;
+        assert_eq!(rp_poll_draw(s, 0, &mut n), RP_OK);
+        assert_eq!(rp_on_prompts_drawn(s, 0, n, 0, null_mut()), RP_OK);
+        let mut c = RpCounters::default();
+        assert_eq!(rp_counters(s, &mut c), RP_OK);
+        assert_eq!(c.drawn, 2);
+        assert_eq!(rp_audit(s), RP_OK);
+        rp_scheduler_free(s); // ends the handle; `buf` is ours to free (Miri checks no double free)
+    }
+}
