@@ -110,6 +110,17 @@
 // Skipped (filtered).
 #define RP_ALLOC_SKIP 2
 
+// Fixed G (GRPO): every drawn group keeps the plan's G samples.
+#define RP_POLICY_FIXED 0
+
+// VIGOR: `n0` samples first, then up to `rounds` rounds of `increment` more samples for the
+// groups with the highest reward variance, within `budget` samples per step.
+#define RP_POLICY_VIGOR 1
+
+// Pilot-Commit: a pilot of `n_pilot`; a prompt whose pilot mean is within
+// `[lower, 1 - upper]` gets `n_commit` more, others are skipped.
+#define RP_POLICY_PILOT_COMMIT 2
+
 // An opaque scheduler handle: library-owned storage (`rp_scheduler_new`) or placed in caller
 // memory (`rp_scheduler_new_in`; the second field says so).
 typedef struct RpScheduler RpScheduler;
@@ -234,6 +245,32 @@ typedef struct RpAllocated {
   uint8_t skip_reason;
 } RpAllocated;
 
+// An allocation policy and its parameters (`rp_poll_allocation_with`). Only the fields of
+// `kind`'s policy are read; each is validated by the core (`RP_ERR_ALLOC_PARAM` names the
+// parameter).
+typedef struct RpAllocPolicy {
+  // `RP_POLICY_*`.
+  uint32_t kind;
+  // VIGOR: initial samples per prompt (≥ 2).
+  uint16_t n0;
+  // VIGOR: extra rounds.
+  uint16_t rounds;
+  // VIGOR: samples added per chosen group per round (≥ 1).
+  uint16_t increment;
+  // Pilot-Commit: pilot samples (≥ 2).
+  uint16_t n_pilot;
+  // Pilot-Commit: commit samples (≥ 2).
+  uint16_t n_commit;
+  // VIGOR: samples one step may create (≥ n0 × batch_groups).
+  uint32_t budget;
+  // VIGOR: the batch's groups B.
+  uint32_t batch_groups;
+  // Pilot-Commit: lower edge of the keep band, in [0, 1].
+  float lower;
+  // Pilot-Commit: the keep band ends at 1 - upper; in [0, 1].
+  float upper;
+} RpAllocPolicy;
+
 // A finished step's summary. Optional ticks are `UINT64_MAX` when absent.
 typedef struct RpStepSummary {
   // The step.
@@ -307,6 +344,10 @@ typedef struct RpFailure {
 
 // An internal panic was caught (a bug); the handle's step state was reset to idle.
 #define RP_ERR_PANIC -10
+
+// An allocation policy's parameters were refused (`rp_poll_allocation_with`), or its kind is
+// unknown.
+#define RP_ERR_ALLOC_PARAM -11
 
 #ifdef __cplusplus
 extern "C" {
@@ -490,6 +531,26 @@ RpStatus rp_poll_optimizer_step(struct RpScheduler *s, uint64_t now, uint32_t *i
 // # Safety
 // See the `ffi` module.
 RpStatus rp_poll_allocation(struct RpScheduler *s, uint64_t now, struct RpAllocated *out);
+
+// The next held group's allocation under `policy` (fixed G, VIGOR or Pilot-Commit):
+// `RP_OK` with `*out`, or `RP_EMPTY`. Bad parameters are `RP_ERR_ALLOC_PARAM`, whose message
+// names the parameter; nothing changes then.
+//
+// # Safety
+// See the `ffi` module.
+RpStatus rp_poll_allocation_with(struct RpScheduler *s,
+                                 uint64_t now,
+                                 const struct RpAllocPolicy *policy,
+                                 struct RpAllocated *out);
+
+// Configures `plan` for `policy`, as the core's `configure` does: VIGOR sets the group size to
+// `n0`, the step's sample budget and holds scored groups; Pilot-Commit sets the group size to
+// `n_pilot` and holds scored groups; fixed G leaves the plan as it is. Bad parameters are
+// `RP_ERR_ALLOC_PARAM` and leave `plan` untouched.
+//
+// # Safety
+// See the `ffi` module.
+RpStatus rp_plan_apply_policy(const struct RpAllocPolicy *policy, struct RpPlan *plan);
 
 // The step's summary once it is done: `RP_OK` with `*out`, or `RP_EMPTY`.
 //

@@ -46,6 +46,10 @@ pub const RP_ERR_AUDIT: RpStatus = -9;
 /// An internal panic was caught (a bug); the handle's step state was reset to idle.
 pub const RP_ERR_PANIC: RpStatus = -10;
 
+/// An allocation policy's parameters were refused (`rp_poll_allocation_with`), or its kind is
+/// unknown.
+pub const RP_ERR_ALLOC_PARAM: RpStatus = -11;
+
 /// The C ABI's version: bumped whenever a signature, struct layout or code changes meaning.
 pub const RP_ABI_VERSION: u32 = 1;
 

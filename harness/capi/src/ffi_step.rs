@@ -1,7 +1,7 @@
 //! The step's decisions (`rp_poll_*`, single and batched) and request/trainer events. Same
 //! contract as `ffi`: status codes, `catch_unwind`, pointers null or valid.
 
-use rolloutpipe_core::{Allocation, PolicyVersion, Tick};
+use rolloutpipe_core::{Allocated, Allocation, PilotCommit, PolicyVersion, Tick, Vigor};
 
 use crate::ffi::*;
 use crate::types::*;
@@ -201,19 +201,114 @@ pub unsafe extern "C" fn rp_poll_allocation(
         if out.is_null() {
             return Err((RP_ERR_NULL, "out is null".into()));
         }
-        match h.with(|s| s.poll_allocation(Tick(now))) {
-            Some(a) => {
-                let mut c = RpAllocated { group: a.group.0, ..Default::default() };
-                match a.applied {
-                    Allocation::Extend(k) => (c.applied, c.extra) = (RP_ALLOC_EXTEND, k),
-                    Allocation::Skip(r) => (c.applied, c.skip_reason) = (RP_ALLOC_SKIP, skip_code(r)),
-                    _ => c.applied = RP_ALLOC_COMMIT,
-                }
-                unsafe { put(out, c, "out") }
-            }
-            None => Ok(RP_EMPTY),
+        put_allocated(out, h.with(|s| s.poll_allocation(Tick(now))))
+    })
+}
+
+/// The next held group's allocation under `policy` (fixed G, VIGOR or Pilot-Commit):
+/// `RP_OK` with `*out`, or `RP_EMPTY`. Bad parameters are `RP_ERR_ALLOC_PARAM`, whose message
+/// names the parameter; nothing changes then.
+///
+/// # Safety
+/// See the `ffi` module.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rp_poll_allocation_with(
+    s: *mut RpScheduler,
+    now: u64,
+    policy: *const RpAllocPolicy,
+    out: *mut RpAllocated,
+) -> RpStatus {
+    body!(s, h => {
+        if out.is_null() || policy.is_null() {
+            let what = if out.is_null() { "out" } else { "policy" };
+            return Err((RP_ERR_NULL, format!("{what} is null")));
+        }
+        // SAFETY: non-null and, by the module's contract, valid for reads.
+        let now = Tick(now);
+        let a = match policy_from_c(unsafe { &*policy })? {
+            CPolicy::Fixed => h.with(|s| s.poll_allocation(now)),
+            CPolicy::Vigor(v) => h.with(|s| s.poll_allocation_with(now, &v)),
+            CPolicy::PilotCommit(pc) => h.with(|s| s.poll_allocation_with(now, &pc)),
+        };
+        put_allocated(out, a)
+    })
+}
+
+/// Configures `plan` for `policy`, as the core's `configure` does: VIGOR sets the group size to
+/// `n0`, the step's sample budget and holds scored groups; Pilot-Commit sets the group size to
+/// `n_pilot` and holds scored groups; fixed G leaves the plan as it is. Bad parameters are
+/// `RP_ERR_ALLOC_PARAM` and leave `plan` untouched.
+///
+/// # Safety
+/// See the `ffi` module.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rp_plan_apply_policy(
+    policy: *const RpAllocPolicy,
+    plan: *mut RpPlan,
+) -> RpStatus {
+    guard(|| {
+        if policy.is_null() || plan.is_null() {
+            let what = if plan.is_null() { "plan" } else { "policy" };
+            return Err((RP_ERR_NULL, format!("{what} is null")));
+        }
+        // SAFETY: both non-null and valid by the module's contract.
+        let (p, c) = unsafe { (&*policy, &mut *plan) };
+        let mut core_plan = plan_from_c(c).map_err(|m| (RP_ERR_ARG, m))?;
+        match policy_from_c(p)? {
+            CPolicy::Fixed => {}
+            CPolicy::Vigor(v) => v.configure(&mut core_plan),
+            CPolicy::PilotCommit(pc) => pc.configure(&mut core_plan),
+        }
+        *c = plan_to_c(&core_plan);
+        Ok(RP_OK)
+    })
+}
+
+enum CPolicy {
+    Fixed,
+    Vigor(Vigor),
+    PilotCommit(PilotCommit),
+}
+
+fn policy_from_c(p: &RpAllocPolicy) -> Result<CPolicy, (RpStatus, String)> {
+    Ok(match p.kind {
+        RP_POLICY_FIXED => CPolicy::Fixed,
+        RP_POLICY_VIGOR => CPolicy::Vigor(
+            Vigor::new(p.n0, p.rounds, p.increment, p.budget, p.batch_groups)
+                .map_err(err(RP_ERR_ALLOC_PARAM))?,
+        ),
+        RP_POLICY_PILOT_COMMIT => CPolicy::PilotCommit(
+            PilotCommit::new(p.n_pilot, p.n_commit, p.lower, p.upper)
+                .map_err(err(RP_ERR_ALLOC_PARAM))?,
+        ),
+        k => {
+            return Err((
+                RP_ERR_ALLOC_PARAM,
+                format!(
+                    "RpAllocPolicy.kind: unknown code {k} (RP_POLICY_FIXED, RP_POLICY_VIGOR or RP_POLICY_PILOT_COMMIT)"
+                ),
+            ));
         }
     })
+}
+
+fn put_allocated(out: *mut RpAllocated, a: Option<Allocated>) -> Res {
+    match a {
+        Some(a) => {
+            let mut c = RpAllocated {
+                group: a.group.0,
+                ..Default::default()
+            };
+            match a.applied {
+                Allocation::Extend(k) => (c.applied, c.extra) = (RP_ALLOC_EXTEND, k),
+                Allocation::Skip(r) => (c.applied, c.skip_reason) = (RP_ALLOC_SKIP, skip_code(r)),
+                _ => c.applied = RP_ALLOC_COMMIT,
+            }
+            // SAFETY: the callers checked `out` is non-null; valid for writes by contract.
+            unsafe { put(out, c, "out") }
+        }
+        None => Ok(RP_EMPTY),
+    }
 }
 
 /// The step's summary once it is done: `RP_OK` with `*out`, or `RP_EMPTY`.

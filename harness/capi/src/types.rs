@@ -253,6 +253,43 @@ pub const RP_ALLOC_EXTEND: u8 = 1;
 /// Skipped (filtered).
 pub const RP_ALLOC_SKIP: u8 = 2;
 
+/// Fixed G (GRPO): every drawn group keeps the plan's G samples.
+pub const RP_POLICY_FIXED: u32 = 0;
+/// VIGOR: `n0` samples first, then up to `rounds` rounds of `increment` more samples for the
+/// groups with the highest reward variance, within `budget` samples per step.
+pub const RP_POLICY_VIGOR: u32 = 1;
+/// Pilot-Commit: a pilot of `n_pilot`; a prompt whose pilot mean is within
+/// `[lower, 1 - upper]` gets `n_commit` more, others are skipped.
+pub const RP_POLICY_PILOT_COMMIT: u32 = 2;
+
+/// An allocation policy and its parameters (`rp_poll_allocation_with`). Only the fields of
+/// `kind`'s policy are read; each is validated by the core (`RP_ERR_ALLOC_PARAM` names the
+/// parameter).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RpAllocPolicy {
+    /// `RP_POLICY_*`.
+    pub kind: u32,
+    /// VIGOR: initial samples per prompt (≥ 2).
+    pub n0: u16,
+    /// VIGOR: extra rounds.
+    pub rounds: u16,
+    /// VIGOR: samples added per chosen group per round (≥ 1).
+    pub increment: u16,
+    /// Pilot-Commit: pilot samples (≥ 2).
+    pub n_pilot: u16,
+    /// Pilot-Commit: commit samples (≥ 2).
+    pub n_commit: u16,
+    /// VIGOR: samples one step may create (≥ n0 × batch_groups).
+    pub budget: u32,
+    /// VIGOR: the batch's groups B.
+    pub batch_groups: u32,
+    /// Pilot-Commit: lower edge of the keep band, in [0, 1].
+    pub lower: f32,
+    /// Pilot-Commit: the keep band ends at 1 - upper; in [0, 1].
+    pub upper: f32,
+}
+
 pub(crate) fn plan_to_c(p: &Plan) -> RpPlan {
     let (admission, order_policy, width, ppm) = match p.admission {
         AdmissionPolicy::Fifo { order } => (RP_ADMIT_FIFO, order, 0, 0),

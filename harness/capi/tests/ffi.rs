@@ -264,3 +264,235 @@ fn caller_owned_storage_runs_in_the_callers_memory_and_refuses_short_or_null_mem
         rp_scheduler_free(s); // ends the handle; `buf` is ours to free (Miri checks no double free)
     }
 }
+
+/// Rewards by group: `g % 3 == 0` all wrong, `1` all right, `2` alternating (variance).
+fn c_reward(group: u32, sample: u16) -> f32 {
+    match group % 3 {
+        0 => 0.0,
+        1 => 1.0,
+        _ => (sample % 2) as f32,
+    }
+}
+
+/// Drives one whole step through the C ABI under `policy` and returns every allocation
+/// decision, the step's counters and the samples each drawn group ended with.
+fn c_step_with(policy: &RpAllocPolicy, b: u32) -> (Vec<RpAllocated>, RpCounters, Vec<u32>) {
+    let s = new_sched(16, 256);
+    let mut decisions = Vec::new();
+    let mut finished = std::collections::HashMap::<u32, u32>::new();
+    // SAFETY (whole block): `s` is live until freed at the end; out-pointers are live locals.
+    unsafe {
+        let mut plan = RpPlan::default();
+        assert_eq!(rp_plan_default(b, 8, &mut plan), RP_OK);
+        plan.admission = RP_ADMIT_FRONTIER;
+        plan.slots = 4;
+        plan.max_groups = b;
+        assert_eq!(
+            rp_plan_apply_policy(policy, &mut plan),
+            RP_OK,
+            "{}",
+            message()
+        );
+        assert_eq!(rp_begin_step(s, 0, 0, 0, &plan), RP_OK, "{}", message());
+        let mut running: Vec<RpRequestId> = Vec::new();
+        for t in 1..100_000u64 {
+            let mut sum = RpStepSummary::default();
+            if rp_poll_step_done(s, &mut sum) == RP_OK {
+                let mut c = RpCounters::default();
+                assert_eq!(rp_counters(s, &mut c), RP_OK);
+                assert_eq!(rp_audit(s), RP_OK, "{}", message());
+                rp_scheduler_free(s);
+                let per_group = (0..c.drawn).map(|g| finished.get(&g).copied().unwrap_or(0));
+                return (decisions, c, per_group.collect());
+            }
+            let mut n = 0u32;
+            if rp_poll_draw(s, t, &mut n) == RP_OK {
+                assert_eq!(rp_on_prompts_drawn(s, t, n, 0, null_mut()), RP_OK);
+            }
+            let mut a = RpAdmission::default();
+            while rp_poll_admit(s, t, &mut a) == RP_OK {
+                running.push(a.request);
+            }
+            // Finish the oldest running request per tick (deterministic).
+            if !running.is_empty() {
+                let x = running.remove(0);
+                let r = c_reward(x.group, x.sample);
+                assert_eq!(rp_on_request_finished(s, t, x, 0, 5, r, null_mut()), RP_OK);
+                *finished.entry(x.group).or_default() += 1;
+            }
+            let mut al = RpAllocated::default();
+            while rp_poll_allocation_with(s, t, policy, &mut al) == RP_OK {
+                decisions.push(al);
+            }
+            let mut x = RpRequestId::default();
+            while rp_poll_abort(s, t, &mut x) == RP_OK {
+                running.retain(|r| r.group != x.group || r.sample != x.sample);
+                assert_eq!(rp_on_abort_acked(s, t, x), RP_OK);
+            }
+            let mut d = RpDispatch::default();
+            while rp_poll_dispatch(s, t, &mut d) == RP_OK {}
+            let mut m = RpMicroBatch::default();
+            while rp_poll_micro_batch(s, t, &mut m) == RP_OK {
+                assert_eq!(rp_on_micro_batch_consumed(s, t, null_mut()), RP_OK);
+            }
+            let mut i = 0u32;
+            if rp_poll_optimizer_step(s, t, &mut i) == RP_OK {
+                assert_eq!(rp_on_optimizer_step_done(s, t), RP_OK);
+            }
+        }
+    }
+    panic!("the step did not end");
+}
+
+#[test]
+fn vigor_through_c_extends_only_varying_groups_within_the_budget() {
+    let b = 6;
+    let policy = RpAllocPolicy {
+        kind: RP_POLICY_VIGOR,
+        n0: 4,
+        rounds: 2,
+        increment: 4,
+        budget: 4 * 6 + 16,
+        batch_groups: b,
+        ..Default::default()
+    };
+    let (decisions, c, per_group) = c_step_with(&policy, b);
+    assert_eq!(c.drawn, b, "VIGOR draws no replacements");
+    let extended: Vec<u32> = decisions
+        .iter()
+        .filter(|d| d.applied == RP_ALLOC_EXTEND)
+        .map(|d| d.group)
+        .collect();
+    assert!(!extended.is_empty(), "{decisions:?}");
+    assert!(
+        extended.iter().all(|g| g % 3 == 2),
+        "only varying groups grow: {extended:?}"
+    );
+    let total: u32 = per_group.iter().sum();
+    assert!(
+        total <= 40,
+        "{total} samples exceed the budget of 40: {per_group:?}"
+    );
+    for (g, &k) in per_group.iter().enumerate() {
+        if g % 3 != 2 {
+            assert_eq!(k, 4, "zero-variance group {g} kept n0");
+        }
+    }
+    assert_eq!(c.trained, 2, "the two varying groups train");
+}
+
+#[test]
+fn pilot_commit_through_c_commits_the_band_and_skips_the_rest() {
+    let b = 3;
+    let policy = RpAllocPolicy {
+        kind: RP_POLICY_PILOT_COMMIT,
+        n_pilot: 4,
+        n_commit: 6,
+        lower: 0.125,
+        upper: 0.25,
+        ..Default::default()
+    };
+    let (decisions, c, per_group) = c_step_with(&policy, b);
+    for d in &decisions {
+        match d.group % 3 {
+            0 => assert_eq!(
+                (d.applied, d.skip_reason),
+                (RP_ALLOC_SKIP, RP_FILTER_SKIPPED_TOO_HARD)
+            ),
+            1 => assert_eq!(
+                (d.applied, d.skip_reason),
+                (RP_ALLOC_SKIP, RP_FILTER_SKIPPED_SOLVED)
+            ),
+            _ => match d.applied {
+                RP_ALLOC_EXTEND => assert_eq!(d.extra, 6),
+                a => assert_eq!(a, RP_ALLOC_COMMIT, "after the commit round"),
+            },
+        }
+    }
+    for (g, &k) in per_group.iter().enumerate() {
+        assert_eq!(
+            k,
+            if g % 3 == 2 { 10 } else { 4 },
+            "group {g}: {per_group:?}"
+        );
+    }
+    assert!(c.filtered_skipped >= 2, "{c:?}");
+    assert!(c.trained >= 1, "{c:?}");
+}
+
+#[test]
+fn bad_policies_are_refused_with_the_parameter_named_and_nothing_changed() {
+    // SAFETY (whole test): pointers are live locals or null on purpose.
+    unsafe {
+        let mut plan = RpPlan::default();
+        assert_eq!(rp_plan_default(4, 8, &mut plan), RP_OK);
+        let before = plan;
+        let vigor = |n0, budget| RpAllocPolicy {
+            kind: RP_POLICY_VIGOR,
+            n0,
+            rounds: 2,
+            increment: 4,
+            budget,
+            batch_groups: 4,
+            ..Default::default()
+        };
+        assert_eq!(
+            rp_plan_apply_policy(&vigor(1, 64), &mut plan),
+            RP_ERR_ALLOC_PARAM
+        );
+        assert!(message().contains("n0"), "{}", message());
+        assert_eq!(
+            rp_plan_apply_policy(&vigor(4, 15), &mut plan),
+            RP_ERR_ALLOC_PARAM
+        );
+        assert!(message().contains("budget"), "{}", message());
+        let pc = RpAllocPolicy {
+            kind: RP_POLICY_PILOT_COMMIT,
+            n_pilot: 4,
+            n_commit: 4,
+            lower: 0.5,
+            upper: 1.5,
+            ..Default::default()
+        };
+        assert_eq!(rp_plan_apply_policy(&pc, &mut plan), RP_ERR_ALLOC_PARAM);
+        assert!(message().contains("upper"), "{}", message());
+        let unknown = RpAllocPolicy {
+            kind: 9,
+            ..Default::default()
+        };
+        assert_eq!(
+            rp_plan_apply_policy(&unknown, &mut plan),
+            RP_ERR_ALLOC_PARAM
+        );
+        assert!(message().contains("unknown code 9"), "{}", message());
+        assert_eq!(
+            plan.group_size, before.group_size,
+            "plan untouched on refusal"
+        );
+        assert!(!plan.hold_scored);
+        assert_eq!(
+            rp_plan_apply_policy(std::ptr::null(), &mut plan),
+            RP_ERR_NULL
+        );
+        assert_eq!(rp_plan_apply_policy(&unknown, null_mut()), RP_ERR_NULL);
+
+        // The same checks on the poll: refused, nothing polled.
+        let s = new_sched(8, 64);
+        assert_eq!(rp_begin_step(s, 0, 0, 0, &plan), RP_OK, "{}", message());
+        let mut out = RpAllocated::default();
+        assert_eq!(
+            rp_poll_allocation_with(s, 1, &vigor(1, 64), &mut out),
+            RP_ERR_ALLOC_PARAM
+        );
+        assert!(message().contains("n0"), "{}", message());
+        assert_eq!(
+            rp_poll_allocation_with(s, 1, std::ptr::null(), &mut out),
+            RP_ERR_NULL
+        );
+        assert_eq!(message(), "policy is null");
+        let fixed = RpAllocPolicy::default();
+        assert_eq!(rp_poll_allocation_with(s, 1, &fixed, &mut out), RP_EMPTY);
+        assert_eq!(rp_audit(s), RP_OK);
+        rp_scheduler_free(s);
+    }
+}

@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include "rolloutpipe.h"
 
 static int failures = 0;
@@ -162,6 +163,23 @@ int main(void) {
     if (run_step(s)) return 1;
     rp_scheduler_free(s);
     free(mem);
+
+    /* Allocation policies: VIGOR configures the plan (n0 samples, the budget, held groups); a
+     * bad parameter is refused with its name and leaves the plan as it was. */
+    RpPlan plan;
+    MUST(rp_plan_default(4, 8, &plan));
+    RpAllocPolicy vigor = {0};
+    vigor.kind = RP_POLICY_VIGOR;
+    vigor.n0 = 4; vigor.rounds = 2; vigor.increment = 4; vigor.budget = 48; vigor.batch_groups = 4;
+    MUST(rp_plan_apply_policy(&vigor, &plan));
+    CHECK_EQ("VIGOR group_size", plan.group_size, 4);
+    CHECK_EQ("VIGOR sample_budget", plan.sample_budget, 48);
+    CHECK_EQ("VIGOR hold_scored", plan.hold_scored, 1);
+    vigor.n0 = 1;
+    CHECK_EQ("VIGOR n0 = 1 refused", rp_plan_apply_policy(&vigor, &plan), RP_ERR_ALLOC_PARAM);
+    char msg[256];
+    rp_last_error_message(msg, sizeof msg);
+    if (!strstr(msg, "n0")) { fprintf(stderr, "message does not name n0: %s\n", msg); failures++; }
 
     if (failures) {
         fprintf(stderr, "%d mismatches\n", failures);
