@@ -15,8 +15,9 @@
 //! in bf16): each 8-lane load widens eight bf16 values to f32 in registers (a 16-bit shift,
 //! exact), and everything else is the f32 kernel's instruction sequence, so its result is
 //! bit-identical to [`matmul_nt_f32`] on the widened weights, and batch-invariant the same way.
+//! [`matmul_nt_f16`] does the same for f16 weights, widened by F16C's `vcvtph2ps` (also exact).
 
-use half::bf16;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// Rows per tile.
@@ -63,6 +64,25 @@ pub fn matmul_nt_bf16(out: &mut [f32], x: &[f32], w: &[bf16], n: usize, din: usi
         // SAFETY: same length and alignment as `u16`; features detected; bounded above.
         let w16 = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u16>(), w.len()) };
         unsafe { dispatch(out, x, w16, n, din, dout, avx::rows_bf16) };
+        return;
+    }
+    let wide: Vec<f32> = w[..dout * din].iter().map(|v| v.to_f32()).collect();
+    crate::cpu::ops::gemm_nt_fallback(out, x, &wide, n, din, dout);
+}
+
+/// `out[n, dout] = x[n, din] · widen(w[dout, din])ᵀ` with f16 weights: bit-identical to
+/// [`matmul_nt_f32`] on the weights widened to f32.
+pub fn matmul_nt_f16(out: &mut [f32], x: &[f32], w: &[f16], n: usize, din: usize, dout: usize) {
+    assert!(
+        out.len() >= n * dout && x.len() >= n * din && w.len() >= dout * din,
+        "matmul_nt_f16 operand out of bounds (n={n}, din={din}, dout={dout})"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() && std::arch::is_x86_feature_detected!("f16c") {
+        // `f16` is a transparent `u16`; the kernel reads the bit patterns.
+        // SAFETY: same length and alignment as `u16`; features detected; bounded above.
+        let w16 = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u16>(), w.len()) };
+        unsafe { dispatch(out, x, w16, n, din, dout, avx::rows_f16) };
         return;
     }
     let wide: Vec<f32> = w[..dout * din].iter().map(|v| v.to_f32()).collect();
@@ -196,10 +216,10 @@ mod avx {
     /// The dot-product routines for one weight storage type: `$one` computes one element,
     /// `$rows` a block of rows × columns; both with the same instruction sequence per element.
     macro_rules! kernels {
-        ($one:ident, $rows:ident, $W:ty, $load:ident, $get:ident) => {
+        ($one:ident, $rows:ident, $W:ty, $load:ident, $get:ident, $feat:literal) => {
             /// One output element, with exactly the operations of a tile element.
             #[inline]
-            #[target_feature(enable = "avx2,fma")]
+            #[target_feature(enable = $feat)]
             fn $one(x: &[f32], w: &[$W], din: usize) -> f32 {
                 let k8 = din / 8 * 8;
                 let mut acc = _mm256_setzero_ps();
@@ -224,7 +244,7 @@ mod avx {
             /// # Safety
             /// AVX2 and FMA must be available; `x` holds `rows × din`, `w` holds `c1 × din` values and
             /// `out` holds `rows × (c1 − c0)`.
-            #[target_feature(enable = "avx2,fma")]
+            #[target_feature(enable = $feat)]
             #[allow(clippy::too_many_arguments)]
             pub unsafe fn $rows(
                 out: &mut [f32],
@@ -323,8 +343,26 @@ mod avx {
         };
     }
 
-    kernels!(one_f32, rows_f32, f32, load_f32, get_f32);
-    kernels!(one_bf16, rows_bf16, u16, load_bf16, get_bf16);
+    /// Eight f16 weights (bit patterns) widened to f32 by F16C (exact).
+    ///
+    /// # Safety
+    /// AVX2 and F16C must be available and `p` must point at 8 readable values.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_f16(p: *const u16) -> __m256 {
+        // SAFETY: the caller's contract (8 × 2 bytes readable).
+        let h = unsafe { _mm_loadu_si128(p.cast::<__m128i>()) };
+        _mm256_cvtph_ps(h)
+    }
+
+    #[inline]
+    fn get_f16(x: u16) -> f32 {
+        half::f16::from_bits(x).to_f32()
+    }
+
+    kernels!(one_f32, rows_f32, f32, load_f32, get_f32, "avx2,fma");
+    kernels!(one_bf16, rows_bf16, u16, load_bf16, get_bf16, "avx2,fma");
+    kernels!(one_f16, rows_f16, u16, load_f16, get_f16, "avx2,fma,f16c");
 }
 
 #[cfg(test)]
@@ -402,6 +440,39 @@ mod tests {
             for r in 0..n {
                 let mut y1 = vec![0.0f32; dout];
                 matmul_nt_bf16(&mut y1, &x[r * din..(r + 1) * din], &w, 1, din, dout);
+                assert_eq!(&y1[..], &a[r * dout..(r + 1) * dout], "row {r}");
+            }
+        }
+    }
+
+    /// f16 weights give the f32 kernel's bits on the widened weights, on every path.
+    #[test]
+    fn f16_weights_match_f32_kernel_on_widened_weights() {
+        for (n, din, dout) in [
+            (1, 3, 5),
+            (7, 19, 11),
+            (9, 128, 384),
+            (1, 1024, 200),
+            (70, 64, 200),
+        ] {
+            let x: Vec<f32> = (0..n * din)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+                .collect();
+            let w: Vec<f16> = (0..dout * din)
+                .map(|i| f16::from_f32(((i * 53 % 97) as f32 - 48.0) * 0.0113))
+                .collect();
+            let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+            let (mut a, mut b) = (vec![0.0f32; n * dout], vec![0.0f32; n * dout]);
+            matmul_nt_f16(&mut a, &x, &w, n, din, dout);
+            matmul_nt_f32(&mut b, &x, &wide, n, din, dout);
+            assert_eq!(
+                a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{n}x{din}x{dout}"
+            );
+            for r in 0..n {
+                let mut y1 = vec![0.0f32; dout];
+                matmul_nt_f16(&mut y1, &x[r * din..(r + 1) * din], &w, 1, din, dout);
                 assert_eq!(&y1[..], &a[r * dout..(r + 1) * dout], "row {r}");
             }
         }

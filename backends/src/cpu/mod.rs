@@ -25,14 +25,6 @@ use crate::weights::Weights;
 use generate::Generator;
 use model::{Activations, Layout, Model, PackedBatch, check_tokens};
 
-/// The CPU backend stores F32 or BF16.
-fn unsupported_dtype(dtype: DType) -> BackendError {
-    BackendError::invalid(
-        "weight dtype",
-        format!("{dtype} storage is not supported by the CPU backend (F32, BF16)"),
-    )
-}
-
 /// The result a decode step sends back from the pool with the generator it ran on.
 type StepResult = (Generator, Result<Vec<GenOutput>>);
 
@@ -93,9 +85,10 @@ impl CpuBackend {
         Self::from_model(Model::new(cfg, w)?, threads)
     }
 
-    /// A backend storing its weights in `dtype`: F32 (trains and generates) or BF16 (an
+    /// A backend storing its weights in `dtype`: F32 (trains and generates), BF16 or F16 (an
     /// engine: generation, logits and log-probs with f32 compute, half the weight memory;
-    /// training calls are refused). Values are rounded to bf16 to nearest-even.
+    /// training calls are refused). Values are rounded to nearest-even; a value beyond f16's
+    /// range is an error under F16.
     pub fn with_dtype(
         cfg: &ModelConfig,
         w: &Weights,
@@ -104,22 +97,22 @@ impl CpuBackend {
     ) -> Result<Self> {
         match dtype {
             DType::F32 => Self::new(cfg, w, threads),
-            DType::Bf16 => {
+            DType::Bf16 | DType::F16 => {
                 cfg.validate()?;
                 w.validate(cfg)?;
                 let flat: Vec<f32> = Layout::new(cfg).flatten(w)?;
-                let half = store::round_to_bf16(&flat);
+                let half = store::HalfData::round(&flat, dtype)?;
                 drop(flat);
-                Self::from_model(Model::from_bf16(cfg, half)?, threads)
+                Self::from_model(Model::from_half(cfg, half)?, threads)
             }
-            DType::F16 => Err(unsupported_dtype(dtype)),
         }
     }
 
     /// A backend over a model directory (`config.json` + safetensors, single or sharded),
     /// memory-mapped and converted tensor by tensor straight into the backend's flat storage
-    /// in `dtype` (F32 or BF16, as [`CpuBackend::with_dtype`]): no intermediate copy of the
-    /// whole model exists, and bf16 checkpoints load into a bf16 backend without conversion.
+    /// in `dtype` (F32, BF16 or F16, as [`CpuBackend::with_dtype`]): no intermediate copy of
+    /// the whole model exists, and bf16 (f16) checkpoints load into a bf16 (f16) backend
+    /// without conversion.
     pub fn from_model_dir(dir: &std::path::Path, threads: usize, dtype: DType) -> Result<Self> {
         let ck = crate::weights::mapped::MappedCheckpoint::open_dir(dir)?;
         let cfg = ck.config().clone();
@@ -130,7 +123,7 @@ impl CpuBackend {
                 Model::from_flat(&cfg, layout, flat)?
             }
             DType::Bf16 => Model::from_bf16(&cfg, ck.flatten_bf16(&layout)?)?,
-            DType::F16 => return Err(unsupported_dtype(dtype)),
+            DType::F16 => Model::from_half(&cfg, store::HalfData::F16(ck.flatten_f16(&layout)?))?,
         };
         drop(ck);
         Self::from_model(model, threads)
@@ -143,8 +136,8 @@ impl CpuBackend {
             .build()
             .map_err(|e| BackendError::Device(format!("thread pool: {e}")))?;
         Ok(Self {
-            // An engine-only bf16 backend has no gradients.
-            grads: if model.is_bf16() {
+            // An engine-only 16-bit backend has no gradients.
+            grads: if model.is_half() {
                 Vec::new()
             } else {
                 vec![0.0; model.layout.total]
@@ -180,23 +173,25 @@ impl CpuBackend {
         Ok(())
     }
 
-    /// Refuses a training call on a bf16 (engine-only) backend.
+    /// Refuses a training call on a 16-bit (engine-only) backend.
     fn trainable(&self, what: &str) -> Result<()> {
-        if self.model.is_bf16() {
+        if self.model.is_half() {
             return Err(BackendError::invalid(
                 what,
-                "this backend stores its weights in bf16 for generation only; train on an f32 backend",
+                format!(
+                    "this backend stores its weights in {} for generation only; train on an f32 backend",
+                    self.model.storage_dtype()
+                ),
             ));
         }
         Ok(())
     }
 
-    /// Replaces every parameter with the flat f32 values `flat` (rounded to bf16 on a bf16
-    /// backend).
+    /// Replaces every parameter with the flat f32 values `flat` (rounded on a 16-bit backend).
     fn set_flat(&mut self, flat: Vec<f32>) -> Result<()> {
         let m = self.model_mut("load_weights")?;
-        if m.is_bf16() {
-            let half = store::round_to_bf16(&flat);
+        if m.is_half() {
+            let half = store::HalfData::round(&flat, m.storage_dtype())?;
             drop(flat);
             m.half = Some(store::HalfStore::new(&m.layout, half)?);
         } else {
@@ -208,7 +203,7 @@ impl CpuBackend {
     /// The parameters widened to f32 (a copy).
     fn flat_f32(&self) -> Vec<f32> {
         match &self.model.half {
-            Some(h) => h.data.iter().map(|x| x.to_f32()).collect(),
+            Some(h) => h.data.to_f32(),
             None => self.model.params.clone(),
         }
     }
@@ -306,11 +301,7 @@ impl BackendInfo for CpuBackend {
 
 impl RolloutEngine for CpuBackend {
     fn weight_dtype(&self) -> DType {
-        if self.model.is_bf16() {
-            DType::Bf16
-        } else {
-            DType::F32
-        }
+        self.model.storage_dtype()
     }
 
     fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
@@ -322,11 +313,12 @@ impl RolloutEngine for CpuBackend {
             && let Some(flat) = d.handle.downcast_ref::<CpuSnapshot>()
         {
             let m = self.model_mut("load_weights")?;
-            if m.is_bf16() {
+            if m.is_half() {
                 // HalfStore::new checks the length.
-                let v = match &flat.data {
-                    TensorData::Bf16(v) => v.clone(),
-                    other => store::round_to_bf16(&other.to_f32()),
+                let v = match (&flat.data, m.storage_dtype()) {
+                    (TensorData::Bf16(v), DType::Bf16) => store::HalfData::Bf16(v.clone()),
+                    (TensorData::F16(v), DType::F16) => store::HalfData::F16(v.clone()),
+                    (other, dt) => store::HalfData::round(&other.to_f32(), dt)?,
                 };
                 m.half = Some(store::HalfStore::new(&m.layout, v)?);
             } else {
@@ -474,7 +466,7 @@ impl RolloutEngine for CpuBackend {
 impl CpuBackend {
     fn fast_snapshot(&self, dtype: DType) -> WeightSnapshot {
         let data = match &self.model.half {
-            Some(h) => TensorData::Bf16(h.data.clone()).to_dtype(dtype),
+            Some(h) => h.data.to_tensor_data().to_dtype(dtype),
             None => TensorData::from_f32(&self.model.params, dtype),
         };
         WeightSnapshot {

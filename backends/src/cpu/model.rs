@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use super::lm_head::{lm_head_logprob_bwd, lm_head_logprob_fwd};
 use super::ops::*;
-use super::store::HalfStore;
+use super::store::{HalfData, HalfStore};
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
 use crate::optim::ParamGroup;
@@ -341,7 +341,7 @@ pub struct LayerW<'a, T> {
     pub down: &'a [T],
 }
 
-/// Weights of one layer as the forward reads them: matrices in the compute type or bf16
+/// Weights of one layer as the forward reads them: matrices in the compute type or 16 bits
 /// ([`Mat`]), norm weights in the compute type.
 #[allow(missing_docs)]
 pub struct LayerFwd<'a, T> {
@@ -361,7 +361,7 @@ pub struct LayerFwd<'a, T> {
 /// A Qwen3 model: config, layout, flat parameters and RoPE tables.
 ///
 /// The parameters are either `params` (the compute type: trainers, f32 engines) or `half`
-/// (bf16 storage for engine-only models, see [`HalfStore`]); exactly one is non-empty. A bf16
+/// (bf16 or f16 storage for engine-only models, see [`HalfStore`]); exactly one is non-empty. A 16-bit
 /// model runs every forward (generation, logits, scoring) and refuses training.
 #[derive(Debug, Clone)]
 pub struct Model<T> {
@@ -371,7 +371,7 @@ pub struct Model<T> {
     pub layout: Layout,
     /// Flat parameters (empty when `half` holds them).
     pub params: Vec<T>,
-    /// bf16 storage of the flat parameters, for engine-only models.
+    /// 16-bit storage of the flat parameters, for engine-only models.
     pub half: Option<HalfStore<T>>,
     /// RoPE tables for every position up to `max_position_embeddings`.
     pub rope: RopeTable<T>,
@@ -408,6 +408,12 @@ impl<T: Float> Model<T> {
 
     /// An engine-only model storing its flat parameters (the layout of `cfg`) in bf16.
     pub fn from_bf16(cfg: &ModelConfig, data: Vec<half::bf16>) -> Result<Self> {
+        Self::from_half(cfg, HalfData::Bf16(data))
+    }
+
+    /// An engine-only model storing its flat parameters (the layout of `cfg`) in 16 bits
+    /// (bf16 or f16).
+    pub fn from_half(cfg: &ModelConfig, data: HalfData) -> Result<Self> {
         cfg.validate()?;
         let layout = Layout::new(cfg);
         let half = HalfStore::new(&layout, data)?;
@@ -420,9 +426,17 @@ impl<T: Float> Model<T> {
         })
     }
 
-    /// Whether the parameters are stored in bf16 (engine-only).
-    pub fn is_bf16(&self) -> bool {
+    /// Whether the parameters are stored in 16 bits, bf16 or f16 (engine-only).
+    pub fn is_half(&self) -> bool {
         self.half.is_some()
+    }
+
+    /// The storage dtype of the parameters.
+    pub fn storage_dtype(&self) -> crate::seam::DType {
+        match &self.half {
+            Some(h) => h.data.dtype(),
+            None => crate::seam::DType::F32,
+        }
     }
 
     /// Bytes of parameter storage.
@@ -436,7 +450,7 @@ impl<T: Float> Model<T> {
     /// The tensor at `off..off + len` as the forward reads it.
     fn mat(&self, off: usize, len: usize) -> Mat<'_, T> {
         match &self.half {
-            Some(h) => Mat::Bf16(&h.data[off..off + len]),
+            Some(h) => h.mat(off, len),
             None => Mat::Full(&self.params[off..off + len]),
         }
     }
@@ -488,7 +502,7 @@ impl<T: Float> Model<T> {
     /// The weights of layer `l` in the compute type (training).
     ///
     /// # Panics
-    /// On a bf16 model ([`Model::is_bf16`]), which has no compute-type copy.
+    /// On a 16-bit model ([`Model::is_half`]), which has no compute-type copy.
     pub fn layer(&self, l: usize) -> LayerW<'_, T> {
         let c = &self.cfg;
         let o = &self.layout.layers[l];
@@ -987,10 +1001,10 @@ impl<T: Float> Model<T> {
         grads: Option<&mut [T]>,
     ) -> Result<AccumStats> {
         validate_train_batch(&self.cfg, batch, obj)?;
-        if grads.is_some() && self.is_bf16() {
+        if grads.is_some() && self.is_half() {
             return Err(BackendError::invalid(
                 "training",
-                "this model stores its weights in bf16 for generation only; train on f32 weights",
+                "this model stores its weights in 16 bits (bf16 or f16) for generation only; train on f32 weights",
             ));
         }
         if let Some(g) = &grads

@@ -10,7 +10,7 @@
 //! same ones). Shapes use `n` rows (tokens), `d`/`din`/`dout` widths, `h` query heads, `kvh`
 //! key/value heads, `hd` head width, `v` vocabulary.
 
-use half::bf16;
+use half::{bf16, f16};
 use std::fmt::Debug;
 use std::ops::{Add, AddAssign, Div, DivAssign, Mul, MulAssign, Neg, Sub, SubAssign};
 
@@ -63,6 +63,8 @@ pub trait Float:
     /// The same product with bf16 weights, bit-identical to [`Float::matmul_nt`] on the
     /// weights widened to `Self` (f32: `cpu::kernel::matmul_nt_bf16`).
     fn matmul_nt_bf16(out: &mut [Self], x: &[Self], w: &[bf16], n: usize, din: usize, dout: usize);
+    /// The same with f16 weights (f32: `cpu::kernel::matmul_nt_f16`).
+    fn matmul_nt_f16(out: &mut [Self], x: &[Self], w: &[f16], n: usize, din: usize, dout: usize);
     /// `C ← α·A·B + β·C` with element strides, as `matrixmultiply::{s,d}gemm`.
     ///
     /// # Safety
@@ -88,8 +90,18 @@ pub trait Float:
 }
 
 macro_rules! impl_float {
-    ($t:ty, $gemm:path, $nt:path, $nt16:path) => {
+    ($t:ty, $gemm:path, $nt:path, $nt16:path, $ntf16:path) => {
         impl Float for $t {
+            fn matmul_nt_f16(
+                out: &mut [Self],
+                x: &[Self],
+                w: &[f16],
+                n: usize,
+                din: usize,
+                dout: usize,
+            ) {
+                $ntf16(out, x, w, n, din, dout)
+            }
             fn matmul_nt_bf16(
                 out: &mut [Self],
                 x: &[Self],
@@ -179,39 +191,43 @@ impl_float!(
     f32,
     matrixmultiply::sgemm,
     crate::cpu::kernel::matmul_nt_f32,
-    crate::cpu::kernel::matmul_nt_bf16
+    crate::cpu::kernel::matmul_nt_bf16,
+    crate::cpu::kernel::matmul_nt_f16
 );
 impl_float!(
     f64,
     matrixmultiply::dgemm,
     gemm_nt_fallback,
+    widened_nt_fallback,
     widened_nt_fallback
 );
 
-/// `out = x·widen(w)ᵀ` for bf16 weights through the GEMM (f64 models).
-fn widened_nt_fallback<T: Float>(
+/// `out = x·widen(w)ᵀ` for bf16 or f16 weights through the GEMM (f64 models).
+fn widened_nt_fallback<T: Float, H: Copy + Into<f64>>(
     out: &mut [T],
     x: &[T],
-    w: &[bf16],
+    w: &[H],
     n: usize,
     din: usize,
     dout: usize,
 ) {
     let wide: Vec<T> = w[..dout * din]
         .iter()
-        .map(|v| T::from_f64(v.to_f64()))
+        .map(|&v| T::from_f64(v.into()))
         .collect();
     gemm_nt_fallback(out, x, &wide, n, din, dout);
 }
 
-/// A weight matrix (or a tensor the forward reads) in the compute type or in bf16: engines
-/// store their weights in bf16 and the kernel widens them in registers (exact).
+/// A weight matrix (or a tensor the forward reads) in the compute type, bf16 or f16: engines
+/// store their weights in 16 bits and the kernel widens them in registers (exact).
 #[derive(Debug, Clone, Copy)]
 pub enum Mat<'a, T> {
     /// Values in the compute type.
     Full(&'a [T]),
     /// bf16 values.
     Bf16(&'a [bf16]),
+    /// f16 values.
+    F16(&'a [f16]),
 }
 
 impl<'a, T> Mat<'a, T> {
@@ -220,6 +236,7 @@ impl<'a, T> Mat<'a, T> {
         match self {
             Mat::Full(w) => Mat::Full(&w[r]),
             Mat::Bf16(w) => Mat::Bf16(&w[r]),
+            Mat::F16(w) => Mat::F16(&w[r]),
         }
     }
 }
@@ -331,6 +348,11 @@ pub fn embedding_fwd<'a, T: Float>(
                     *o = T::from_f64(x.to_f64());
                 }
             }
+            Mat::F16(t) => {
+                for (o, x) in row.iter_mut().zip(&t[id * d..(id + 1) * d]) {
+                    *o = T::from_f64(x.to_f64());
+                }
+            }
         }
     }
 }
@@ -396,8 +418,8 @@ pub fn rmsnorm_bwd<T: Float>(
 }
 
 /// `out[n, dout] = x[n, din] · wᵀ` with `w` stored `[dout, din]` (torch's Linear, no bias).
-/// In f32 each output element's bits do not depend on `n` (see `cpu::kernel`); bf16 weights
-/// give the bits of their f32 widening.
+/// In f32 each output element's bits do not depend on `n` (see `cpu::kernel`); bf16 and f16
+/// weights give the bits of their f32 widening.
 pub fn matmul_fwd<'a, T: Float>(
     out: &mut [T],
     x: &[T],
@@ -409,6 +431,7 @@ pub fn matmul_fwd<'a, T: Float>(
     match w.into() {
         Mat::Full(w) => T::matmul_nt(out, x, w, n, din, dout),
         Mat::Bf16(w) => T::matmul_nt_bf16(out, x, w, n, din, dout),
+        Mat::F16(w) => T::matmul_nt_f16(out, x, w, n, din, dout),
     }
 }
 

@@ -105,6 +105,28 @@ impl TensorRef<'_> {
     }
 }
 
+impl TensorRef<'_> {
+    /// Converts every value into `out`: f16 copied as is, f32 and bf16 rounded to nearest-even.
+    fn write_f16(&self, out: &mut [half::f16]) {
+        use half::f16;
+        let sz = self.dtype.size();
+        let dt = self.dtype;
+        out.par_chunks_mut(CHUNK)
+            .zip(self.bytes.par_chunks(CHUNK * sz))
+            .for_each(|(o, b)| match dt {
+                DType::F16 => o.iter_mut().zip(b.chunks_exact(2)).for_each(|(o, b)| {
+                    *o = f16::from_le_bytes([b[0], b[1]]);
+                }),
+                DType::F32 => o.iter_mut().zip(b.chunks_exact(4)).for_each(|(o, b)| {
+                    *o = f16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+                }),
+                DType::Bf16 => o.iter_mut().zip(b.chunks_exact(2)).for_each(|(o, b)| {
+                    *o = f16::from_f32(bf16::from_le_bytes([b[0], b[1]]).to_f32());
+                }),
+            });
+    }
+}
+
 impl MappedCheckpoint {
     /// Maps the checkpoint in `dir` and checks its tensor names and shapes against its
     /// `config.json`. A tied checkpoint may carry an `lm_head.weight` equal to the embedding
@@ -175,6 +197,23 @@ impl MappedCheckpoint {
             self.convert(&e.name, e.len, |t| t.write_bf16(out))?;
             if out.par_iter().any(|x| !x.is_finite()) {
                 return Err(BackendError::non_finite(e.name.clone()));
+            }
+        }
+        Ok(buf)
+    }
+
+    /// Every parameter as f16 in one buffer in `layout`'s order (f16 tensors copied, others
+    /// rounded to nearest-even). A value beyond f16's range is an error naming its tensor.
+    pub fn flatten_f16(&self, layout: &Layout) -> Result<Vec<half::f16>> {
+        let mut buf = vec![half::f16::ZERO; layout.total];
+        for e in &layout.entries {
+            let out = &mut buf[e.offset..e.offset + e.len];
+            self.convert(&e.name, e.len, |t| t.write_f16(out))?;
+            if out.par_iter().any(|x| !x.is_finite()) {
+                return Err(BackendError::non_finite(format!(
+                    "{} (in f16: a value is non-finite or beyond ±65504)",
+                    e.name
+                )));
             }
         }
         Ok(buf)

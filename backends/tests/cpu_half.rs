@@ -1,13 +1,14 @@
-//! bf16 weight storage and memory-mapped loading on the CPU: a bf16 engine computes exactly
-//! what an f32 backend computes on the same weights rounded to bf16 (logits, log-probs,
-//! generation, batch invariance), holds half the weight bytes, refuses training with an error,
-//! and loads a bf16 checkpoint without conversion; the mapped loader gives the same values as
-//! the in-memory parser and names what is wrong with a bad checkpoint.
+//! 16-bit weight storage (bf16 and f16) and memory-mapped loading on the CPU: a 16-bit engine
+//! computes exactly what an f32 backend computes on the same weights rounded to its dtype
+//! (logits, log-probs, generation, batch invariance), holds half the weight bytes, refuses
+//! training with an error, and loads a checkpoint of its own dtype without conversion; f16's
+//! range is checked; the mapped loader gives the same values as the in-memory parser and names
+//! what is wrong with a bad checkpoint.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use half::bf16;
+use half::{bf16, f16};
 use rolloutpipe_backends::*;
 use safetensors::{Dtype, tensor::TensorView};
 
@@ -27,9 +28,25 @@ fn mini() -> ModelConfig {
     }
 }
 
+/// `x` rounded to `dtype` and widened back.
+fn round(x: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::Bf16 => bf16::from_f32(x).to_f32(),
+        DType::F16 => f16::from_f32(x).to_f32(),
+        DType::F32 => x,
+    }
+}
+
+const HALF: [DType; 2] = [DType::Bf16, DType::F16];
+
 /// Peaked random weights (so sampling is sensitive to any numerical difference), rounded to
 /// bf16 values, and the same weights not rounded.
 fn weights(cfg: &ModelConfig, seed: u64) -> (Weights, Weights) {
+    weights_in(cfg, seed, DType::Bf16)
+}
+
+/// As [`weights`], rounded to `dtype`.
+fn weights_in(cfg: &ModelConfig, seed: u64, dtype: DType) -> (Weights, Weights) {
     let mut w = Weights::random(cfg, seed).unwrap();
     for (name, t) in w.tensors.iter_mut() {
         if name.ends_with("norm.weight") {
@@ -43,9 +60,7 @@ fn weights(cfg: &ModelConfig, seed: u64) -> (Weights, Weights) {
     }
     let mut r = w.clone();
     for t in r.tensors.values_mut() {
-        t.data
-            .iter_mut()
-            .for_each(|x| *x = bf16::from_f32(*x).to_f32());
+        t.data.iter_mut().for_each(|x| *x = round(*x, dtype));
     }
     (r, w)
 }
@@ -93,18 +108,24 @@ fn reqs(cfg: &ModelConfig) -> Vec<GenRequest> {
 }
 
 #[test]
-fn bf16_engine_equals_f32_on_rounded_weights_bit_for_bit() {
+fn half_engines_equal_f32_on_rounded_weights_bit_for_bit() {
+    for dtype in HALF {
+        half_engine_equals_f32_on_rounded_weights(dtype);
+    }
+}
+
+fn half_engine_equals_f32_on_rounded_weights(dtype: DType) {
     let cfg = mini();
-    let (rounded, raw) = weights(&cfg, 5);
+    let (rounded, raw) = weights_in(&cfg, 5, dtype);
     let mut f = CpuBackend::new(&cfg, &rounded, 2).unwrap();
-    let mut h = CpuBackend::with_dtype(&cfg, &raw, 2, DType::Bf16).unwrap();
-    assert_eq!(h.weight_dtype(), DType::Bf16);
+    let mut h = CpuBackend::with_dtype(&cfg, &raw, 2, dtype).unwrap();
+    assert_eq!(h.weight_dtype(), dtype);
     assert_eq!(f.weight_dtype(), DType::F32);
     // half the bytes, plus the widened norm weights
     let (fb, hb) = (f.model().param_bytes(), h.model().param_bytes());
     assert!(
         hb * 2 > fb && hb * 2 < fb + fb / 10,
-        "f32 {fb} B, bf16 {hb} B"
+        "f32 {fb} B, {dtype} {hb} B"
     );
 
     let ids: Vec<u32> = (0..13).map(|t| (t * 5 % 40) as u32).collect();
@@ -140,21 +161,31 @@ fn bf16_engine_equals_f32_on_rounded_weights_bit_for_bit() {
     let (gh, gf) = (generate(&mut h, &rs), generate(&mut f, &rs));
     assert_eq!(gh.len(), rs.len());
     for (id, o) in &gh {
-        assert_eq!(o.tokens, gf[id].tokens, "request {id}");
-        assert_eq!(bits(&o.logprobs), bits(&gf[id].logprobs), "request {id}");
+        assert_eq!(o.tokens, gf[id].tokens, "{dtype} request {id}");
+        assert_eq!(
+            bits(&o.logprobs),
+            bits(&gf[id].logprobs),
+            "{dtype} request {id}"
+        );
     }
 }
 
 #[test]
-fn bf16_engine_decoding_is_batch_invariant() {
+fn half_engine_decoding_is_batch_invariant() {
+    for dtype in HALF {
+        half_engine_decoding_is_batch_invariant_in(dtype);
+    }
+}
+
+fn half_engine_decoding_is_batch_invariant_in(dtype: DType) {
     let cfg = mini();
-    let (_, raw) = weights(&cfg, 8);
+    let (_, raw) = weights_in(&cfg, 8, dtype);
     let rs = reqs(&cfg);
-    let mut together = CpuBackend::with_dtype(&cfg, &raw, 2, DType::Bf16).unwrap();
+    let mut together = CpuBackend::with_dtype(&cfg, &raw, 2, dtype).unwrap();
     let all = generate(&mut together, &rs);
     let mut distinct = std::collections::BTreeSet::new();
     for r in &rs {
-        let mut alone = CpuBackend::with_dtype(&cfg, &raw, 1, DType::Bf16).unwrap();
+        let mut alone = CpuBackend::with_dtype(&cfg, &raw, 1, dtype).unwrap();
         let one = generate(&mut alone, std::slice::from_ref(r));
         let (a, b) = (&one[&r.id.0], &all[&r.id.0]);
         assert_eq!(a.tokens, b.tokens, "request {}", r.id);
@@ -165,16 +196,26 @@ fn bf16_engine_decoding_is_batch_invariant() {
 }
 
 #[test]
-fn bf16_engine_refuses_training_and_syncs_from_an_f32_trainer() {
+fn half_engines_refuse_training_and_sync_from_an_f32_trainer() {
+    for dtype in HALF {
+        half_engine_refuses_training_and_syncs_from_an_f32_trainer(dtype);
+    }
+}
+
+fn half_engine_refuses_training_and_syncs_from_an_f32_trainer(dtype: DType) {
     let cfg = mini();
-    let (rounded, raw) = weights(&cfg, 11);
-    let mut h = CpuBackend::with_dtype(&cfg, &raw, 1, DType::Bf16).unwrap();
+    let (rounded, raw) = weights_in(&cfg, 11, dtype);
+    let mut h = CpuBackend::with_dtype(&cfg, &raw, 1, dtype).unwrap();
     let seq = TrainSequence::new(vec![1, 2], vec![3, 4], 1.0, Aggregation::TokenMean);
     let batch = TrainBatch {
         sequences: vec![seq],
     };
     let e = h.accumulate(&batch, &Objective::Sft).unwrap_err();
-    assert!(e.to_string().contains("bf16"), "{e}");
+    assert!(
+        e.to_string()
+            .contains(&format!("in {dtype} for generation")),
+        "{e}"
+    );
     assert!(h.optimizer_step(1.0, &AdamW::default()).is_err());
     assert!(h.gradients().is_err());
     h.zero_grad().unwrap();
@@ -190,24 +231,53 @@ fn bf16_engine_refuses_training_and_syncs_from_an_f32_trainer() {
         .unwrap();
     assert_eq!(t.sync_to(&mut h).unwrap(), SyncPath::SameDevice);
     let w = t.export_weights().unwrap();
-    let mut fresh = CpuBackend::with_dtype(&cfg, &w, 1, DType::Bf16).unwrap();
+    let mut fresh = CpuBackend::with_dtype(&cfg, &w, 1, dtype).unwrap();
     let ids = [3u32, 1, 4, 1, 5, 9, 2, 6];
     assert_eq!(
         bits(&h.logits(&ids).unwrap()),
         bits(&fresh.logits(&ids).unwrap())
     );
     // and a host import rounds the same way
-    let mut imported = CpuBackend::with_dtype(&cfg, &raw, 1, DType::Bf16).unwrap();
+    let mut imported = CpuBackend::with_dtype(&cfg, &raw, 1, dtype).unwrap();
     imported.import_weights(&w).unwrap();
     assert_eq!(
         bits(&imported.logits(&ids).unwrap()),
         bits(&fresh.logits(&ids).unwrap())
     );
-    assert!(CpuBackend::with_dtype(&cfg, &raw, 1, DType::F16).is_err());
+}
+
+/// f16 tops out at 65504: a weight beyond it is refused with a message, not stored as inf
+/// (bf16 has f32's range and takes it).
+#[test]
+fn f16_storage_refuses_values_beyond_its_range() {
+    let cfg = mini();
+    let (_, mut raw) = weights(&cfg, 4);
+    raw.tensors
+        .get_mut("model.layers.0.mlp.down_proj.weight")
+        .unwrap()
+        .data[2] = 7.0e4;
+    let e = CpuBackend::with_dtype(&cfg, &raw, 1, DType::F16).unwrap_err();
+    assert!(e.to_string().contains("does not fit in f16"), "{e}");
+    CpuBackend::with_dtype(&cfg, &raw, 1, DType::Bf16).unwrap();
+    let dir = half_dir("f16-range", &cfg, &raw, &[], DType::Bf16);
+    let e = CpuBackend::from_model_dir(&dir, 1, DType::F16).unwrap_err();
+    assert!(e.to_string().contains("down_proj"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A model directory whose safetensors hold `w` in bf16 (with `extra` tensors appended).
 fn bf16_dir(tag: &str, cfg: &ModelConfig, w: &Weights, extra: &[(&str, Vec<f32>)]) -> PathBuf {
+    half_dir(tag, cfg, w, extra, DType::Bf16)
+}
+
+/// A model directory whose safetensors hold `w` in `dtype` (Bf16 or F16).
+fn half_dir(
+    tag: &str,
+    cfg: &ModelConfig,
+    w: &Weights,
+    extra: &[(&str, Vec<f32>)],
+    dtype: DType,
+) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("rolloutpipe-bf16-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("config.json"), cfg.to_json().to_string()).unwrap();
@@ -224,7 +294,10 @@ fn bf16_dir(tag: &str, cfg: &ModelConfig, w: &Weights, extra: &[(&str, Vec<f32>)
         .iter()
         .map(|(_, _, d)| {
             d.iter()
-                .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+                .flat_map(|x| match dtype {
+                    DType::F16 => f16::from_f32(*x).to_le_bytes(),
+                    _ => bf16::from_f32(*x).to_le_bytes(),
+                })
                 .collect()
         })
         .collect();
@@ -234,7 +307,16 @@ fn bf16_dir(tag: &str, cfg: &ModelConfig, w: &Weights, extra: &[(&str, Vec<f32>)
         .map(|((n, s, _), b)| {
             (
                 n.as_str(),
-                TensorView::new(Dtype::BF16, s.clone(), b).unwrap(),
+                TensorView::new(
+                    if dtype == DType::F16 {
+                        Dtype::F16
+                    } else {
+                        Dtype::BF16
+                    },
+                    s.clone(),
+                    b,
+                )
+                .unwrap(),
             )
         })
         .collect();
@@ -260,7 +342,30 @@ fn mapped_bf16_checkpoint_loads_into_either_storage() {
         assert_eq!(be.weight_dtype(), dtype);
         assert_eq!(bits(&be.logits(&ids).unwrap()), want, "{dtype}");
     }
-    assert!(CpuBackend::from_model_dir(&dir, 1, DType::F16).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An f16 checkpoint loads into f16 storage without conversion and into f32 exactly; both give
+/// the logits of an f32 backend on the f16-rounded weights.
+#[test]
+fn mapped_f16_checkpoint_loads_exactly() {
+    let cfg = mini();
+    let (rounded, raw) = weights_in(&cfg, 6, DType::F16);
+    let dir = half_dir("f16", &cfg, &raw, &[], DType::F16);
+    let (_, w2) = load_model_dir(&dir).unwrap();
+    assert_eq!(w2, rounded);
+    let ids = [2u32, 9, 33, 0, 5];
+    let want = bits(
+        &CpuBackend::new(&cfg, &rounded, 1)
+            .unwrap()
+            .logits(&ids)
+            .unwrap(),
+    );
+    for dtype in [DType::F32, DType::F16] {
+        let mut be = CpuBackend::from_model_dir(&dir, 1, dtype).unwrap();
+        assert_eq!(be.weight_dtype(), dtype);
+        assert_eq!(bits(&be.logits(&ids).unwrap()), want, "{dtype}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
