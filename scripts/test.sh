@@ -7,30 +7,33 @@
 # The core's proofs (scripts/ci.d/core.sh: Miri and the bounded fuzz run are single-threaded)
 # run in the background beside the rest, so the second core is not idle while they interpret;
 # their log is printed when they end, and their failure fails the whole run. Each part prints
-# how long it took, so the CI budget (30 minutes on 2 cores) can be watched.
+# how long it took in wall time and in CPU time (user + sys of everything it ran), so the CI
+# budget (30 minutes on 2 cores) can be watched, and so a part's cost can be read even on a
+# machine shared with other work, where wall times mean little.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 total=$SECONDS
-bash scripts/setup.sh
+TIMEFORMAT='   (%R s wall, %U s user + %S s sys CPU)'
+time bash scripts/setup.sh
 
 core_log=$(mktemp)
 core_pid=
 # A failing foreground part ends the run: stop the background proofs with it.
 trap '[ -n "$core_pid" ] && kill "$core_pid" 2>/dev/null; rm -f "$core_log"' EXIT
 core_t0=$SECONDS
-bash scripts/ci.d/core.sh >"$core_log" 2>&1 &
+{ time bash scripts/ci.d/core.sh; } >"$core_log" 2>&1 &
 core_pid=$!
 
 t0=$SECONDS
 echo "== cargo test --workspace"
-cargo test --workspace --locked
+time cargo test --workspace --locked
 echo "== cargo test --workspace took $((SECONDS - t0)) s"
 for check in scripts/ci.d/*.sh; do
   [ -e "$check" ] || continue
   [ "$check" = scripts/ci.d/core.sh ] && continue
   t0=$SECONDS
   echo "== $check"
-  bash "$check"
+  time bash "$check"
   echo "== $check took $((SECONDS - t0)) s"
 done
 

@@ -19,6 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 start=$SECONDS
+TIMEFORMAT='   (%R s wall, %U s user + %S s sys CPU)'
 
 echo "== core: no_std build with only core (x86_64-unknown-none, -Z build-std=core)"
 rustup component add --toolchain nightly rust-src >/dev/null 2>&1 || true
@@ -39,11 +40,11 @@ PROPTEST_CASES="${PROPTEST_CASES:-10000}" cargo test -p rolloutpipe-core --locke
 echo "== core: tests under Miri"
 # Isolation off only so the corpus replay can list fuzz/corpus/events; the tests cut their case
 # counts under cfg(miri). Doctests are left to `cargo test` (they only repeat the API examples).
-MIRIFLAGS="-Zmiri-disable-isolation" cargo +nightly miri test -p rolloutpipe-core --locked --lib --tests
+time MIRIFLAGS="-Zmiri-disable-isolation" cargo +nightly miri test -p rolloutpipe-core --locked --lib --tests
 
 echo "== core: fuzz (events target, bounded)"
 if ! command -v cargo-fuzz >/dev/null; then
-  timeout 300 cargo install cargo-fuzz --locked --quiet || echo "cargo-fuzz could not be installed"
+  time timeout 300 cargo install cargo-fuzz --locked --quiet || echo "cargo-fuzz could not be installed"
 fi
 if command -v cargo-fuzz >/dev/null; then
   # Fuzz from a copy so new inputs do not land in the checked-in corpus.
@@ -52,7 +53,7 @@ if command -v cargo-fuzz >/dev/null; then
   cp fuzz/corpus/events/* "$work"/
   # A fixed seed and run count keep CI reproducible: a crash here fails the same way on rerun
   # (its input lands in fuzz/artifacts/events/; add it to the corpus with the fix).
-  (cd fuzz && cargo +nightly fuzz run events "$work" -- -seed="${CORE_FUZZ_SEED:-1}" \
+  time (cd fuzz && cargo +nightly fuzz run events "$work" -- -seed="${CORE_FUZZ_SEED:-1}" \
     -runs="${CORE_FUZZ_RUNS:-30000}" -max_total_time=180 -print_final_stats=1)
 else
   echo "cargo-fuzz unavailable: relying on the corpus replay (core/tests/fuzz_corpus.rs)"
