@@ -26,12 +26,13 @@ use generate::Generator;
 use model::{Activations, Layout, Model, PackedBatch, check_tokens};
 
 /// The result a decode step sends back from the pool with the generator it ran on.
-type StepResult = (Generator, Result<Vec<GenOutput>>);
+type StepResult = (Box<Generator>, Result<Vec<GenOutput>>);
 
-/// The generator, idle on this thread or away running a step.
+/// The generator, idle on this thread or away running a step (boxed: it is far larger than
+/// the receiver, and moves to the pool and back every step).
 #[derive(Debug)]
 enum EngineState {
-    Idle(Generator),
+    Idle(Box<Generator>),
     InFlight(Receiver<StepResult>),
 }
 
@@ -145,7 +146,7 @@ impl CpuBackend {
             model: Arc::new(model),
             opt: AdamState::default(),
             acts: Activations::default(),
-            engine: EngineState::Idle(Generator::default()),
+            engine: EngineState::Idle(Box::default()),
             pending: Vec::new(),
             admitted: HashMap::new(),
             limits: EngineLimits::default(),
@@ -216,7 +217,7 @@ impl CpuBackend {
     /// The generator, when no step is in flight.
     fn idle(&mut self) -> Option<&mut Generator> {
         match &mut self.engine {
-            EngineState::Idle(g) => Some(g),
+            EngineState::Idle(g) => Some(g.as_mut()),
             EngineState::InFlight(_) => None,
         }
     }
@@ -385,7 +386,7 @@ impl RolloutEngine for CpuBackend {
 
     fn submit_step(&mut self) -> Result<()> {
         let gen_ =
-            match std::mem::replace(&mut self.engine, EngineState::Idle(Generator::default())) {
+            match std::mem::replace(&mut self.engine, EngineState::Idle(Box::default())) {
                 EngineState::Idle(g) => g,
                 busy @ EngineState::InFlight(_) => {
                     self.engine = busy;
@@ -422,7 +423,7 @@ impl RolloutEngine for CpuBackend {
         };
         let Some((mut gen_, out)) = got else {
             // The step's thread died: its requests are lost with the generator.
-            self.engine = EngineState::Idle(Generator::default());
+            self.engine = EngineState::Idle(Box::default());
             self.admitted.clear();
             self.pending.clear();
             return Err(BackendError::Device(
