@@ -174,12 +174,13 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
             g.upload("dout", &data(rows * d, 6)),
         );
         let (dx, dw) = (g.buffer("dx", rows * d), g.buffer("dw", d));
+        let part = g.buffer("dw partials", ops::rmsnorm_dw_scratch(rows, d));
         // Reads x and dout twice (dx, then dw), writes dx: 20 bytes per element.
         grp.throughput(Throughput::Bytes((20 * rows * d) as u64));
         grp.bench_function(format!("{rows}x{d}"), |b| {
             b.iter_custom(|it| {
                 timed(&mut ex, it, |ex| {
-                    ops::rmsnorm_bwd(ex, &dx, &dw, &dout, &x, &w, &rstd, rows, d, false)
+                    ops::rmsnorm_bwd(ex, &dx, &dw, &part, &dout, &x, &w, &rstd, rows, d, false)
                 })
             })
         });
@@ -194,17 +195,25 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     // and of a 1024-wide model over 4096 vocabulary rows (each touched row once).
     for (n, d, vocab) in [(512usize, 128usize, 64usize), (512, 1024, 4096)] {
         let ids: Vec<u32> = (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
-        let (idb, dout, dtable) = (
-            g.upload("ids", &ids),
+        let (dout, dtable) = (
             g.upload("dout", &data(n * d, 7)),
             g.buffer("dtable", vocab * d),
+        );
+        let (grb, orb) = (
+            g.buffer("starts", ops::ScatterIndex::starts_len(n)),
+            g.buffer("pairs", ops::ScatterIndex::pairs_len(n)),
         );
         // Reads dout, reads and writes the touched table rows: ≤ 12 bytes per element.
         grp.throughput(Throughput::Bytes((12 * n * d) as u64));
         grp.bench_function(format!("{n}x{d}_v{vocab}"), |b| {
             b.iter_custom(|it| {
                 timed(&mut ex, it, |ex| {
-                    ops::embedding_bwd(ex, &dtable, &dout, &idb, n, d, vocab)
+                    // The host-side grouping and its upload count: the backend does both
+                    // on every backward.
+                    let ix = ops::ScatterIndex::new(&ids, vocab);
+                    g.write(&grb, &ix.starts);
+                    g.write(&orb, &ix.pairs);
+                    ops::embedding_bwd(ex, &dtable, &dout, &grb, &orb, ix.touched(), d, vocab)
                 })
             })
         });

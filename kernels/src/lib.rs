@@ -112,12 +112,14 @@ macro_rules! kernels {
 kernels! {
     /// `out[n, d] = table[tokens[n], :]`.
     EmbeddingFwd => "embedding_fwd", ["embedding_fwd"], 3, [256, 1, 1], ["embedding_fwd"];
-    /// `dtable[tokens[n], :] += dout[n, :]`, one thread per column.
-    EmbeddingBwd => "embedding_bwd", ["embedding_bwd"], 3, [64, 1, 1], ["embedding_bwd"];
+    /// `dtable[tokens[n], :] += dout[n, :]`: each workgroup takes 64 columns of a run of
+    /// touched rows and sums each row's positions in order, from a host-sorted index.
+    EmbeddingBwd => "embedding_bwd", ["embedding_bwd"], 4, [64, 1, 1], ["embedding_bwd"];
     /// RMSNorm of rows (also per head for q_norm/k_norm), saving `rstd`.
     RmsnormFwd => "rmsnorm_fwd", ["rmsnorm_fwd"], 4, [64, 1, 1], ["rmsnorm_fwd"];
-    /// RMSNorm backward: `dx` per row, `dw` per column.
-    RmsnormBwd => "rmsnorm_bwd", ["rmsnorm_bwd", "rmsnorm_bwd_dw"], 6, [64, 1, 1], ["rmsnorm_bwd", "rmsnorm_bwd_dw"];
+    /// RMSNorm backward: `dx` per row; `dw` in two fixed-order stages (partial sums per
+    /// chunk of rows and column, then per column).
+    RmsnormBwd => "rmsnorm_bwd", ["rmsnorm_bwd", "rmsnorm_bwd_dw", "rmsnorm_bwd_dw_reduce"], 7, [64, 1, 1], ["rmsnorm_bwd", "rmsnorm_bwd_dw"];
     /// `y = x·Wᵀ`, tiled 128x128 per 16x16 workgroup (the `gemm` prelude); a row-strip
     /// variant for ≤ 8 rows.
     MatmulFwd => "matmul_fwd" + "gemm", ["matmul_fwd", "matmul_fwd_rows"], 3, [16, 16, 1], ["matmul_fwd", "matmul_fwd_f32", "matmul_fwd_cast"];
