@@ -24,7 +24,9 @@ mod support;
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
 use rolloutpipe_backends::*;
-use support::check::{assert_close, assert_close_scaled, rand_ids, rand_vec, tol};
+#[cfg(feature = "cuda")]
+use support::check::assert_close_scaled;
+use support::check::{assert_can_fail, assert_close, rand_ids, rand_vec, tol};
 #[cfg(feature = "wgpu")]
 use support::device;
 use support::ops::CpuOps;
@@ -222,7 +224,8 @@ macro_rules! backend_suite {
                         be.logits(&ids).expect("logits"),
                         cpu.logits(&ids).expect("cpu logits"),
                     );
-                    assert_close_scaled("logits", &got, &want, tol::MODEL);
+                    assert_close("logits", &got, &want, tol::MODEL);
+                    assert_can_fail("logits", &want, tol::MODEL);
                     let seqs: Vec<Sequence> = random_seqs(&mut rng, &cfg, 5, long)
                         .into_iter()
                         .map(|(prompt, response)| Sequence { prompt, response })
@@ -328,12 +331,9 @@ macro_rules! backend_suite {
                         cpu.gradients().expect("cpu grads"),
                     );
                     for (name, t) in &cg.tensors {
-                        assert_close_scaled(
-                            &format!("grad {name}"),
-                            &gg.tensors[name].data,
-                            &t.data,
-                            tol::GRAD,
-                        );
+                        let what = format!("grad {name}");
+                        assert_close(&what, &gg.tensors[name].data, &t.data, tol::GRAD);
+                        assert_can_fail(&what, &t.data, tol::GRAD);
                     }
                     let opt = AdamW {
                         lr: 1e-3,
@@ -365,11 +365,11 @@ macro_rules! backend_suite {
                     );
                     for (name, t) in &cw.tensors {
                         let g = &cg.tensors[name].data;
-                        let gtol = tol::GRAD.1 * g.iter().fold(0.0f32, |m, x| m.max(x.abs()));
                         // Adam's first step is lr·g/(|g| + eps): where the reference gradient is
                         // within the gradient tolerance of zero its sign (and so the step, up to
                         // ±lr) is not determined by f32 arithmetic; elsewhere STEP applies.
                         for (i, (gv, cv)) in gw.tensors[name].data.iter().zip(&t.data).enumerate() {
+                            let gtol = tol::GRAD.0 + tol::GRAD.1 * g[i].abs();
                             let slack = if g[i].abs() <= gtol {
                                 2.0 * opt.lr as f32
                             } else {
@@ -590,9 +590,9 @@ fn wgpu_optimizer_state_matches_cpu_and_round_trips() {
         cpu.optimizer_state().clone(),
     );
     assert_eq!(gs.step, cs.step);
-    // Moments are running averages of GRAD-accurate gradients.
-    assert_close_scaled("adam m", &gs.m, &cs.m, tol::GRAD);
-    assert_close_scaled("adam v", &gs.v, &cs.v, tol::GRAD);
+    // Moments of GRAD-accurate gradients (see ADAM_M, ADAM_V).
+    assert_close("adam m", &gs.m, &cs.m, tol::ADAM_M);
+    assert_close("adam v", &gs.v, &cs.v, tol::ADAM_V);
     be.set_optimizer_state(cs.clone()).expect("set");
     let back = be.optimizer_state().expect("state");
     assert_eq!((back.step, &back.m, &back.v), (cs.step, &cs.m, &cs.v));
