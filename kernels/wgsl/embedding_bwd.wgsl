@@ -21,9 +21,9 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> starts: array<u32>;
-@group(0) @binding(2) var<storage, read_write> pairs: array<vec2<u32>>;
-@group(0) @binding(3) var<storage, read_write> dout: array<f32>;
+@group(0) @binding(1) var<storage, read> starts: array<u32>;
+@group(0) @binding(2) var<storage, read> pairs: array<vec2<u32>>;
+@group(0) @binding(3) var<storage, read> dout: array<f32>;
 @group(0) @binding(4) var<storage, read_write> dtable: array<f32>;
 
 // Launched over (⌈dim/64⌉, ⌈touched/per_group⌉) workgroups.

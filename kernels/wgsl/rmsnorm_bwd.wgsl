@@ -19,10 +19,10 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> x: array<f32>;
-@group(0) @binding(2) var<storage, read_write> w: array<f32>;
-@group(0) @binding(3) var<storage, read_write> rstd: array<f32>;
-@group(0) @binding(4) var<storage, read_write> dout: array<f32>;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> w: array<f32>;
+@group(0) @binding(3) var<storage, read> rstd: array<f32>;
+@group(0) @binding(4) var<storage, read> dout: array<f32>;
 @group(0) @binding(5) var<storage, read_write> dx: array<f32>;
 @group(0) @binding(6) var<storage, read_write> dw: array<f32>;
 @group(0) @binding(7) var<storage, read_write> part: array<f32>; // [chunks, dim] scratch
