@@ -96,8 +96,21 @@ impl ScatterIndex {
 }
 
 /// About how many workgroups [`embedding_bwd`] spreads its touched rows over (more only
-/// where a row is wider than 256 · 64 columns). The split does not change any sum.
-const EMBEDDING_BWD_GROUPS: usize = 256;
+/// where a row is wider than that many · 64 columns). The split changes no sum, so it can
+/// follow the adapter:
+/// - a GPU wants many workgroups in flight (1,024 of 64 lanes: 64 Ki invocations; a guess,
+///   not yet tuned on a GPU);
+/// - a CPU adapter (lavapipe) runs each workgroup as a loop on one of a few cores and pays
+///   a fixed cost per workgroup, so it wants few and long ones: with 256 the small model's
+///   512-token embedding gradient (64 touched rows) ran 128 workgroups and was ~1.2x slower
+///   than the column-serial kernel it replaces; with 16 it is not.
+fn embedding_bwd_groups(ex: &Exec) -> usize {
+    if ex.gpu().adapter_info().device_type == wgpu::DeviceType::Cpu {
+        16
+    } else {
+        1024
+    }
+}
 
 /// Largest y workgroup count of a dispatch (WebGPU's default limit).
 const MAX_GROUPS_Y: usize = 65_535;
@@ -117,11 +130,29 @@ pub fn embedding_bwd(
     d: usize,
     vocab: usize,
 ) {
+    let spread = embedding_bwd_groups(ex);
+    embedding_bwd_spread(ex, dtable, dout, starts, pairs, touched, d, vocab, spread);
+}
+
+/// [`embedding_bwd`] spread over about `spread` workgroups instead of the adapter's
+/// choice (the conformance suite checks that every spread gives the same bits).
+#[allow(clippy::too_many_arguments)]
+pub fn embedding_bwd_spread(
+    ex: &mut Exec,
+    dtable: &Buffer,
+    dout: &Buffer,
+    starts: &Buffer,
+    pairs: &Buffer,
+    touched: usize,
+    d: usize,
+    vocab: usize,
+    spread: usize,
+) {
     if touched == 0 {
         return;
     }
     let col_blocks = d.div_ceil(64).max(1);
-    let runs = (EMBEDDING_BWD_GROUPS / col_blocks).clamp(1, touched.min(MAX_GROUPS_Y));
+    let runs = (spread / col_blocks).clamp(1, touched.min(MAX_GROUPS_Y));
     let per_group = touched.div_ceil(runs);
     let p = Params::new().u(touched).u(d).u(vocab).u(per_group);
     ex.dispatch(
