@@ -160,6 +160,66 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     });
     grp.finish();
 
+    let mut grp = c.benchmark_group("wgpu_rmsnorm_bwd");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    // The small model's 512-token training chunk (hidden 128), its per-head q_norm
+    // (512 tokens x 4 heads of 32) and a Qwen3-0.6B-wide row (hidden 1024).
+    for (rows, d) in [(512usize, 128usize), (2048, 32), (512, 1024)] {
+        let (x, w, rstd, dout) = (
+            g.upload("x", &data(rows * d, 4)),
+            g.upload("w", &data(d, 5)),
+            g.upload("rstd", &vec![1.5f32; rows]),
+            g.upload("dout", &data(rows * d, 6)),
+        );
+        let (dx, dw) = (g.buffer("dx", rows * d), g.buffer("dw", d));
+        let part = g.buffer("dw partials", ops::rmsnorm_dw_scratch(rows, d));
+        // Reads x and dout twice (dx, then dw), writes dx: 20 bytes per element.
+        grp.throughput(Throughput::Bytes((20 * rows * d) as u64));
+        grp.bench_function(format!("{rows}x{d}"), |b| {
+            b.iter_custom(|it| {
+                timed(&mut ex, it, |ex| {
+                    ops::rmsnorm_bwd(ex, &dx, &dw, &part, &dout, &x, &w, &rstd, rows, d, false)
+                })
+            })
+        });
+    }
+    grp.finish();
+
+    let mut grp = c.benchmark_group("wgpu_embedding_bwd");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    // 512 training tokens of the small model (vocabulary 64: every row repeats ~8 times),
+    // and of a 1024-wide model over 4096 vocabulary rows (each touched row once).
+    for (n, d, vocab) in [(512usize, 128usize, 64usize), (512, 1024, 4096)] {
+        let ids: Vec<u32> = (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+        let (dout, dtable) = (
+            g.upload("dout", &data(n * d, 7)),
+            g.buffer("dtable", vocab * d),
+        );
+        let (grb, orb) = (
+            g.buffer("starts", ops::ScatterIndex::starts_len(n)),
+            g.buffer("pairs", ops::ScatterIndex::pairs_len(n)),
+        );
+        // Reads dout, reads and writes the touched table rows: ≤ 12 bytes per element.
+        grp.throughput(Throughput::Bytes((12 * n * d) as u64));
+        grp.bench_function(format!("{n}x{d}_v{vocab}"), |b| {
+            b.iter_custom(|it| {
+                timed(&mut ex, it, |ex| {
+                    // The host-side grouping and its upload count: the backend does both
+                    // on every backward.
+                    let ix = ops::ScatterIndex::new(&ids, vocab);
+                    g.write(&grb, &ix.starts);
+                    g.write(&orb, &ix.pairs);
+                    ops::embedding_bwd(ex, &dtable, &dout, &grb, &orb, ix.touched(), d, vocab)
+                })
+            })
+        });
+    }
+    grp.finish();
+
     let mut grp = c.benchmark_group("wgpu_attention_fwd");
     grp.sample_size(10)
         .warm_up_time(Duration::from_millis(300))

@@ -18,8 +18,10 @@
 //!
 //! Binding convention shared by every file (the wgpu backend builds its layouts from it):
 //! `@group(0) @binding(0)` is a `Params` uniform of at most [`PARAMS_BYTES`] bytes (bound
-//! with a dynamic offset into one arena), and bindings `1..=storage_bindings()` are
-//! `read_write` storage buffers, never more than [`MAX_STORAGE_BINDINGS`]. All entry points of a file share that layout.
+//! with a dynamic offset into one arena), and bindings `1..=storage_bindings()` are storage
+//! buffers, never more than [`MAX_STORAGE_BINDINGS`]: `read` where no entry point of the
+//! file writes them ([`Kernel::read_only_bindings`]), `read_write` otherwise. All entry
+//! points of a file share that layout.
 //!
 //! ```
 //! use rolloutpipe_kernels::Kernel;
@@ -41,7 +43,7 @@ pub const PARAMS_BYTES: u64 = 64;
 pub const MAX_STORAGE_BINDINGS: u32 = 10;
 
 macro_rules! kernels {
-    ($( $(#[$doc:meta])* $variant:ident => $name:literal $(+ $pre:literal)*, [$($entry:literal),+], $storage:literal, $wg:expr, [$($ptx_entry:literal),+]; )+) => {
+    ($( $(#[$doc:meta])* $variant:ident => $name:literal $(+ $pre:literal)*, [$($entry:literal),+], $storage:literal, ro [$($ro:literal),*], $wg:expr, [$($ptx_entry:literal),+]; )+) => {
         /// One kernel source file: one op of the model, named as the CPU reference names it.
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub enum Kernel {
@@ -84,6 +86,13 @@ macro_rules! kernels {
                 match self { $(Kernel::$variant => $storage,)+ }
             }
 
+            /// The storage bindings that no entry point writes: declared `var<storage, read>`
+            /// in the WGSL and bound read-only by the backend (`tests/naga.rs` checks both
+            /// ways: these are not written, and every other binding is).
+            pub const fn read_only_bindings(self) -> &'static [u32] {
+                match self { $(Kernel::$variant => &[$($ro),*],)+ }
+            }
+
             /// `@workgroup_size` of every entry point of the file.
             pub const fn workgroup_size(self) -> [u32; 3] {
                 match self { $(Kernel::$variant => $wg,)+ }
@@ -111,46 +120,48 @@ macro_rules! kernels {
 
 kernels! {
     /// `out[n, d] = table[tokens[n], :]`.
-    EmbeddingFwd => "embedding_fwd", ["embedding_fwd"], 3, [256, 1, 1], ["embedding_fwd"];
-    /// `dtable[tokens[n], :] += dout[n, :]`, one thread per column.
-    EmbeddingBwd => "embedding_bwd", ["embedding_bwd"], 3, [64, 1, 1], ["embedding_bwd"];
+    EmbeddingFwd => "embedding_fwd", ["embedding_fwd"], 3, ro [1, 2], [256, 1, 1], ["embedding_fwd"];
+    /// `dtable[tokens[n], :] += dout[n, :]`: each workgroup takes 64 columns of a run of
+    /// touched rows and sums each row's positions in order, from a host-sorted index.
+    EmbeddingBwd => "embedding_bwd", ["embedding_bwd"], 4, ro [1, 2, 3], [64, 1, 1], ["embedding_bwd"];
     /// RMSNorm of rows (also per head for q_norm/k_norm), saving `rstd`.
-    RmsnormFwd => "rmsnorm_fwd", ["rmsnorm_fwd"], 4, [64, 1, 1], ["rmsnorm_fwd"];
-    /// RMSNorm backward: `dx` per row, `dw` per column.
-    RmsnormBwd => "rmsnorm_bwd", ["rmsnorm_bwd", "rmsnorm_bwd_dw"], 6, [64, 1, 1], ["rmsnorm_bwd", "rmsnorm_bwd_dw"];
+    RmsnormFwd => "rmsnorm_fwd", ["rmsnorm_fwd"], 4, ro [1, 2], [64, 1, 1], ["rmsnorm_fwd"];
+    /// RMSNorm backward: `dx` per row; `dw` in two fixed-order stages (partial sums per
+    /// chunk of rows and column, then per column).
+    RmsnormBwd => "rmsnorm_bwd", ["rmsnorm_bwd", "rmsnorm_bwd_dw", "rmsnorm_bwd_dw_reduce"], 7, ro [1, 2, 3, 4], [64, 1, 1], ["rmsnorm_bwd", "rmsnorm_bwd_dw"];
     /// `y = x·Wᵀ`, tiled 128x128 per 16x16 workgroup (the `gemm` prelude); a row-strip
     /// variant for ≤ 8 rows.
-    MatmulFwd => "matmul_fwd" + "gemm", ["matmul_fwd", "matmul_fwd_rows"], 3, [16, 16, 1], ["matmul_fwd", "matmul_fwd_f32", "matmul_fwd_cast"];
+    MatmulFwd => "matmul_fwd" + "gemm", ["matmul_fwd", "matmul_fwd_rows"], 3, ro [1, 2], [16, 16, 1], ["matmul_fwd", "matmul_fwd_f32", "matmul_fwd_cast"];
     /// `dx = dy·W` and `dW += dyᵀ·x`, the same GEMM body.
-    MatmulBwd => "matmul_bwd" + "gemm", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, [16, 16, 1], ["matmul_bwd_dx", "matmul_bwd_dw"];
+    MatmulBwd => "matmul_bwd" + "gemm", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, ro [1, 2, 3], [16, 16, 1], ["matmul_bwd_dx", "matmul_bwd_dw"];
     /// Rotate-half RoPE in place from cos/sin tables.
-    RopeFwd => "rope_fwd", ["rope_fwd"], 4, [256, 1, 1], ["rope_fwd"];
+    RopeFwd => "rope_fwd", ["rope_fwd"], 4, ro [2, 3, 4], [256, 1, 1], ["rope_fwd"];
     /// Transposed rotation of a gradient, in place.
-    RopeBwd => "rope_bwd", ["rope_bwd"], 4, [256, 1, 1], ["rope_bwd"];
+    RopeBwd => "rope_bwd", ["rope_bwd"], 4, ro [2, 3, 4], [256, 1, 1], ["rope_bwd"];
     /// Causal GQA attention with online softmax, per (query, head); saves log-sum-exp.
-    AttentionFwd => "attention_fwd", ["attention_fwd"], 6, [64, 1, 1], ["attention_fwd"];
+    AttentionFwd => "attention_fwd", ["attention_fwd"], 6, ro [1, 2, 3, 4], [64, 1, 1], ["attention_fwd"];
     /// Attention backward: `dq` per (query, head), then `dk, dv` per (key, kv head).
-    AttentionBwd => "attention_bwd", ["attention_bwd_dq", "attention_bwd_dkv"], 9, [64, 1, 1], ["attention_bwd_dq", "attention_bwd_dkv"];
+    AttentionBwd => "attention_bwd", ["attention_bwd_dq", "attention_bwd_dkv"], 9, ro [1, 2, 3, 4, 6, 9], [64, 1, 1], ["attention_bwd_dq", "attention_bwd_dkv"];
     /// `silu(gate) * up`.
-    SwigluFwd => "swiglu_fwd", ["swiglu_fwd"], 3, [256, 1, 1], ["swiglu_fwd"];
+    SwigluFwd => "swiglu_fwd", ["swiglu_fwd"], 3, ro [1, 2], [256, 1, 1], ["swiglu_fwd"];
     /// Gradients of `silu(gate) * up` with respect to gate and up.
-    SwigluBwd => "swiglu_bwd", ["swiglu_bwd"], 5, [256, 1, 1], ["swiglu_bwd"];
+    SwigluBwd => "swiglu_bwd", ["swiglu_bwd"], 5, ro [1, 2, 3], [256, 1, 1], ["swiglu_bwd"];
     /// `out = a + b`.
-    ResidualFwd => "residual_fwd", ["residual_fwd"], 3, [256, 1, 1], ["residual_fwd"];
+    ResidualFwd => "residual_fwd", ["residual_fwd"], 3, ro [1, 2], [256, 1, 1], ["residual_fwd"];
     /// `log_softmax(logits / T)` at the targets, and the entropy, per row.
-    LogprobFwd => "logprob_fwd" + "reduce" + "lse", ["logprob_fwd"], 4, [256, 1, 1], ["logprob_fwd", "logprob_fwd_finish"];
+    LogprobFwd => "logprob_fwd" + "reduce" + "lse", ["logprob_fwd"], 4, ro [1, 2], [256, 1, 1], ["logprob_fwd", "logprob_fwd_finish"];
     /// Gradient of the log-probs with respect to the logits.
-    LogprobBwd => "logprob_bwd" + "reduce" + "lse", ["logprob_bwd"], 4, [256, 1, 1], ["logprob_bwd"];
+    LogprobBwd => "logprob_bwd" + "reduce" + "lse", ["logprob_bwd"], 4, ro [1, 2, 3], [256, 1, 1], ["logprob_bwd"];
     /// Sums of the weighted clipped GRPO objective (or SFT), KL, clip count and entropy.
-    GrpoLossFwd => "grpo_loss_fwd", ["grpo_loss_fwd"], 8, [256, 1, 1], ["grpo_loss_fwd"];
+    GrpoLossFwd => "grpo_loss_fwd", ["grpo_loss_fwd"], 8, ro [1, 2, 3, 4, 5, 6, 8], [256, 1, 1], ["grpo_loss_fwd"];
     /// Per-token gradient of the weighted objective with respect to the log-probs.
-    GrpoLossBwd => "grpo_loss_bwd", ["grpo_loss_bwd"], 7, [256, 1, 1], ["grpo_loss_bwd"];
+    GrpoLossBwd => "grpo_loss_bwd", ["grpo_loss_bwd"], 7, ro [1, 2, 3, 4, 5, 7], [256, 1, 1], ["grpo_loss_bwd"];
     /// One AdamW update of one tensor, torch semantics.
-    AdamwStep => "adamw_step", ["adamw_step"], 4, [256, 1, 1], ["adamw_step"];
+    AdamwStep => "adamw_step", ["adamw_step"], 4, ro [2], [256, 1, 1], ["adamw_step"];
     /// Sum of squares: per-workgroup partials, then one final reduction.
-    GradNorm => "grad_norm" + "reduce", ["grad_norm", "grad_norm_reduce"], 3, [256, 1, 1], ["grad_norm", "grad_norm_reduce"];
+    GradNorm => "grad_norm" + "reduce", ["grad_norm", "grad_norm_reduce"], 3, ro [1], [256, 1, 1], ["grad_norm", "grad_norm_reduce"];
     /// Temperature / top-k / top-p sampling from a host-drawn uniform, with the log-prob.
-    Sample => "sample", ["sample"], 4, [256, 1, 1], ["sample"];
+    Sample => "sample", ["sample"], 4, ro [1, 2], [256, 1, 1], ["sample"];
 }
 
 #[cfg(test)]

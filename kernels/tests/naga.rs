@@ -60,11 +60,17 @@ fn bindings_follow_the_convention() {
                     uniform = Some(h);
                 }
                 AddressSpace::Storage { access } => {
+                    let want = if k.read_only_bindings().contains(&b.binding) {
+                        StorageAccess::LOAD
+                    } else {
+                        StorageAccess::LOAD | StorageAccess::STORE
+                    };
                     assert_eq!(
                         access,
-                        StorageAccess::LOAD | StorageAccess::STORE,
-                        "{}: {:?} must be read_write (one layout per file)",
+                        want,
+                        "{}: binding {} ({:?}) is declared unlike Kernel::read_only_bindings",
                         k.name(),
+                        b.binding,
                         var.name
                     );
                     storage.push((b.binding, h));
@@ -99,6 +105,15 @@ fn bindings_follow_the_convention() {
             let used =
                 (0..module.entry_points.len()).any(|i| !info.get_entry_point(i)[*h].is_empty());
             assert!(used, "{}: binding {b} is never used", k.name());
+            // A buffer no entry point writes is bound read-only (naga rejects a write to a
+            // `read` binding, so the other direction is checked by validation).
+            let written = (0..module.entry_points.len())
+                .any(|i| info.get_entry_point(i)[*h].contains(GlobalUse::WRITE));
+            assert!(
+                written || k.read_only_bindings().contains(b),
+                "{}: binding {b} is only read; declare it `read` and list it in read_only_bindings",
+                k.name()
+            );
         }
     }
 }

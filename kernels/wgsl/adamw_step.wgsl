@@ -22,7 +22,7 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read_write> param: array<f32>;
-@group(0) @binding(2) var<storage, read_write> grad: array<f32>;
+@group(0) @binding(2) var<storage, read> grad: array<f32>;
 @group(0) @binding(3) var<storage, read_write> m: array<f32>;
 @group(0) @binding(4) var<storage, read_write> v: array<f32>;
 

@@ -26,15 +26,15 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> q: array<f32>;
-@group(0) @binding(2) var<storage, read_write> k: array<f32>;
-@group(0) @binding(3) var<storage, read_write> v: array<f32>;
-@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+@group(0) @binding(1) var<storage, read> q: array<f32>;
+@group(0) @binding(2) var<storage, read> k: array<f32>;
+@group(0) @binding(3) var<storage, read> v: array<f32>;
+@group(0) @binding(4) var<storage, read> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> stats: array<f32>;
-@group(0) @binding(6) var<storage, read_write> dout: array<f32>;
+@group(0) @binding(6) var<storage, read> dout: array<f32>;
 @group(0) @binding(7) var<storage, read_write> dq: array<f32>;
 @group(0) @binding(8) var<storage, read_write> dkv: array<f32>;
-@group(0) @binding(9) var<storage, read_write> meta_rows: array<u32>;
+@group(0) @binding(9) var<storage, read> meta_rows: array<u32>;
 
 const WG: u32 = 64u;
 var<workgroup> xs: array<f32, 256>;

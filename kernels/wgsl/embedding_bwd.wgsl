@@ -1,28 +1,57 @@
-// embedding_bwd: dtable[tokens[n], :] += dout[n, :].
-// WGSL has no float atomics, so one thread owns one column of the table and walks the
-// tokens in order: no two threads ever write the same element, and the summation order
-// per element is the token order, the same as the CPU reference's loop.
+// embedding_bwd: dtable[tokens[n], :] += dout[n, :], without float atomics and in a fixed
+// order.
+// The host sorts the positions by the table row they add to (`ScatterIndex` in
+// backends/src/wgpu/ops.rs; a stable sort, so each row's positions stay ascending):
+//   pairs  = (row, position) for every position, in that order
+//   starts = where each touched row's pairs begin, then n
+// A workgroup owns 64 columns of a run of `per_group` consecutive touched rows; each lane
+// takes one column and walks the run's pairs in order, adding each position's gradient to
+// its row and storing a row's sum when the row changes. No two invocations write the same
+// element, the work is O(n·dim) spread over ⌈dim/64⌉·⌈touched/per_group⌉ workgroups, and
+// every element is summed in the order of the CPU reference's loop (`dtable[row] +=
+// dout[pos]` for pos ascending), so the result is bit-identical to it and to itself from
+// run to run, whatever `per_group` is. Per element a lane loads one pair and one gradient,
+// as the column-serial kernel this replaces loaded one token id and one gradient.
 
 struct Params {
-    n: u32,
+    touched: u32,
     dim: u32,
     vocab: u32,
-    _pad: u32,
+    per_group: u32, // touched rows per workgroup
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> tokens: array<u32>;
-@group(0) @binding(2) var<storage, read_write> dout: array<f32>;
-@group(0) @binding(3) var<storage, read_write> dtable: array<f32>;
+@group(0) @binding(1) var<storage, read> starts: array<u32>;
+@group(0) @binding(2) var<storage, read> pairs: array<vec2<u32>>;
+@group(0) @binding(3) var<storage, read> dout: array<f32>;
+@group(0) @binding(4) var<storage, read_write> dtable: array<f32>;
 
+// Launched over (⌈dim/64⌉, ⌈touched/per_group⌉) workgroups.
 @compute @workgroup_size(64)
-fn embedding_bwd(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let col = gid.x;
-    if (col >= p.dim) {
+fn embedding_bwd(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let col = wid.x * 64u + lid;
+    let t0 = wid.y * p.per_group;
+    if (col >= p.dim || t0 >= p.touched) {
         return;
     }
-    for (var r = 0u; r < p.n; r++) {
-        let tok = min(tokens[r], p.vocab - 1u);
-        dtable[tok * p.dim + col] += dout[r * p.dim + col];
+    let k0 = starts[t0];
+    let k1 = starts[min(t0 + p.per_group, p.touched)];
+    // The host clamps rows below vocab; min keeps a bad one inside the table regardless.
+    var dst = min(pairs[k0].x, p.vocab - 1u) * p.dim + col;
+    var cur = pairs[k0].x;
+    var acc = dtable[dst];
+    for (var k = k0; k < k1; k++) {
+        let e = pairs[k];
+        if (e.x != cur) {
+            dtable[dst] = acc;
+            cur = e.x;
+            dst = min(cur, p.vocab - 1u) * p.dim + col;
+            acc = dtable[dst];
+        }
+        acc += dout[e.y * p.dim + col];
     }
+    dtable[dst] = acc;
 }

@@ -12,7 +12,7 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> g: array<f32>;
+@group(0) @binding(1) var<storage, read> g: array<f32>;
 @group(0) @binding(2) var<storage, read_write> partials: array<f32>;
 @group(0) @binding(3) var<storage, read_write> total: array<f32>;
 

@@ -16,13 +16,13 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> logp: array<f32>;
-@group(0) @binding(2) var<storage, read_write> old_logp: array<f32>;
-@group(0) @binding(3) var<storage, read_write> ref_logp: array<f32>;
-@group(0) @binding(4) var<storage, read_write> adv: array<f32>;
-@group(0) @binding(5) var<storage, read_write> weight: array<f32>;
+@group(0) @binding(1) var<storage, read> logp: array<f32>;
+@group(0) @binding(2) var<storage, read> old_logp: array<f32>;
+@group(0) @binding(3) var<storage, read> ref_logp: array<f32>;
+@group(0) @binding(4) var<storage, read> adv: array<f32>;
+@group(0) @binding(5) var<storage, read> weight: array<f32>;
 @group(0) @binding(6) var<storage, read_write> dlogp: array<f32>;
-@group(0) @binding(7) var<storage, read_write> flags: array<u32>;
+@group(0) @binding(7) var<storage, read> flags: array<u32>;
 
 @compute @workgroup_size(256)
 fn grpo_loss_bwd(

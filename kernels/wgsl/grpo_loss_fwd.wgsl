@@ -22,14 +22,14 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> logp: array<f32>;
-@group(0) @binding(2) var<storage, read_write> old_logp: array<f32>;
-@group(0) @binding(3) var<storage, read_write> ref_logp: array<f32>;
-@group(0) @binding(4) var<storage, read_write> adv: array<f32>;
-@group(0) @binding(5) var<storage, read_write> weight: array<f32>;
-@group(0) @binding(6) var<storage, read_write> entropy: array<f32>;
+@group(0) @binding(1) var<storage, read> logp: array<f32>;
+@group(0) @binding(2) var<storage, read> old_logp: array<f32>;
+@group(0) @binding(3) var<storage, read> ref_logp: array<f32>;
+@group(0) @binding(4) var<storage, read> adv: array<f32>;
+@group(0) @binding(5) var<storage, read> weight: array<f32>;
+@group(0) @binding(6) var<storage, read> entropy: array<f32>;
 @group(0) @binding(7) var<storage, read_write> stats: array<f32>;
-@group(0) @binding(8) var<storage, read_write> flags: array<u32>;
+@group(0) @binding(8) var<storage, read> flags: array<u32>;
 
 const WG: u32 = 256u;
 var<workgroup> red: array<vec4<f32>, WG>;

@@ -11,9 +11,9 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> logits: array<f32>;
-@group(0) @binding(2) var<storage, read_write> targets: array<u32>;
-@group(0) @binding(3) var<storage, read_write> dlogp: array<f32>;
+@group(0) @binding(1) var<storage, read> logits: array<f32>;
+@group(0) @binding(2) var<storage, read> targets: array<u32>;
+@group(0) @binding(3) var<storage, read> dlogp: array<f32>;
 @group(0) @binding(4) var<storage, read_write> dlogits: array<f32>;
 
 @compute @workgroup_size(256)

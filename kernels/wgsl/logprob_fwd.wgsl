@@ -11,8 +11,8 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> logits: array<f32>;
-@group(0) @binding(2) var<storage, read_write> targets: array<u32>;
+@group(0) @binding(1) var<storage, read> logits: array<f32>;
+@group(0) @binding(2) var<storage, read> targets: array<u32>;
 @group(0) @binding(3) var<storage, read_write> logp: array<f32>;
 @group(0) @binding(4) var<storage, read_write> entropy: array<f32>;
 

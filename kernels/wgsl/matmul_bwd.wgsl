@@ -12,9 +12,9 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> dy: array<f32>;
-@group(0) @binding(2) var<storage, read_write> x: array<f32>;
-@group(0) @binding(3) var<storage, read_write> w: array<f32>;
+@group(0) @binding(1) var<storage, read> dy: array<f32>;
+@group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(3) var<storage, read> w: array<f32>;
 @group(0) @binding(4) var<storage, read_write> dx: array<f32>;
 @group(0) @binding(5) var<storage, read_write> dw: array<f32>;
 

@@ -1,23 +1,31 @@
 // rmsnorm_bwd: with xh = x * rstd and g = w * dout,
 //   dx = rstd * (g - xh * mean(g * xh))          (entry rmsnorm_bwd, one workgroup per row)
-//   dw += sum over rows of dout * xh             (entry rmsnorm_bwd_dw, one thread per column)
-// The weight gradient is a column sum over rows; giving each column to one thread avoids
-// float atomics and keeps a fixed summation order.
+//   dw += sum over rows of dout * xh             (two stages, below)
+// The weight gradient is a column sum over all rows. It is reduced in two stages, without
+// float atomics and in a fixed order, so it is bit-reproducible from run to run:
+//   rmsnorm_bwd_dw:        part[c, col] = sum of rows c·chunk .. (c+1)·chunk, ascending,
+//                          one invocation per (chunk c, column);
+//   rmsnorm_bwd_dw_reduce: dw[col] += sum of part[0..chunks, col], ascending, one
+//                          invocation per column.
+// The host picks chunk ≈ √rows (`rmsnorm_dw_chunk`), so both stages are ~√rows long and
+// rows/chunk · dim invocations share the first (one thread per column walked all rows
+// before).
 
 struct Params {
     rows: u32,
     dim: u32,
     accumulate: u32, // 1: dx += result (residual stream gradients), 0: dx = result
-    _pad: u32,
+    chunk: u32,      // rows per partial sum of dw
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> x: array<f32>;
-@group(0) @binding(2) var<storage, read_write> w: array<f32>;
-@group(0) @binding(3) var<storage, read_write> rstd: array<f32>;
-@group(0) @binding(4) var<storage, read_write> dout: array<f32>;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> w: array<f32>;
+@group(0) @binding(3) var<storage, read> rstd: array<f32>;
+@group(0) @binding(4) var<storage, read> dout: array<f32>;
 @group(0) @binding(5) var<storage, read_write> dx: array<f32>;
 @group(0) @binding(6) var<storage, read_write> dw: array<f32>;
+@group(0) @binding(7) var<storage, read_write> part: array<f32>; // [chunks, dim] scratch
 
 const WG: u32 = 64u;
 var<workgroup> red: array<f32, WG>;
@@ -58,15 +66,32 @@ fn rmsnorm_bwd(
     }
 }
 
+// Launched over (ceil(dim / 64), chunks) workgroups.
 @compute @workgroup_size(64)
 fn rmsnorm_bwd_dw(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let col = gid.x;
+    let c = gid.y;
+    if (col >= p.dim) {
+        return;
+    }
+    let end = min(p.rows, (c + 1u) * p.chunk);
+    var acc = 0.0;
+    for (var row = c * p.chunk; row < end; row++) {
+        acc += dout[row * p.dim + col] * x[row * p.dim + col] * rstd[row];
+    }
+    part[c * p.dim + col] = acc;
+}
+
+@compute @workgroup_size(64)
+fn rmsnorm_bwd_dw_reduce(@builtin(global_invocation_id) gid: vec3<u32>) {
     let col = gid.x;
     if (col >= p.dim) {
         return;
     }
+    let chunks = (p.rows + p.chunk - 1u) / p.chunk;
     var acc = 0.0;
-    for (var row = 0u; row < p.rows; row++) {
-        acc += dout[row * p.dim + col] * x[row * p.dim + col] * rstd[row];
+    for (var c = 0u; c < chunks; c++) {
+        acc += part[c * p.dim + col];
     }
     dw[col] += acc;
 }

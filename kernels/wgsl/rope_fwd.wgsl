@@ -12,9 +12,9 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read_write> x: array<f32>;
-@group(0) @binding(2) var<storage, read_write> positions: array<u32>;
-@group(0) @binding(3) var<storage, read_write> cos_t: array<f32>;
-@group(0) @binding(4) var<storage, read_write> sin_t: array<f32>;
+@group(0) @binding(2) var<storage, read> positions: array<u32>;
+@group(0) @binding(3) var<storage, read> cos_t: array<f32>;
+@group(0) @binding(4) var<storage, read> sin_t: array<f32>;
 
 @compute @workgroup_size(256)
 fn rope_fwd(

@@ -30,8 +30,8 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read_write> logits: array<f32>;
-@group(0) @binding(2) var<storage, read_write> rowp: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> logits: array<f32>;
+@group(0) @binding(2) var<storage, read> rowp: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> tokens: array<u32>;
 @group(0) @binding(4) var<storage, read_write> logp: array<f32>;
 

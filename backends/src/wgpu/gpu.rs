@@ -215,7 +215,9 @@ impl Gpu {
                 binding: b,
                 visibility: wgpu::ShaderStages::COMPUTE,
                 ty: wgpu::BindingType::Buffer {
-                    ty: wgpu::BufferBindingType::Storage { read_only: false },
+                    ty: wgpu::BufferBindingType::Storage {
+                        read_only: k.read_only_bindings().contains(&b),
+                    },
                     has_dynamic_offset: false,
                     min_binding_size: None,
                 },

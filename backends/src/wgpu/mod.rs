@@ -538,7 +538,7 @@ impl Trainer for WgpuBackend {
             .map(|s| (&s.prompt[..], &s.response[..]))
             .collect();
         let b = Packed::scored(&pairs);
-        let (n, m) = (b.ids.len(), b.rows.len());
+        let m = b.rows.len();
         let LossInputs {
             old,
             refp,
@@ -598,7 +598,7 @@ impl Trainer for WgpuBackend {
             .acts
             .as_ref()
             .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        encode_backward(&mut self.ex, &self.model, a, n, m, loss, temperature);
+        encode_backward(&mut self.ex, &self.model, a, &b, loss, temperature);
         self.encode_grad_sumsq();
         let t = self.ex.read_back(&self.norm_total, 0, 4);
         let ss = self.ex.submit()?.get::<f32>(t)[0];

@@ -211,6 +211,14 @@ pub struct Acts {
     pub dv: Buffer,
     pub dq_pre: Buffer,
     pub dk_pre: Buffer,
+    /// Partial column sums of `rmsnorm_bwd`'s `dw` (its largest call's).
+    pub dw_part: Buffer,
+    /// [`ops::ScatterIndex`] of `ids` (the embedding gradient's rows).
+    pub ids_starts: Buffer,
+    pub ids_pairs: Buffer,
+    /// [`ops::ScatterIndex`] of `rows` (the selected rows' gradient scatter).
+    pub rows_starts: Buffer,
+    pub rows_pairs: Buffer,
 }
 
 impl Acts {
@@ -286,6 +294,16 @@ impl Acts {
             dv: b("dv", n * kd),
             dq_pre: b("dq_pre", n * qd),
             dk_pre: b("dk_pre", n * kd),
+            dw_part: b(
+                "rmsnorm dw partials",
+                ops::rmsnorm_dw_scratch(n, d)
+                    .max(ops::rmsnorm_dw_scratch(n * h, c.head_dim))
+                    .max(ops::rmsnorm_dw_scratch(n * kvh, c.head_dim)),
+            ),
+            ids_starts: b("ids scatter starts", ops::ScatterIndex::starts_len(n)),
+            ids_pairs: b("ids scatter pairs", ops::ScatterIndex::pairs_len(n)),
+            rows_starts: b("rows scatter starts", ops::ScatterIndex::starts_len(m)),
+            rows_pairs: b("rows scatter pairs", ops::ScatterIndex::pairs_len(m)),
         }
     }
 }
@@ -470,16 +488,26 @@ pub fn encode_forward(ex: &mut Exec, md: &DeviceModel, a: &Acts, n: usize, m: us
     ops::matmul_fwd(ex, &a.logits, &a.hsel, &p[md.lm_head], m, d, v, false);
 }
 
-/// Records the loss backward and the model backward, adding into the gradient sums.
+/// Records the loss backward and the model backward of the packed batch `b` (whose forward
+/// was recorded last), adding into the gradient sums.
 pub fn encode_backward(
     ex: &mut Exec,
     md: &DeviceModel,
     a: &Acts,
-    n: usize,
-    m: usize,
+    b: &Packed,
     loss: Loss,
     temperature: f64,
 ) {
+    let (n, m) = (b.ids.len(), b.rows.len());
+    // The two scatter-adds' positions grouped by destination row (see `ScatterIndex`),
+    // written before this submission runs.
+    let ids_ix = ops::ScatterIndex::new(&b.ids, md.cfg.vocab_size);
+    let rows_ix = ops::ScatterIndex::new(&b.rows, n);
+    let gpu = std::sync::Arc::clone(ex.gpu());
+    gpu.write(&a.ids_starts, &ids_ix.starts);
+    gpu.write(&a.ids_pairs, &ids_ix.pairs);
+    gpu.write(&a.rows_starts, &rows_ix.starts);
+    gpu.write(&a.rows_pairs, &rows_ix.pairs);
     let c = &md.cfg;
     let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
@@ -512,12 +540,22 @@ pub fn encode_backward(
     );
     // Scatter the selected rows' gradients back (rows are distinct, so no write collides).
     ex.clear(&a.dlnf);
-    ops::embedding_bwd(ex, &a.dlnf, &a.dhsel, &a.rows, m, d, n);
+    ops::embedding_bwd(
+        ex,
+        &a.dlnf,
+        &a.dhsel,
+        &a.rows_starts,
+        &a.rows_pairs,
+        rows_ix.touched(),
+        d,
+        n,
+    );
     let nl = md.layers.len();
     ops::rmsnorm_bwd(
         ex,
         &a.dres,
         &g[md.final_norm],
+        &a.dw_part,
         &a.dlnf,
         &a.resid[nl],
         &p[md.final_norm],
@@ -567,6 +605,7 @@ pub fn encode_backward(
             ex,
             &a.dres,
             &g[li.post_norm],
+            &a.dw_part,
             &a.dln,
             &la.x_mid,
             &p[li.post_norm],
@@ -610,6 +649,7 @@ pub fn encode_backward(
             ex,
             &a.dq_pre,
             &g[li.q_norm],
+            &a.dw_part,
             &a.dq,
             &la.q_pre,
             &p[li.q_norm],
@@ -633,6 +673,7 @@ pub fn encode_backward(
             ex,
             &a.dk_pre,
             &g[li.k_norm],
+            &a.dw_part,
             &a.dkv,
             &la.k_pre,
             &p[li.k_norm],
@@ -667,6 +708,7 @@ pub fn encode_backward(
             ex,
             &a.dres,
             &g[li.input_norm],
+            &a.dw_part,
             &a.dln,
             &a.resid[l],
             &p[li.input_norm],
@@ -676,5 +718,14 @@ pub fn encode_backward(
             true,
         );
     }
-    ops::embedding_bwd(ex, &g[md.embed], &a.dres, &a.ids, n, d, v);
+    ops::embedding_bwd(
+        ex,
+        &g[md.embed],
+        &a.dres,
+        &a.ids_starts,
+        &a.ids_pairs,
+        ids_ix.touched(),
+        d,
+        v,
+    );
 }

@@ -44,23 +44,123 @@ pub fn embedding_fwd(
     );
 }
 
-/// `dtable[ids[t], :] += dout[t, :]` (also a row scatter-add).
+/// The positions of a scatter-add sorted by the row they add to, built on the host from
+/// ids the host already has (token ids, selected rows), for [`embedding_bwd`].
+///
+/// `pairs` holds `(row, position)` for every position, sorted by row and ascending within
+/// a row (a stable sort); `starts` holds where each touched row's pairs begin, then `n`.
+/// Building it is O(n log n) on the host for the n ≤ a few thousand rows of a micro-batch
+/// (a counting sort would be O(n + vocab), more at a 151,936-entry vocabulary).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScatterIndex {
+    /// First index into `pairs` of each touched row, then `n`.
+    pub starts: Vec<u32>,
+    /// `(row, position)` per position, flattened.
+    pub pairs: Vec<u32>,
+}
+
+impl ScatterIndex {
+    /// Sorts positions `0..ids.len()` by `ids[position]`, clamped below `rows` (the host
+    /// validates ids first; clamping keeps two bad ids from becoming two writers of one row).
+    pub fn new(ids: &[u32], rows: usize) -> Self {
+        let last = rows.saturating_sub(1).min(u32::MAX as usize) as u32;
+        let row = |i: u32| ids[i as usize].min(last);
+        let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+        order.sort_by_key(|&i| row(i));
+        let mut starts = Vec::new();
+        let mut pairs = Vec::with_capacity(2 * ids.len());
+        for (k, &i) in order.iter().enumerate() {
+            if k == 0 || row(order[k - 1]) != row(i) {
+                starts.push(k as u32);
+            }
+            pairs.extend([row(i), i]);
+        }
+        starts.push(ids.len() as u32);
+        Self { starts, pairs }
+    }
+
+    /// Number of distinct rows written.
+    pub fn touched(&self) -> usize {
+        self.starts.len() - 1
+    }
+
+    /// Length of `starts` for up to `n` positions.
+    pub fn starts_len(n: usize) -> usize {
+        n + 1
+    }
+
+    /// Length of `pairs` for up to `n` positions.
+    pub fn pairs_len(n: usize) -> usize {
+        2 * n
+    }
+}
+
+/// About how many workgroups [`embedding_bwd`] spreads its touched rows over (more only
+/// where a row is wider than that many · 64 columns). The split changes no sum, so it can
+/// follow the adapter:
+/// - a GPU wants many workgroups in flight (1,024 of 64 lanes: 64 Ki invocations; a guess,
+///   not yet tuned on a GPU);
+/// - a CPU adapter (lavapipe) runs each workgroup as a loop on one of a few cores and pays
+///   a fixed cost per workgroup, so it wants few and long ones: with 256 the small model's
+///   512-token embedding gradient (64 touched rows) ran 128 workgroups and was ~1.2x slower
+///   than the column-serial kernel it replaces; with 16 it is not.
+fn embedding_bwd_groups(ex: &Exec) -> usize {
+    if ex.gpu().adapter_info().device_type == wgpu::DeviceType::Cpu {
+        16
+    } else {
+        1024
+    }
+}
+
+/// Largest y workgroup count of a dispatch (WebGPU's default limit).
+const MAX_GROUPS_Y: usize = 65_535;
+
+/// `dtable[ids[t], :] += dout[t, :]` (also a row scatter-add), with the positions grouped
+/// by row on the host ([`ScatterIndex`], written to `starts` and `pairs`): each workgroup
+/// takes 64 columns of a run of touched rows and adds each row's positions to them in
+/// ascending order, so the sums are the CPU reference's, bit for bit.
+#[allow(clippy::too_many_arguments)]
 pub fn embedding_bwd(
     ex: &mut Exec,
     dtable: &Buffer,
     dout: &Buffer,
-    ids: &Buffer,
-    n: usize,
+    starts: &Buffer,
+    pairs: &Buffer,
+    touched: usize,
     d: usize,
     vocab: usize,
 ) {
-    let p = Params::new().u(n).u(d).u(vocab);
+    let spread = embedding_bwd_groups(ex);
+    embedding_bwd_spread(ex, dtable, dout, starts, pairs, touched, d, vocab, spread);
+}
+
+/// [`embedding_bwd`] spread over about `spread` workgroups instead of the adapter's
+/// choice (the conformance suite checks that every spread gives the same bits).
+#[allow(clippy::too_many_arguments)]
+pub fn embedding_bwd_spread(
+    ex: &mut Exec,
+    dtable: &Buffer,
+    dout: &Buffer,
+    starts: &Buffer,
+    pairs: &Buffer,
+    touched: usize,
+    d: usize,
+    vocab: usize,
+    spread: usize,
+) {
+    if touched == 0 {
+        return;
+    }
+    let col_blocks = d.div_ceil(64).max(1);
+    let runs = (spread / col_blocks).clamp(1, touched.min(MAX_GROUPS_Y));
+    let per_group = touched.div_ceil(runs);
+    let p = Params::new().u(touched).u(d).u(vocab).u(per_group);
     ex.dispatch(
         Kernel::EmbeddingBwd,
         0,
-        &[ids, dout, dtable],
+        &[starts, pairs, dout, dtable],
         p,
-        linear(d, 64),
+        [col_blocks as u32, touched.div_ceil(per_group) as u32],
     );
 }
 
@@ -80,12 +180,30 @@ pub fn rmsnorm_fwd(
     ex.dispatch(Kernel::RmsnormFwd, 0, &[x, w, out, rstd], p, groups(rows));
 }
 
-/// Backward of [`rmsnorm_fwd`]: `dx (+)= …` (added when `accumulate`), `dw += …`.
+/// Rows per partial sum of `rmsnorm_bwd`'s `dw`: ⌈√rows⌉, so that the partial sums and
+/// their reduction are both about √rows long. Depends on `rows` only, so the summation
+/// order (and the result's bits) is fixed for a given shape.
+pub fn rmsnorm_dw_chunk(rows: usize) -> usize {
+    let r = rows.max(1);
+    let s = r.isqrt();
+    s + usize::from(s * s < r)
+}
+
+/// Floats of the `part` scratch that [`rmsnorm_bwd`] needs for up to `rows` rows of width
+/// `d` (the number of chunks is at most ⌈√rows⌉).
+pub fn rmsnorm_dw_scratch(rows: usize, d: usize) -> usize {
+    rmsnorm_dw_chunk(rows) * d
+}
+
+/// Backward of [`rmsnorm_fwd`]: `dx (+)= …` (added when `accumulate`), `dw += …`, the
+/// latter in two fixed-order stages through `part` (at least
+/// [`rmsnorm_dw_scratch`]`(rows, d)` floats).
 #[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_bwd(
     ex: &mut Exec,
     dx: &Buffer,
     dw: &Buffer,
+    part: &Buffer,
     dout: &Buffer,
     x: &Buffer,
     w: &Buffer,
@@ -94,10 +212,19 @@ pub fn rmsnorm_bwd(
     d: usize,
     accumulate: bool,
 ) {
-    let p = Params::new().u(rows).u(d).u(accumulate as usize);
-    let b = [x, w, rstd, dout, dx, dw];
+    let chunk = rmsnorm_dw_chunk(rows);
+    let chunks = rows.div_ceil(chunk).max(1);
+    let p = Params::new().u(rows).u(d).u(accumulate as usize).u(chunk);
+    let b = [x, w, rstd, dout, dx, dw, part];
     ex.dispatch(Kernel::RmsnormBwd, 0, &b, p, groups(rows));
-    ex.dispatch(Kernel::RmsnormBwd, 1, &b, p, linear(d, 64));
+    ex.dispatch(
+        Kernel::RmsnormBwd,
+        1,
+        &b,
+        p,
+        [d.div_ceil(64) as u32, chunks as u32],
+    );
+    ex.dispatch(Kernel::RmsnormBwd, 2, &b, p, linear(d, 64));
 }
 
 /// `y[n, dout] (+)= x[n, din] · wᵀ` with `w` `[dout, din]`.
@@ -553,4 +680,37 @@ pub fn sample_row(temperature: f32, top_k: usize, top_p: f32, u: f64) -> [f32; 4
     }
     let k = top_k.min(u32::MAX as usize) as u32;
     [inv, f32::from_bits(k), top_p, uf]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scatter_index_sorts_positions_by_row_in_order() {
+        let ix = ScatterIndex::new(&[5, 2, 5, 0, 2, 5], 6);
+        assert_eq!(ix.starts, vec![0, 1, 3, 6]);
+        assert_eq!(ix.pairs, vec![0, 3, 2, 1, 2, 4, 5, 0, 5, 2, 5, 5]);
+        assert_eq!(ix.touched(), 3);
+        // Out-of-range ids clamp to the last row and share its one group.
+        let ix = ScatterIndex::new(&[9, 1, 7], 4);
+        assert_eq!(
+            (ix.starts, ix.pairs),
+            (vec![0, 1, 3], vec![1, 1, 3, 0, 3, 2])
+        );
+        let empty = ScatterIndex::new(&[], 4);
+        assert_eq!((empty.touched(), empty.pairs.len()), (0, 0));
+    }
+
+    #[test]
+    fn rmsnorm_dw_chunks_fit_the_scratch() {
+        for rows in (0..3000).chain([65_535, 65_536, 65_537, 1 << 20]) {
+            let chunk = rmsnorm_dw_chunk(rows);
+            assert!(chunk * chunk >= rows && (chunk - 1) * (chunk - 1) < rows.max(1));
+            // Chunks never exceed the chunk length, so a scratch sized for the largest
+            // call's rows serves every smaller call.
+            assert!(rows.div_ceil(chunk) <= chunk, "{rows}");
+            assert!(rmsnorm_dw_chunk(rows) <= rmsnorm_dw_chunk(rows + 1));
+        }
+    }
 }

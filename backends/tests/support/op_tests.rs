@@ -10,7 +10,7 @@ use rand_chacha::rand_core::{Rng, SeedableRng};
 use rolloutpipe_backends::SamplingParams;
 use rolloutpipe_backends::cpu::ops as cpu;
 
-use super::check::{assert_close, assert_close_scaled, rand_ids, rand_vec, tol};
+use super::check::{assert_close, rand_ids, rand_vec, tol};
 use super::ops::{Adam, LossInputs, LossKind, OpRunner};
 
 /// One `#[test]` per op test for the backend built by `$make` (an `Option<impl OpRunner>`;
@@ -82,7 +82,8 @@ pub fn rmsnorm_fwd_bwd(b: &mut impl OpRunner) {
         let (mut gdx, mut gdw) = (dx0, dw0);
         b.rmsnorm_bwd(&mut gdx, &mut gdw, &dout, &x, &w, &grstd, dim);
         assert_close("rmsnorm_bwd dx", &gdx, &dx, tol::REDUCTION);
-        assert_close_scaled("rmsnorm_bwd dw", &gdw, &dw, tol::REDUCTION);
+        // Column sums of ≤ 300 rows in chunks (wgpu: two stages) instead of one loop.
+        assert_close("rmsnorm_bwd dw", &gdw, &dw, tol::REDUCTION);
     }
 }
 

@@ -67,8 +67,11 @@ impl OpRunner for WgpuOps {
     }
     fn embedding_bwd(&mut self, dtable: &mut [f32], dout: &[f32], ids: &[u32], dim: usize) {
         let (n, vocab) = (ids.len(), dtable.len() / dim);
-        let (gb, db, ib) = (self.up(dtable), self.up(dout), self.up_u(ids));
-        gpu::embedding_bwd(&mut self.ex, &gb, &db, &ib, n, dim, vocab);
+        let ix = gpu::ScatterIndex::new(ids, vocab);
+        assert_eq!(ix.pairs.len(), 2 * n);
+        let (gb, db) = (self.up(dtable), self.up(dout));
+        let (grb, orb) = (self.up_u(&ix.starts), self.up_u(&ix.pairs));
+        gpu::embedding_bwd(&mut self.ex, &gb, &db, &grb, &orb, ix.touched(), dim, vocab);
         self.run();
         dtable.copy_from_slice(&self.get(&gb, dtable.len()));
     }
@@ -97,11 +100,13 @@ impl OpRunner for WgpuOps {
         let rows = x.len() / dim;
         let (xb, wb, rb, db) = (self.up(x), self.up(w), self.up(rstd), self.up(dout));
         let (dxb, dwb) = (self.up(dx), self.up(dw));
+        let part = self.zeros(gpu::rmsnorm_dw_scratch(rows, dim));
         // `true`: add into dx (the residual stream's gradient), as the model does.
         gpu::rmsnorm_bwd(
             &mut self.ex,
             &dxb,
             &dwb,
+            &part,
             &db,
             &xb,
             &wb,
