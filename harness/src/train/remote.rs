@@ -620,11 +620,9 @@ impl EngineProxy {
                         master, version, ..
                     } => {
                         // What was queued before the sync goes first.
-                        let queued = (std::mem::take(&mut adds), std::mem::take(&mut cancels));
-                        if !(queued.0.is_empty() && queued.1.is_empty())
-                            && !self.dead
-                            && !self.step(queued.0, queued.1, false)
-                        {
+                        let (a, c) = (std::mem::take(&mut adds), std::mem::take(&mut cancels));
+                        let queued = !a.is_empty() || !c.is_empty();
+                        if queued && !self.dead && !self.step(a, c, false) {
                             return;
                         }
                         if !self.sync(&master, version) {
