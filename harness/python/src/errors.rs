@@ -72,6 +72,19 @@ create_exception!(
     "An allocation policy's parameters are invalid."
 );
 
+create_exception!(
+    rolloutpipe,
+    WireError,
+    RolloutPipeError,
+    "A host was sent a message it cannot read (malformed frame or header, missing part, or a command before Init)."
+);
+create_exception!(
+    rolloutpipe,
+    RunError,
+    RolloutPipeError,
+    "A training run (`train`) stopped with an error; the message carries its cause."
+);
+
 /// The variant's name from its `Debug` form (`StaleAttempt { .. }` -> `StaleAttempt`).
 fn kind_of(debug: &str) -> &str {
     debug
@@ -119,5 +132,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("AuditError", py.get_type::<AuditError>())?;
     m.add("BackendError", py.get_type::<BackendError>())?;
     m.add("AllocParamError", py.get_type::<AllocParamError>())?;
+    m.add("WireError", py.get_type::<WireError>())?;
+    m.add("RunError", py.get_type::<RunError>())?;
     Ok(())
 }

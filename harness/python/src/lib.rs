@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 mod backend;
 mod errors;
 mod plan;
+mod run;
 mod sched;
 mod tasks;
 mod values;
@@ -35,6 +36,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tasks::Task>()?;
     m.add_class::<tasks::Problem>()?;
     m.add("TaskError", m.py().get_type::<tasks::TaskError>())?;
+    m.add_class::<run::EngineHost>()?;
+    m.add_class::<run::TrainerHost>()?;
+    m.add_class::<run::VerifierHost>()?;
+    m.add_function(wrap_pyfunction!(run::train, m)?)?;
+    m.add_function(wrap_pyfunction!(run::resolve_config, m)?)?;
     errors::register(m)?;
     m.add("ABI_VERSION", rolloutpipe_capi::RP_ABI_VERSION)?;
     Ok(())

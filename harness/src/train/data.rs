@@ -90,18 +90,45 @@ pub struct Problems {
 /// small enough to generate in milliseconds.
 const POOL: usize = 8192;
 
-/// Builds the task and its problem sets, checking every prompt against the tokenizer.
-pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Problems> {
+fn task_options(cfg: &TrainConfig) -> TaskOptions {
     let t = &cfg.task;
-    let opts = TaskOptions {
+    TaskOptions {
         digits: (t.name != "countdown").then_some(t.digits),
         numbers: (t.name == "countdown").then_some(t.digits as usize),
         format_penalty: Some(t.format_penalty),
         heldout_per_mille: Some(t.heldout_per_mille),
         reverse: Some(t.reverse),
         uniform_operands: Some(t.operands == "uniform"),
-    };
-    let task: Arc<dyn Task> = Arc::from(task_by_name(&t.name, &opts).context("task.name")?);
+    }
+}
+
+/// The task (generator and verifier) of `cfg`: what a run's verifiers score with.
+pub fn task(cfg: &TrainConfig) -> anyhow::Result<Arc<dyn Task>> {
+    Ok(Arc::from(
+        task_by_name(&cfg.task.name, &task_options(cfg)).context("task.name")?,
+    ))
+}
+
+/// The tokenizer of `cfg`'s model: the model directory's `tokenizer.json` when it has one,
+/// else the character tokenizer (the built-in tiny models).
+pub fn tokenizer(cfg: &TrainConfig) -> anyhow::Result<Arc<dyn Tokenizer>> {
+    let dir = &cfg.model.dir;
+    let tj = dir.join("tokenizer.json");
+    if !dir.as_os_str().is_empty() && tj.exists() {
+        Ok(Arc::new(
+            crate::tasks::HfTokenizer::from_path(&tj)
+                .with_context(|| format!("{}", tj.display()))?,
+        ))
+    } else {
+        Ok(Arc::new(crate::tasks::CharTokenizer))
+    }
+}
+
+/// Builds the task and its problem sets, checking every prompt against the tokenizer.
+pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Problems> {
+    let t = &cfg.task;
+    let opts = task_options(cfg);
+    let task = task(cfg)?;
     let seed = cfg.run.seed;
     let (train, heldout, sft) = if t.jsonl.as_os_str().is_empty() {
         let train = generate(task.as_ref(), seed, Split::Train, POOL)?;

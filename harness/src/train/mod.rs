@@ -9,9 +9,17 @@
 pub mod config;
 pub mod data;
 pub mod guard;
+pub mod remote;
 pub mod run;
+pub mod steps;
+pub mod transport;
+pub mod wire;
 pub mod workers;
 
 pub use config::{Mode, TrainConfig};
 pub use guard::RunOptions;
-pub use run::{Measured, RunOutcome, StepMetrics, TrainedRecord, read_metrics, run, run_with};
+pub use run::{
+    Measured, RunOutcome, StepMetrics, TrainedRecord, read_metrics, run, run_with,
+    run_with_transport,
+};
+pub use transport::{Local, Transport};

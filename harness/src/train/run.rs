@@ -7,16 +7,15 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use rolloutpipe_backends::optim::AdamState;
 use rolloutpipe_backends::{
-    AccumStats, AdamW, BackendInfo, CpuBackend, ModelConfig, Objective, RolloutEngine,
-    SamplingParams, SyncTarget, Tensor, WeightSnapshot, Weights, load_model_dir,
+    AccumStats, BackendInfo, CpuBackend, ModelConfig, RolloutEngine, SamplingParams, SyncTarget,
+    Tensor, WeightSnapshot, Weights, load_model_dir,
 };
 use rolloutpipe_core::{
     Allocated, Allocation, Counters, GroupId, GroupSlot, GroupState, PolicyVersion, RequestId,
@@ -24,16 +23,17 @@ use rolloutpipe_core::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::config::{Mode, OldLogprobs, TrainConfig};
+use super::config::{Mode, TrainConfig};
 use super::data::{self, DataSource};
 use super::guard::{self, RunOptions};
+use super::transport::{Local, Start, Transport};
 use super::workers::{
-    EngineCmd, Event, GroupBatch, Sample, TrainCmd, TrainerReply, TrainerSetup, VerifyJob,
-    check_backend, engine_thread, make_engine, make_trainer, trainer_thread, verifier_thread,
+    EngineCmd, Event, GroupBatch, Sample, TrainCmd, TrainerReply, VerifyJob, check_backend,
+    make_trainer,
 };
 use crate::plot::{self, GanttRow, Series, Span};
 use crate::rundir::save_model;
-use crate::tasks::{CharTokenizer, HfTokenizer, Problem, Task, Tokenizer};
+use crate::tasks::{CharTokenizer, Problem, Task, Tokenizer};
 use crate::trace::ChromeTrace;
 
 /// One line of `metrics.jsonl`: what step `step` did.
@@ -225,6 +225,18 @@ pub fn run(cfg: &TrainConfig, out: &Path, resume: bool) -> anyhow::Result<RunOut
 
 /// [`run`] with every option: see [`RunOptions`].
 pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Result<RunOutcome> {
+    run_with_transport(cfg, out, opts, &Local)
+}
+
+/// [`run_with`] with the workers started by `transport` (in-process threads with [`Local`],
+/// remote hosts with `remote::Forwarding`); the scheduler, metrics, trace and checkpoints are
+/// the same whichever carries the messages.
+pub fn run_with_transport(
+    cfg: &TrainConfig,
+    out: &Path,
+    opts: RunOptions,
+    transport: &dyn Transport,
+) -> anyhow::Result<RunOutcome> {
     let resume = opts.resume;
     cfg.validate()?;
     check_backend(&cfg.run.backend)?;
@@ -249,13 +261,7 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
             let dir = &cfg.model.dir;
             let (mc, w) = load_model_dir(dir)
                 .with_context(|| format!("loading model directory {}", dir.display()))?;
-            let tj = dir.join("tokenizer.json");
-            let tok: Arc<dyn Tokenizer> = if tj.exists() {
-                Arc::new(HfTokenizer::from_path(&tj).with_context(|| format!("{}", tj.display()))?)
-            } else {
-                Arc::new(CharTokenizer)
-            };
-            (mc, w, tok)
+            (mc, w, data::tokenizer(cfg)?)
         };
     ensure!(
         tok.vocab_size() <= model_cfg.vocab_size,
@@ -358,81 +364,30 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
     let test_start = test_eval(&mut eval_backend, &weights)?;
     tracing::info!(accuracy = accuracy_start, initial = ?accuracy_initial, test = ?test_start, "held-out accuracy at RL start");
 
-    // Workers.
+    // Workers, behind the transport's channels.
     let (ev_tx, ev_rx) = mpsc::channel::<Event>();
-    let mut handles: Vec<JoinHandle<()>> = Vec::new();
-    let mut engines = Vec::new();
-    for e in 0..cfg.rollout.engines {
-        let be = make_engine(
-            &cfg.run.backend,
-            &model_cfg,
-            &weights,
-            cfg.rollout.threads_per_engine,
-        )
-        .with_context(|| format!("rollout engine {e}"))?;
-        let target = be.sync_target();
-        let (tx, rx) = mpsc::channel();
-        let events = ev_tx.clone();
-        let fail = (e == 0 && cfg.fault.fail_engine_at_request > 0)
-            .then_some(cfg.fault.fail_engine_at_request);
-        handles.push(
-            std::thread::Builder::new()
-                .name(format!("engine-{e}"))
-                .spawn(move || engine_thread(e, be, rx, events, fail))?,
-        );
-        engines.push(EngineHandle {
-            target,
-            tx,
+    let workers = transport.start(Start {
+        cfg,
+        model_cfg: &model_cfg,
+        weights: &weights,
+        adam,
+        reference: reference.as_ref(),
+        task: task.clone(),
+        tok: tok.clone(),
+        events: ev_tx,
+    })?;
+    let handles = workers.handles;
+    let engines = workers
+        .engines
+        .into_iter()
+        .map(|l| EngineHandle {
+            target: l.target,
+            tx: l.tx,
             live: true,
             running: 0,
-        });
-    }
-    let (vtx, vrx) = mpsc::channel::<VerifyJob>();
-    let vrx = Arc::new(Mutex::new(vrx));
-    for i in 0..cfg.rollout.verifiers {
-        let (task, tok, jobs, events) = (task.clone(), tok.clone(), vrx.clone(), ev_tx.clone());
-        handles.push(
-            std::thread::Builder::new()
-                .name(format!("verifier-{i}"))
-                .spawn(move || verifier_thread(task, tok, jobs, events))?,
-        );
-    }
-    let mut trainer_be = make_trainer(&cfg.run.backend, &model_cfg, &weights, cfg.trainer.threads)?;
-    if let Some(a) = adam {
-        trainer_be.set_optimizer_state(a)?;
-    }
-    let setup = TrainerSetup {
-        opt: AdamW {
-            lr: cfg.rl.lr,
-            weight_decay: cfg.rl.weight_decay,
-            max_grad_norm: (cfg.rl.max_grad_norm > 0.0).then_some(cfg.rl.max_grad_norm),
-            ..AdamW::default()
-        },
-        objective: Objective::Grpo {
-            eps_low: cfg.rl.eps_low,
-            eps_high: cfg.rl.eps_high,
-            beta: cfg.rl.beta,
-            temperature: cfg.rl.temperature as f64,
-        },
-        agg: cfg.aggregation()?,
-        std: cfg.std_mode()?,
-        rollout_logprobs: cfg.rl.old_logprobs == OldLogprobs::Rollout,
-        reference: match &reference {
-            Some(r) => Some(make_trainer("cpu", &model_cfg, r, cfg.trainer.threads)?),
-            None => None,
-        },
-        temperature: cfg.rl.temperature,
-    };
-    let (ttx, trx) = mpsc::channel();
-    {
-        let events = ev_tx.clone();
-        handles.push(
-            std::thread::Builder::new()
-                .name("trainer".into())
-                .spawn(move || trainer_thread(trainer_be, setup, trx, events))?,
-        );
-    }
-    drop(ev_tx);
+        })
+        .collect();
+    let (vtx, ttx) = (workers.verify, workers.trainer);
 
     let mut ctx = Ctx {
         cfg,
@@ -529,8 +484,9 @@ pub fn run_with(cfg: &TrainConfig, out: &Path, opts: RunOptions) -> anyhow::Resu
 }
 
 struct EngineHandle {
-    /// The device and dtype its weight snapshots are made for.
-    target: SyncTarget,
+    /// The device and dtype its weight snapshots are made for; `None`: it is sent the master
+    /// weights (a remote engine converts them itself).
+    target: Option<SyncTarget>,
     tx: Sender<EngineCmd>,
     live: bool,
     running: u32,
@@ -781,17 +737,26 @@ impl Ctx<'_> {
         let mut waiting = 0;
         // Engines run in their own threads on their own devices, so they load host snapshots,
         // one per engine dtype, converted once here.
+        // Remote engines are sent the master weights (`target` None), serialised once for all.
         let mut snaps: Vec<(SyncTarget, Arc<WeightSnapshot>)> = Vec::new();
         for e in self.engines.iter().filter(|e| e.live) {
-            let snap = match snaps.iter().find(|(t, _)| t.dtype == e.target.dtype) {
-                Some((_, s)) => s.clone(),
-                None => {
-                    let s = Arc::new(WeightSnapshot::host(&self.model_cfg, &w, e.target.dtype)?);
-                    snaps.push((e.target, s.clone()));
-                    s
-                }
+            let snap = match e.target {
+                None => None,
+                Some(target) => Some(match snaps.iter().find(|(t, _)| t.dtype == target.dtype) {
+                    Some((_, s)) => s.clone(),
+                    None => {
+                        let s = Arc::new(WeightSnapshot::host(&self.model_cfg, &w, target.dtype)?);
+                        snaps.push((target, s.clone()));
+                        s
+                    }
+                }),
             };
-            if e.tx.send(EngineCmd::Sync(snap, v)).is_ok() {
+            let cmd = EngineCmd::Sync {
+                snap,
+                master: w.clone(),
+                version: v,
+            };
+            if e.tx.send(cmd).is_ok() {
                 waiting += 1;
             }
         }
@@ -1535,7 +1500,11 @@ impl Ctx<'_> {
                     .on_abort_acked(now, rid)
                     .map_err(|e| anyhow::anyhow!("abort ack {rid}: {e}"))?;
             }
-            Event::EngineFailed { engine, lost } => {
+            Event::EngineFailed {
+                engine,
+                lost,
+                preempted,
+            } => {
                 let e = &mut self.engines[engine as usize];
                 if e.live {
                     tracing::warn!(
@@ -1550,7 +1519,16 @@ impl Ctx<'_> {
                     "every rollout engine failed"
                 );
                 for rid in lost {
-                    if ro.inflight.remove(&rid).is_some() {
+                    if ro.inflight.remove(&rid).is_none() {
+                        continue;
+                    }
+                    if preempted {
+                        // The engine is gone, not the request: it waits for a slot on another
+                        // engine with the same id (and so the same sampling seed).
+                        sched
+                            .on_request_preempted(now, rid)
+                            .map_err(|e| anyhow::anyhow!("preemption of {rid}: {e}"))?;
+                    } else {
                         sched
                             .on_request_failed(now, rid, ro.version)
                             .map_err(|e| anyhow::anyhow!("failure of {rid}: {e}"))?;

@@ -4,7 +4,8 @@
 //! batching, one `decode_step` per iteration), a verifier scores responses, the trainer runs the
 //! micro-batches and optimizer steps it is told to. Every decision (which request, which group,
 //! when to step) is made by the scheduler thread, which owns the core. All workers report on one
-//! event channel so that the scheduler waits in exactly one place.
+//! event channel so that the scheduler waits in exactly one place. The work itself is in
+//! `steps`, shared with the remote hosts of `remote`.
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -12,12 +13,13 @@ use std::time::{Duration, Instant};
 
 use rolloutpipe_backends::optim::AdamState;
 use rolloutpipe_backends::{
-    AccumStats, AdamW, Aggregation, CpuBackend, GenRequest, ModelConfig, Objective, OptStats,
-    Policy, RequestKey, RolloutEngine, SamplingParams, Sequence, StdMode, SyncTarget, TrainBatch,
-    TrainSequence, Trainer, WeightSnapshot, Weights, advantages, normalizer,
+    AccumStats, AdamW, Aggregation, CpuBackend, ModelConfig, Objective, OptStats, Policy,
+    RolloutEngine, SamplingParams, StdMode, SyncTarget, Trainer, WeightSnapshot, Weights,
 };
 use rolloutpipe_core::{GroupId, PolicyVersion, RequestId};
 
+pub use super::steps::score;
+use super::steps::{EngineOut, EngineStep, TrainerStep};
 use crate::tasks::{Problem, Task, Tokenizer};
 
 /// The trainer's backend: any seam-v2 [`Trainer`]; its AdamW moments leave it only for
@@ -193,9 +195,16 @@ pub enum EngineCmd {
     },
     /// Abort a request.
     Cancel(RequestId),
-    /// Replace the weights (between steps, nothing in flight) with a snapshot made for this
-    /// engine's [`SyncTarget`].
-    Sync(Arc<WeightSnapshot>, PolicyVersion),
+    /// Replace the weights (between steps, nothing in flight) as this version.
+    Sync {
+        /// A snapshot made for this engine's [`SyncTarget`] (in-process engines), or `None`
+        /// for an engine that converts `master` itself (a remote host).
+        snap: Option<Arc<WeightSnapshot>>,
+        /// The trainer's f32 master weights.
+        master: Arc<Weights>,
+        /// Their version.
+        version: PolicyVersion,
+    },
     /// Stop the thread.
     Shutdown,
 }
@@ -244,6 +253,10 @@ pub enum Event {
         engine: u16,
         /// Its requests that will never finish.
         lost: Vec<RequestId>,
+        /// The engine was lost (its process or connection went away) rather than failing
+        /// the requests: they are re-admitted with the same attempt
+        /// (`on_request_preempted`), not retried as failures.
+        preempted: bool,
     },
     /// Weights replaced; decode timings since the last sync: (running requests, seconds).
     Synced {
@@ -301,128 +314,117 @@ pub enum TrainerReply {
     Exported(Arc<Weights>, Option<AdamState>),
 }
 
-/// Packs a request id into an engine key; the step is implied (one step per engine at a time).
-fn key_of(r: RequestId) -> RequestKey {
-    RequestKey(((r.group.0 as u64) << 24) | ((r.sample as u64) << 8) | r.attempt as u64)
-}
-
 /// Runs one rollout engine until `Shutdown`.
 pub fn engine_thread(
     engine: u16,
-    mut backend: EngineBackend,
+    backend: EngineBackend,
     rx: Receiver<EngineCmd>,
     events: Sender<Event>,
     fail_at_request: Option<u64>,
 ) {
-    let mut version = PolicyVersion(0);
-    let mut active: HashMap<RequestKey, (RequestId, Instant)> = HashMap::new();
-    let mut decode: Vec<(u32, f64)> = Vec::new();
-    let mut added = 0u64;
-    let mut dead = false;
+    let mut step = EngineStep::new(engine, backend, fail_at_request);
+    // When the engine took each running request (for the trace and the request spans).
+    let mut started: HashMap<RequestId, Instant> = HashMap::new();
+    let fatal = |e: anyhow::Error| {
+        let _ = events.send(Event::Fatal(e.to_string()));
+    };
     loop {
         // Block only when idle; while generating, take whatever arrived and keep decoding.
-        let first = if active.is_empty() {
+        let first = if step.has_work() {
+            None
+        } else {
             match rx.recv() {
                 Ok(c) => Some(c),
                 Err(_) => return,
             }
-        } else {
-            None
         };
         for cmd in first
             .into_iter()
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
         {
-            let be = backend.as_dyn();
-            match cmd {
+            let out = match cmd {
                 EngineCmd::Shutdown => return,
-                EngineCmd::Add { rid, .. } if dead => {
-                    // A request sent before the scheduler saw the failure is lost as well.
-                    let _ = events.send(Event::EngineFailed {
-                        engine,
-                        lost: vec![rid],
-                    });
-                }
                 EngineCmd::Add {
                     rid,
                     prompt,
                     params,
                 } => {
-                    added += 1;
-                    let key = key_of(rid);
-                    let req = GenRequest {
-                        id: key,
-                        prompt: prompt.as_ref().clone(),
-                        params,
-                    };
-                    if let Err(e) = be.add_request(req) {
-                        let _ = events.send(Event::Fatal(format!("engine {engine}: {e}")));
-                        return;
-                    }
-                    active.insert(key, (rid, Instant::now()));
-                    if fail_at_request == Some(added) {
-                        // Injected failure: every running request is lost and the engine
-                        // stops generating (its backend state is gone with it).
-                        dead = true;
-                        let lost: Vec<RequestId> = active.drain().map(|(_, v)| v.0).collect();
-                        for r in &lost {
-                            let _ = be.cancel_request(key_of(*r));
-                        }
-                        tracing::warn!(engine, lost = lost.len(), "injected engine failure");
-                        let _ = events.send(Event::EngineFailed { engine, lost });
-                    }
+                    started.insert(rid, Instant::now());
+                    step.add(rid, prompt.as_ref().clone(), params)
                 }
-                EngineCmd::Cancel(rid) => {
-                    let key = key_of(rid);
-                    // A request that already finished was reported; the core discards it.
-                    if active.remove(&key).is_some() {
-                        if let Err(e) = be.cancel_request(key) {
-                            let _ = events.send(Event::Fatal(format!("engine {engine}: {e}")));
-                            return;
-                        }
-                        let _ = events.send(Event::Aborted { rid });
-                    }
-                }
-                EngineCmd::Sync(w, v) => {
-                    if !dead && let Err(e) = be.load_weights(&w) {
-                        let _ = events.send(Event::Fatal(format!("engine {engine} sync: {e}")));
-                        return;
-                    }
-                    version = v;
-                    let _ = events.send(Event::Synced {
-                        engine,
-                        decode: std::mem::take(&mut decode),
-                    });
-                }
-            }
-        }
-        if active.is_empty() {
-            continue;
-        }
-        let be = backend.as_dyn();
-        let running = be.active_requests() as u32;
-        let t = Instant::now();
-        let out = match be.decode_step() {
-            Ok(o) => o,
-            Err(e) => {
-                let _ = events.send(Event::Fatal(format!("engine {engine} decode: {e}")));
-                return;
-            }
-        };
-        decode.push((running, t.elapsed().as_secs_f64()));
-        for o in out {
-            if let Some((rid, started)) = active.remove(&o.id) {
-                let _ = events.send(Event::Generated {
-                    engine,
-                    rid,
+                EngineCmd::Cancel(rid) => step.cancel(rid),
+                EngineCmd::Sync {
+                    snap,
+                    master,
                     version,
-                    tokens: o.tokens,
-                    logprobs: o.logprobs,
-                    started,
-                });
+                } => {
+                    let synced = match snap {
+                        Some(s) => step.sync(&s, version),
+                        None => step.sync_master(&master, version),
+                    };
+                    match synced {
+                        Ok(decode) => {
+                            let _ = events.send(Event::Synced { engine, decode });
+                            continue;
+                        }
+                        Err(e) => return fatal(e),
+                    }
+                }
+            };
+            match out {
+                Ok(Some(o)) => report(engine, o, &mut started, &events),
+                Ok(None) => {}
+                Err(e) => return fatal(e),
             }
+        }
+        match step.decode() {
+            Ok(outs) => {
+                for o in outs {
+                    report(engine, o, &mut started, &events);
+                }
+            }
+            Err(e) => return fatal(e),
         }
     }
+}
+
+/// Sends what an engine reported as scheduler events.
+pub(crate) fn report(
+    engine: u16,
+    o: EngineOut,
+    started: &mut HashMap<RequestId, Instant>,
+    events: &Sender<Event>,
+) {
+    let ev = match o {
+        EngineOut::Generated {
+            rid,
+            version,
+            tokens,
+            logprobs,
+        } => Event::Generated {
+            engine,
+            rid,
+            version,
+            tokens,
+            logprobs,
+            started: started.remove(&rid).unwrap_or_else(Instant::now),
+        },
+        EngineOut::Aborted(rid) => {
+            started.remove(&rid);
+            Event::Aborted { rid }
+        }
+        EngineOut::Lost(lost) => {
+            for r in &lost {
+                started.remove(r);
+            }
+            Event::EngineFailed {
+                engine,
+                lost,
+                preempted: false,
+            }
+        }
+    };
+    let _ = events.send(ev);
 }
 
 /// A response to score.
@@ -461,17 +463,6 @@ pub fn verifier_thread(
     }
 }
 
-/// Reward and correctness of a response; undecodable tokens count as a malformed answer.
-pub fn score(task: &dyn Task, tok: &dyn Tokenizer, p: &Problem, tokens: &[u32]) -> (f32, bool) {
-    match tok.decode(tokens) {
-        Ok(text) => {
-            let text = text.trim();
-            (task.reward(p, text), task.verify(p, text).is_correct())
-        }
-        Err(_) => (-task.format_penalty(), false),
-    }
-}
-
 /// What the trainer needs besides its backend.
 pub struct TrainerSetup {
     /// AdamW settings.
@@ -492,126 +483,53 @@ pub struct TrainerSetup {
 
 /// Runs the trainer until `Shutdown`.
 pub fn trainer_thread(
-    mut backend: TrainerBackend,
-    mut setup: TrainerSetup,
+    backend: TrainerBackend,
+    setup: TrainerSetup,
     rx: Receiver<TrainCmd>,
     events: Sender<Event>,
 ) {
-    let mut since_opt: Vec<TrainBatch> = Vec::new();
-    let mut accum = AccumStats::default();
-    if let Err(e) = backend.as_dyn().zero_grad() {
-        let _ = events.send(Event::Fatal(format!("trainer: {e}")));
-        return;
-    }
+    let mut step = match TrainerStep::new(backend, setup) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = events.send(Event::Fatal(e.to_string()));
+            return;
+        }
+    };
     while let Ok(cmd) = rx.recv() {
+        let started = Instant::now();
         let reply = match cmd {
             TrainCmd::Shutdown => return,
             TrainCmd::MicroBatch(groups) => {
-                let started = Instant::now();
-                match train_micro_batch(&mut backend, &mut setup, groups) {
-                    Ok((batch, stats)) => {
-                        let tokens = batch.response_tokens();
-                        let all_tokens = batch
-                            .sequences
-                            .iter()
-                            .map(|s| s.prompt.len() + s.response.len())
-                            .sum();
-                        accum.merge(&stats);
-                        since_opt.push(batch);
-                        TrainerReply::MicroBatchDone {
-                            stats,
-                            tokens,
-                            all_tokens,
-                            started,
-                            ended: Instant::now(),
-                        }
-                    }
-                    Err(e) => {
-                        let _ = events.send(Event::Fatal(format!("trainer: {e:#}")));
-                        return;
-                    }
-                }
+                step.micro_batch(groups)
+                    .map(|m| TrainerReply::MicroBatchDone {
+                        stats: m.stats,
+                        tokens: m.tokens,
+                        all_tokens: m.all_tokens,
+                        started,
+                        ended: Instant::now(),
+                    })
             }
-            TrainCmd::OptStep => {
-                let started = Instant::now();
-                // The normaliser of the whole optimizer step, known only now (SPEC §2).
-                let norm = normalizer(setup.agg, &since_opt);
-                let be = backend.as_dyn();
-                match be
-                    .optimizer_step(norm, &setup.opt)
-                    .and_then(|st| be.zero_grad().map(|()| st))
-                {
-                    Ok(stats) => {
-                        since_opt.clear();
-                        TrainerReply::OptDone {
-                            stats,
-                            accum: std::mem::take(&mut accum),
-                            normalizer: norm,
-                            started,
-                            ended: Instant::now(),
-                        }
-                    }
-                    Err(e) => {
-                        let _ = events.send(Event::Fatal(format!("trainer optimizer step: {e}")));
-                        return;
-                    }
-                }
-            }
-            TrainCmd::Export { optimizer } => match backend.0.export_weights().and_then(|w| {
-                let adam = if optimizer {
-                    Some(backend.0.checkpoint_optimizer()?)
-                } else {
-                    None
-                };
-                Ok((w, adam))
-            }) {
-                Ok((w, adam)) => TrainerReply::Exported(Arc::new(w), adam),
-                Err(e) => {
-                    let _ = events.send(Event::Fatal(format!("trainer export: {e}")));
+            TrainCmd::OptStep => step.opt_step().map(|d| TrainerReply::OptDone {
+                stats: d.stats,
+                accum: d.accum,
+                normalizer: d.normalizer,
+                started,
+                ended: Instant::now(),
+            }),
+            TrainCmd::Export { optimizer } => step
+                .export(optimizer)
+                .map(|(w, adam)| TrainerReply::Exported(Arc::new(w), adam)),
+        };
+        match reply {
+            Ok(r) => {
+                if events.send(Event::Trainer(r)).is_err() {
                     return;
                 }
-            },
-        };
-        if events.send(Event::Trainer(reply)).is_err() {
-            return;
-        }
-    }
-}
-
-/// Builds the micro-batch's sequences (groups in id order, so the summation order does not
-/// depend on which group happened to finish first) and accumulates their gradient.
-fn train_micro_batch(
-    backend: &mut TrainerBackend,
-    setup: &mut TrainerSetup,
-    mut groups: Vec<GroupBatch>,
-) -> anyhow::Result<(TrainBatch, AccumStats)> {
-    groups.sort_by_key(|g| (g.step, g.group));
-    let mut batch = TrainBatch::default();
-    for g in &groups {
-        let rewards: Vec<f64> = g.samples.iter().map(|s| s.reward as f64).collect();
-        let adv = advantages(&rewards, setup.std)?;
-        for (s, a) in g.samples.iter().zip(adv) {
-            let mut seq = TrainSequence::new(g.prompt.to_vec(), s.tokens.clone(), a, setup.agg);
-            if setup.rollout_logprobs {
-                seq.old_logprobs = Some(s.logprobs.clone());
             }
-            batch.sequences.push(seq);
+            Err(e) => {
+                let _ = events.send(Event::Fatal(e.to_string()));
+                return;
+            }
         }
     }
-    if let Some(reference) = setup.reference.as_mut() {
-        let seqs: Vec<Sequence> = batch
-            .sequences
-            .iter()
-            .map(|s| Sequence {
-                prompt: s.prompt.clone(),
-                response: s.response.clone(),
-            })
-            .collect();
-        let lps = reference.as_dyn().logprobs(&seqs, setup.temperature)?;
-        for (s, lp) in batch.sequences.iter_mut().zip(lps) {
-            s.ref_logprobs = Some(lp);
-        }
-    }
-    let stats = backend.as_dyn().accumulate(&batch, &setup.objective)?;
-    Ok((batch, stats))
 }

@@ -16,6 +16,11 @@ attribute naming the variant; the refused event changed nothing.
 ``CpuPolicy`` is the CPU reference backend (an HF Qwen3 model directory) as an engine and a
 trainer; it releases the GIL around model work. ``Task`` is a built-in task's problem
 generator and verifier (``add``, ``mul``, ``countdown``), the code ``rolloutpipe train`` scores with.
+
+``train`` runs ``rolloutpipe train``'s whole job from Python, its workers in-process or behind
+a ``send(route, bytes) -> bytes``; ``EngineHost``, ``TrainerHost`` and ``VerifierHost`` answer
+those messages wherever the work runs. ``rolloutpipe.ray`` (needs ``ray``) runs the job on a
+Ray cluster: ``python -m rolloutpipe.ray train --config F --out DIR``.
 """
 
 from ._core import (
@@ -30,6 +35,7 @@ from ._core import (
     Counters,
     CpuPolicy,
     Dispatch,
+    EngineHost,
     DrawError,
     ExtendError,
     Failure,
@@ -44,13 +50,19 @@ from ._core import (
     RequestError,
     RequestId,
     RolloutPipeError,
+    RunError,
     Scheduler,
     SlotsError,
     StepSummary,
     Task,
     TaskError,
     TrainError,
+    TrainerHost,
+    VerifierHost,
     Vigor,
+    WireError,
+    resolve_config,
+    train,
     write_tiny_model,
 )
 
@@ -68,6 +80,7 @@ __all__ = [
     "Counters",
     "CpuPolicy",
     "Dispatch",
+    "EngineHost",
     "DrawError",
     "ExtendError",
     "Failure",
@@ -82,12 +95,18 @@ __all__ = [
     "RequestError",
     "RequestId",
     "RolloutPipeError",
+    "RunError",
     "Scheduler",
     "SlotsError",
     "StepSummary",
     "Task",
     "TaskError",
     "TrainError",
+    "TrainerHost",
+    "VerifierHost",
     "Vigor",
+    "WireError",
+    "resolve_config",
+    "train",
     "write_tiny_model",
 ]
