@@ -100,33 +100,49 @@ impl AllocSection {
 
     /// The policy, with every parameter checked; errors name the parameter
     /// (`alloc.n0 is 1, must be at least 2`).
+    ///
+    /// Every policy's own parameters are checked whichever policy is selected, so a bad VIGOR
+    /// key in a fixed-G config is an error now, not when someone later switches the policy.
+    /// What depends on the batch (the budget against `n0 × B` or one pilot) is checked for the
+    /// selected policy only. Fixed G refuses a non-zero `budget`: its step spends
+    /// `max_groups × G` samples (`rollout.max_groups_factor`), so a budget would be silently
+    /// ignored and the run would not be the comparison its config claims.
     pub fn policy(&self, batch_groups: u32, group_size: u16) -> anyhow::Result<Policy> {
         let named = |e: AllocParamError| anyhow::anyhow!("alloc.{e}");
+        if !matches!(self.policy.as_str(), "fixed" | "vigor" | "pilot_commit") {
+            bail!(
+                "alloc.policy {:?} is not one of fixed, vigor, pilot_commit",
+                self.policy
+            );
+        }
+        // VIGOR's own parameters: a batch of 0 groups makes the budget check vacuous.
+        Vigor::new(self.n0, self.rounds, self.increment, self.budget, 0).map_err(named)?;
+        let pilot =
+            PilotCommit::new(self.n_pilot, self.n_commit, self.lower, self.upper).map_err(named)?;
+        let budget = self.budget_for(batch_groups, group_size);
         Ok(match self.policy.as_str() {
-            "fixed" => Policy::Fixed,
             "vigor" => Policy::Vigor(
-                Vigor::new(
-                    self.n0,
-                    self.rounds,
-                    self.increment,
-                    self.budget_for(batch_groups, group_size),
-                    batch_groups,
-                )
-                .map_err(named)?,
+                Vigor::new(self.n0, self.rounds, self.increment, budget, batch_groups)
+                    .map_err(named)?,
             ),
             "pilot_commit" => {
-                let p = PilotCommit::new(self.n_pilot, self.n_commit, self.lower, self.upper)
-                    .map_err(named)?;
-                let budget = self.budget_for(batch_groups, group_size);
                 if budget < u32::from(self.n_pilot) {
                     bail!(
                         "alloc.budget {budget} is below one pilot of alloc.n_pilot = {} samples",
                         self.n_pilot
                     );
                 }
-                Policy::PilotCommit(p)
+                Policy::PilotCommit(pilot)
             }
-            s => bail!("alloc.policy {s:?} is not one of fixed, vigor, pilot_commit"),
+            _ => {
+                if self.budget != 0 {
+                    bail!(
+                        "alloc.budget is {}, but alloc.policy = \"fixed\" has no step budget (it spends up to max_groups × G samples; over-sample with rollout.max_groups_factor): set alloc.budget = 0 or choose vigor or pilot_commit",
+                        self.budget
+                    );
+                }
+                Policy::Fixed
+            }
         })
     }
 
@@ -241,6 +257,83 @@ mod tests {
             })
             .starts_with("alloc.lower 0.8 is above 1 - upper 0.5")
         );
+    }
+
+    #[test]
+    fn every_policys_parameters_are_checked_whatever_the_selected_policy() {
+        let err = |s: AllocSection| s.policy(16, 8).unwrap_err().to_string();
+        // A bad key of a policy that is not selected is still refused, naming it.
+        for (bad, msg) in [
+            (
+                AllocSection {
+                    n0: 1,
+                    ..sec("fixed")
+                },
+                "alloc.n0 is 1, must be at least 2",
+            ),
+            (
+                AllocSection {
+                    increment: 0,
+                    ..sec("pilot_commit")
+                },
+                "alloc.increment is 0, must be at least 1",
+            ),
+            (
+                AllocSection {
+                    upper: 1.5,
+                    ..sec("fixed")
+                },
+                "alloc.upper is 1.5, must be within [0, 1]",
+            ),
+            (
+                AllocSection {
+                    n_commit: 1,
+                    ..sec("vigor")
+                },
+                "alloc.n_commit is 1, must be at least 2",
+            ),
+            (
+                AllocSection {
+                    lower: f32::NAN,
+                    ..sec("vigor")
+                },
+                "alloc.lower is NaN, must be within [0, 1]",
+            ),
+        ] {
+            let e = err(bad);
+            assert_eq!(e, msg);
+            assert!(!e.contains('\n'), "{e}");
+        }
+        // The batch-dependent checks are the selected policy's only: fixed G with G = 2 (a
+        // B × G of 32, below VIGOR's n0 × B = 64) is fine.
+        assert_eq!(sec("fixed").policy(16, 2).unwrap(), Policy::Fixed);
+        assert!(err(AllocSection {
+            budget: 63,
+            ..sec("vigor")
+        })
+        .starts_with("alloc.budget 63 is below"));
+    }
+
+    #[test]
+    fn fixed_g_refuses_a_budget_it_would_ignore() {
+        let e = AllocSection {
+            budget: 256,
+            ..sec("fixed")
+        }
+        .policy(16, 8)
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("alloc.budget is 256, but alloc.policy = \"fixed\""), "{e}");
+        assert!(!e.contains('\n'), "{e}");
+        // The same budget is what VIGOR and Pilot-Commit are for.
+        for p in ["vigor", "pilot_commit"] {
+            AllocSection {
+                budget: 256,
+                ..sec(p)
+            }
+            .policy(16, 8)
+            .unwrap();
+        }
     }
 
     #[test]

@@ -51,6 +51,48 @@ max_groups_factor = 4.0
     cfg
 }
 
+/// The validation error of `tiny(1, sets)`'s config, in the one line the binary prints.
+fn refused(sets: &[&str]) -> String {
+    let base = tiny(1, &[]);
+    let sets: Vec<String> = sets.iter().map(|s| (*s).to_owned()).collect();
+    let e = match base.with_overrides(&sets) {
+        Ok(cfg) => cfg.validate().unwrap_err(),
+        Err(e) => e,
+    };
+    let e = format!("{e:#}");
+    assert!(!e.contains('\n'), "{e}");
+    e
+}
+
+#[test]
+fn alloc_parameters_are_validated_whatever_the_policy() {
+    // policy = "fixed" (the default): a bad VIGOR or Pilot-Commit key is still refused, named.
+    assert_eq!(refused(&["alloc.n0=1"]), "alloc.n0 is 1, must be at least 2");
+    assert_eq!(
+        refused(&["alloc.increment=0"]),
+        "alloc.increment is 0, must be at least 1"
+    );
+    assert_eq!(
+        refused(&["alloc.lower=2.0"]),
+        "alloc.lower is 2, must be within [0, 1]"
+    );
+    assert_eq!(
+        refused(&["alloc.policy=vigor", "alloc.n_pilot=1"]),
+        "alloc.n_pilot is 1, must be at least 2"
+    );
+    // Fixed G has no step budget: a non-zero one would be ignored, so it is refused.
+    let e = refused(&["alloc.budget=64"]);
+    assert!(
+        e.starts_with("alloc.budget is 64, but alloc.policy = \"fixed\""),
+        "{e}"
+    );
+    // The budget-dependent check of VIGOR still applies when VIGOR is selected.
+    assert_eq!(
+        refused(&["alloc.policy=vigor", "alloc.budget=8"]),
+        "alloc.budget 8 is below n0 × batch_groups = 16 samples"
+    );
+}
+
 fn go(cfg: &TrainConfig, name: &str) -> RunOutcome {
     let d: PathBuf = std::env::temp_dir().join(format!("rp-alloc-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);

@@ -90,6 +90,11 @@ pub fn run_policies(cfg: &SimConfig, threads: usize, scale: bool) -> anyhow::Res
                 c.setting.retain(|k, _| k == s);
                 c.run.settings = vec![s.clone()];
                 c.alloc.policy = policy.to_owned();
+                if policy == "fixed" {
+                    // Fixed G has no step budget (`[alloc]` refuses one): its rows spend
+                    // max_groups × G, whatever `alloc.budget` the other rows use.
+                    c.alloc.budget = 0;
+                }
                 if scale {
                     // The same shape at every G: VIGOR n0 = G/2 then 2 rounds of G/4 (its
                     // budget B x G allows every group both rounds); Pilot-Commit G/2 + G/2.
@@ -267,5 +272,21 @@ mod tests {
         let (md, csv) = tables(&rows, &[("vigor".into(), 0.5)]);
         assert_eq!(md.lines().count(), 2 + 4);
         assert_eq!(csv.lines().count(), 1 + 4);
+    }
+
+    #[test]
+    fn a_budget_applies_to_vigor_and_pilot_commit_not_to_fixed_g() {
+        let mut cfg = SimConfig::defaults().unwrap();
+        cfg.run.steps = 2;
+        cfg.run.profiles = vec!["gsm8k".into()];
+        cfg.run.settings = vec!["R1".into()];
+        let s = &cfg.setting["R1"];
+        // A budget of 1.5 B × G: fixed G refuses it in [alloc], so its rows drop it.
+        cfg.alloc.budget = s.batch * s.group * 3 / 2;
+        let e = format!("{:#}", cfg.validate().unwrap_err());
+        assert!(e.contains("alloc.budget is"), "{e}");
+        assert!(!e.contains('\n'), "{e}");
+        let rows = run_policies(&cfg, 2, true).unwrap();
+        assert_eq!(rows.len(), 4);
     }
 }
