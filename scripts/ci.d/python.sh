@@ -16,8 +16,6 @@ venv="$root/.venv-py"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
 wheels="$CARGO_TARGET_DIR/wheels-ci"
 rm -rf "$wheels" # only this script's own build output
-# The dev profile (as the root workspace's): it reuses the dependencies the workspace tests built.
-# A user's wheel is built with --release (docs/python.md).
-(cd harness/python && "$venv/bin/maturin" build --locked --profile dev --out "$wheels")
+(cd harness/python && "$venv/bin/maturin" build --locked --release --out "$wheels")
 "$venv/bin/pip" install -q --force-reinstall --no-deps "$wheels"/rolloutpipe-*.whl
 (cd harness/python && "$venv/bin/python" -m pytest -q)
