@@ -307,11 +307,13 @@ mod tests {
         // The batch-dependent checks are the selected policy's only: fixed G with G = 2 (a
         // B × G of 32, below VIGOR's n0 × B = 64) is fine.
         assert_eq!(sec("fixed").policy(16, 2).unwrap(), Policy::Fixed);
-        assert!(err(AllocSection {
-            budget: 63,
-            ..sec("vigor")
-        })
-        .starts_with("alloc.budget 63 is below"));
+        assert!(
+            err(AllocSection {
+                budget: 63,
+                ..sec("vigor")
+            })
+            .starts_with("alloc.budget 63 is below")
+        );
     }
 
     #[test]
@@ -323,7 +325,10 @@ mod tests {
         .policy(16, 8)
         .unwrap_err()
         .to_string();
-        assert!(e.starts_with("alloc.budget is 256, but alloc.policy = \"fixed\""), "{e}");
+        assert!(
+            e.starts_with("alloc.budget is 256, but alloc.policy = \"fixed\""),
+            "{e}"
+        );
         assert!(!e.contains('\n'), "{e}");
         // The same budget is what VIGOR and Pilot-Commit are for.
         for p in ["vigor", "pilot_commit"] {

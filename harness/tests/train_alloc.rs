@@ -67,7 +67,10 @@ fn refused(sets: &[&str]) -> String {
 #[test]
 fn alloc_parameters_are_validated_whatever_the_policy() {
     // policy = "fixed" (the default): a bad VIGOR or Pilot-Commit key is still refused, named.
-    assert_eq!(refused(&["alloc.n0=1"]), "alloc.n0 is 1, must be at least 2");
+    assert_eq!(
+        refused(&["alloc.n0=1"]),
+        "alloc.n0 is 1, must be at least 2"
+    );
     assert_eq!(
         refused(&["alloc.increment=0"]),
         "alloc.increment is 0, must be at least 1"

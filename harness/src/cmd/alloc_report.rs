@@ -510,7 +510,10 @@ mod tests {
         let (md, csv) = report(&[g, v], "grpo", 0.65).unwrap();
         // 1500 / 375 = 4.
         assert!(md.contains("| vigor | 1 | 0.500 | 100 | 0.250 |"), "{md}");
-        assert!(md.contains("s1: 4.00 | 4.00; 4.00 ± 0.00 | 4.00..4.00"), "{md}");
+        assert!(
+            md.contains("s1: 4.00 | 4.00; 4.00 ± 0.00 | 4.00..4.00"),
+            "{md}"
+        );
         assert!(
             csv.contains("vigor,1,0.5000,100.0,0.2500,0.7000,375.000,3.750,4.000"),
             "{csv}"
@@ -525,7 +528,10 @@ mod tests {
             let e = report(&[g.clone(), v.clone()], "grpo", t)
                 .unwrap_err()
                 .to_string();
-            assert!(e.contains("is not above the grpo runs' mean start accuracy 0.500"), "{e}");
+            assert!(
+                e.contains("is not above the grpo runs' mean start accuracy 0.500"),
+                "{e}"
+            );
             assert!(!e.contains('\n'), "{e}");
         }
         let e = report(&[g, v], "grpo", f64::NAN).unwrap_err().to_string();
@@ -547,7 +553,10 @@ mod tests {
         // pair left.
         assert!(md.contains("| grpo | 1 |"), "{md}");
         assert!(md.contains("s1: 2.00, s2: unpaired"), "{md}");
-        assert!(csv.contains("grpo,2,0.6600,100.0,0.2500,0.8000,excluded"), "{csv}");
+        assert!(
+            csv.contains("grpo,2,0.6600,100.0,0.2500,0.8000,excluded"),
+            "{csv}"
+        );
     }
 
     #[test]
@@ -615,7 +624,10 @@ mod tests {
         };
         std::fs::write(r.join("metrics.jsonl"), line(0.4)).unwrap();
         let e = format!("{:#}", run(args(None)).unwrap_err());
-        assert!(e.contains("never rose above their mean start accuracy 0.500"), "{e}");
+        assert!(
+            e.contains("never rose above their mean start accuracy 0.500"),
+            "{e}"
+        );
         assert!(!e.contains('\n'), "{e}");
         let e = format!("{:#}", run(args(Some(0.5))).unwrap_err());
         assert!(e.contains("is not above the grpo runs' mean start"), "{e}");
