@@ -385,14 +385,13 @@ impl RolloutEngine for CpuBackend {
     }
 
     fn submit_step(&mut self) -> Result<()> {
-        let gen_ =
-            match std::mem::replace(&mut self.engine, EngineState::Idle(Box::default())) {
-                EngineState::Idle(g) => g,
-                busy @ EngineState::InFlight(_) => {
-                    self.engine = busy;
-                    return Err(BackendError::StepInFlight("submit_step"));
-                }
-            };
+        let gen_ = match std::mem::replace(&mut self.engine, EngineState::Idle(Box::default())) {
+            EngineState::Idle(g) => g,
+            busy @ EngineState::InFlight(_) => {
+                self.engine = busy;
+                return Err(BackendError::StepInFlight("submit_step"));
+            }
+        };
         let (tx, rx) = channel();
         let model = Arc::clone(&self.model);
         let mut gen_ = gen_;
