@@ -190,3 +190,51 @@ fn an_engine_killed_mid_step_has_its_requests_readmitted() {
     let per_step = |o: &RunOutcome| o.counters.iter().map(|c| c.trained).collect::<Vec<_>>();
     assert_eq!(per_step(&o), per_step(&whole));
 }
+
+/// `rollout.dtype = "bf16"` puts bf16 weights in every engine, in-process and behind the wire
+/// alike: with the rollout's log-probs as logπ_old (so the engines' numerics reach the update),
+/// the bf16 runs end on the same weights as each other and on different weights from the f32
+/// run. Were the dtype dropped on the wire, the remote run would match the f32 one instead.
+#[test]
+fn half_storage_engines_run_in_process_and_remote_alike() {
+    let with = |dtype: &str| {
+        tiny(Mode::Sync, 1)
+            .with_overrides(&[
+                format!("rollout.dtype={dtype:?}"),
+                "rl.old_logprobs=\"rollout\"".into(),
+            ])
+            .unwrap()
+    };
+    let (f32_cfg, bf16_cfg) = (with("f32"), with("bf16"));
+    bf16_cfg.validate().unwrap();
+    let full = run_with_transport(&f32_cfg, &dir("dtype-f32"), FRESH, &Local).unwrap();
+    let local = run_with_transport(&bf16_cfg, &dir("dtype-bf16"), FRESH, &Local).unwrap();
+    let lb = Loopback::new(&bf16_cfg);
+    let remote =
+        run_with_transport(&bf16_cfg, &dir("dtype-bf16-remote"), FRESH, &lb.transport()).unwrap();
+    check_accounting(&local);
+    assert_eq!(
+        trained(&local),
+        trained(&remote),
+        "the same samples trained"
+    );
+    let same = max_abs_diff(&local.weights, &remote.weights);
+    assert_eq!(
+        same, 0.0,
+        "bf16 in-process vs remote weights differ by {same:e}"
+    );
+    let moved = max_abs_diff(&full.weights, &local.weights);
+    assert!(
+        moved > 0.0,
+        "bf16 engines left the update bit-identical to f32 engines'"
+    );
+    // The engines' bf16 weights are not what the trainer keeps: its master copy stays f32.
+    let rounded = local
+        .weights
+        .tensors
+        .values()
+        .flat_map(|t| t.data.iter())
+        .filter(|x| x.to_bits() & 0xffff != 0)
+        .count();
+    assert!(rounded > 0, "the trainer's weights are not bf16-rounded");
+}

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, bail, ensure};
-use rolloutpipe_backends::{Aggregation, ModelConfig, StdMode};
+use rolloutpipe_backends::{Aggregation, DType, ModelConfig, StdMode};
 use rolloutpipe_core::{AdmissionPolicy, DispatchPolicy, Plan, SubmitOrder};
 use serde::{Deserialize, Serialize};
 
@@ -283,6 +283,26 @@ pub struct RolloutSection {
     pub frontier_width: u32,
     /// FGD: expected share of groups filtered, in [0, 1).
     pub expected_filter: f64,
+    /// Storage of the engines' weights: `f32`, `bf16` or `f16` (the trainer keeps f32 master
+    /// weights and moments whatever this is; each sync rounds them to it). Half storage halves
+    /// an engine's weight memory; compute stays f32. `bf16` and `f16` need `run.backend = "cpu"`.
+    /// Absent from run directories written before it existed, which used f32.
+    #[serde(default = "default_engine_dtype")]
+    pub dtype: String,
+}
+
+/// A `rollout.dtype` value (`f32`, `bf16`, `f16`) as the backends' [`DType`].
+pub fn engine_dtype(s: &str) -> anyhow::Result<DType> {
+    Ok(match s {
+        "f32" => DType::F32,
+        "bf16" => DType::Bf16,
+        "f16" => DType::F16,
+        s => bail!("rollout.dtype {s:?} is not one of f32, bf16, f16"),
+    })
+}
+
+fn default_engine_dtype() -> String {
+    "f32".into()
 }
 
 /// `[trainer]`.
@@ -418,6 +438,13 @@ impl TrainConfig {
             "rollout.expected_filter must be in [0, 1)"
         );
         self.submit_order()?;
+        let dtype = self.engine_dtype()?;
+        ensure!(
+            dtype == DType::F32 || r.backend == "cpu",
+            "rollout.dtype {:?} needs run.backend = \"cpu\": the {} backend stores f32 weights",
+            ro.dtype,
+            r.backend
+        );
         ensure!(
             self.sft.steps == 0 || (self.sft.batch > 0 && self.sft.lr > 0.0),
             "sft.batch and sft.lr must be positive when sft.steps > 0"
@@ -547,6 +574,11 @@ impl TrainConfig {
         })
     }
 
+    /// `rollout.dtype` as the backends' [`DType`].
+    pub fn engine_dtype(&self) -> anyhow::Result<DType> {
+        engine_dtype(&self.rollout.dtype)
+    }
+
     /// The baseline queue order.
     pub fn submit_order(&self) -> anyhow::Result<SubmitOrder> {
         Ok(match self.rollout.submit_order.as_str() {
@@ -652,6 +684,26 @@ mod tests {
     }
 
     #[test]
+    fn run_directories_written_before_rollout_dtype_read_as_f32() {
+        let c = TrainConfig::default_config().unwrap();
+        let old: String = c
+            .to_toml()
+            .unwrap()
+            .lines()
+            .filter(|l| !l.starts_with("dtype ="))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert!(!old.contains("dtype"), "{old}");
+        let back = TrainConfig::from_toml_str(&old).unwrap();
+        assert_eq!(back.rollout.dtype, "f32");
+        assert_eq!(back.engine_dtype().unwrap(), DType::F32);
+        let bf = c
+            .with_overrides(&["rollout.dtype=\"bf16\"".into()])
+            .unwrap();
+        assert_eq!(bf.engine_dtype().unwrap(), DType::Bf16);
+    }
+
+    #[test]
     fn unknown_keys_are_rejected() {
         let err = TrainConfig::from_partial_toml("[rl]\nbatch_grups = 3\n").unwrap_err();
         assert!(format!("{err:#}").contains("batch_grups"), "{err:#}");
@@ -716,6 +768,14 @@ mod tests {
                 .contains("\"tpu\" is not one of cpu, wgpu, cuda")
         );
         for (set, says) in [
+            (
+                vec!["rollout.dtype=\"fp8\""],
+                "\"fp8\" is not one of f32, bf16, f16",
+            ),
+            (
+                vec!["rollout.dtype=\"bf16\"", "run.backend=\"wgpu\""],
+                "needs run.backend = \"cpu\"",
+            ),
             (vec!["sft.carry_drop=1.5"], "probability"),
             (vec!["sft.carry_drop=-0.1"], "probability"),
             (vec!["sft.carry_drop=0.5", "task.name=mul"], "add task only"),

@@ -137,13 +137,16 @@ impl EngineHost {
                 engine,
                 backend,
                 threads,
+                dtype,
                 model,
                 fail_at_request,
             } => {
                 let blob = published.ok_or(WireError::Missing("published weights"))?;
                 let w = wire::weights_from(blob, "weights")?;
                 let mc = model_config(&model)?;
-                match make_engine(&backend, &mc, &w, threads) {
+                let made = super::config::engine_dtype(&dtype)
+                    .and_then(|dt| make_engine(&backend, &mc, &w, threads, dt));
+                match made {
                     Ok(be) => {
                         self.step = Some(EngineStep::new(engine, be, fail_at_request));
                         EngineReply::Ready
@@ -476,6 +479,7 @@ impl Transport for Forwarding {
                 engine: e,
                 backend: cfg.run.backend.clone(),
                 threads: cfg.rollout.threads_per_engine,
+                dtype: cfg.rollout.dtype.clone(),
                 model: model.clone(),
                 fail_at_request: fail_at(cfg, e),
             };

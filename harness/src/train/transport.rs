@@ -84,6 +84,7 @@ impl Transport for Local {
                 s.model_cfg,
                 s.weights,
                 cfg.rollout.threads_per_engine,
+                cfg.engine_dtype()?,
             )
             .with_context(|| format!("rollout engine {e}"))?;
             let target = be.sync_target();

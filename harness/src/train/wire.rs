@@ -69,6 +69,11 @@ impl From<serde_json::Error> for WireError {
     }
 }
 
+/// `EngineMsg::Init`'s dtype when a sender predates it.
+fn f32_name() -> String {
+    "f32".into()
+}
+
 /// Frames `header` (as JSON) and `parts`.
 pub fn encode<T: Serialize>(header: &T, parts: &[&[u8]]) -> Vec<u8> {
     // Serialising our own message types cannot fail (no maps with non-string keys, no
@@ -259,6 +264,9 @@ pub enum EngineMsg {
         backend: String,
         /// CPU threads.
         threads: usize,
+        /// `rollout.dtype`: the engine's weight storage (absent = f32).
+        #[serde(default = "f32_name")]
+        dtype: String,
         /// The model's `config.json`.
         model: serde_json::Value,
         /// Fault injection (`fault.fail_engine_at_request`).

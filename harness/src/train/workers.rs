@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use rolloutpipe_backends::optim::AdamState;
 use rolloutpipe_backends::{
-    AccumStats, AdamW, Aggregation, CpuBackend, ModelConfig, Objective, OptStats, Policy,
+    AccumStats, AdamW, Aggregation, CpuBackend, DType, ModelConfig, Objective, OptStats, Policy,
     RolloutEngine, SamplingParams, StdMode, SyncTarget, Trainer, WeightSnapshot, Weights,
 };
 use rolloutpipe_core::{GroupId, PolicyVersion, RequestId};
@@ -64,14 +64,24 @@ pub fn make_trainer(
     Ok(TrainerBackend(b))
 }
 
-/// Builds a rollout engine by name with `threads` CPU threads (ignored by GPU backends).
+/// Builds a rollout engine by name with `threads` CPU threads (ignored by GPU backends),
+/// storing its weights in `dtype` (half storage only on the CPU backend; the config refuses
+/// it elsewhere, and so does this, by name).
 pub fn make_engine(
     name: &str,
     cfg: &ModelConfig,
     w: &Weights,
     threads: usize,
+    dtype: DType,
 ) -> anyhow::Result<EngineBackend> {
-    let b: Box<dyn RolloutEngine> = make_backend(name, cfg, w, threads)?;
+    let b: Box<dyn RolloutEngine> = match (name, dtype) {
+        (_, DType::F32) => make_backend(name, cfg, w, threads)?,
+        ("cpu", _) => Box::new(CpuBackend::with_dtype(cfg, w, threads, dtype)?),
+        (other, _) => anyhow::bail!(
+            "rollout.dtype {:?} needs the cpu backend: the {other} backend stores f32 weights",
+            dtype.name().to_ascii_lowercase()
+        ),
+    };
     Ok(EngineBackend(b))
 }
 
