@@ -118,7 +118,10 @@ impl ModelConfig {
                 "must fit in u32 token ids",
             ));
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(BackendError::config(
                 "num_key_value_heads",
                 format!(
@@ -127,7 +130,7 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(BackendError::config(
                 "head_dim",
                 format!("{} is odd; rotate-half RoPE needs pairs", self.head_dim),

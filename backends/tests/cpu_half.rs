@@ -71,7 +71,7 @@ fn request(id: u64, prompt: Vec<u32>, seed: u64, max_new: usize) -> GenRequest {
         prompt,
         params: SamplingParams {
             temperature: 1.0,
-            top_p: if id % 2 == 0 { 0.9 } else { 1.0 },
+            top_p: if id.is_multiple_of(2) { 0.9 } else { 1.0 },
             max_new_tokens: max_new,
             seed,
             ..Default::default()

@@ -350,7 +350,7 @@ impl Plan {
         if self.opt_steps == 0 {
             return Err(PlanError::ZeroOptSteps);
         }
-        if self.batch_groups % self.opt_steps != 0 {
+        if !self.batch_groups.is_multiple_of(self.opt_steps) {
             return Err(PlanError::OptStepsNotDivisor {
                 batch_groups: self.batch_groups,
                 opt_steps: self.opt_steps,
@@ -358,7 +358,7 @@ impl Plan {
         }
         let per_opt_step = self.batch_groups / self.opt_steps;
         if matches!(self.micro_batch_unit, MicroBatchUnit::Groups)
-            && per_opt_step % self.micro_batch != 0
+            && !per_opt_step.is_multiple_of(self.micro_batch)
         {
             return Err(PlanError::MicroBatchNotDivisor {
                 per_opt_step,

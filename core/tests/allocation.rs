@@ -72,7 +72,11 @@ fn run(
 }
 
 fn mixed(g: GroupId, k: u16) -> f32 {
-    if g.0 % 3 == 0 { 1.0 } else { (k % 2) as f32 }
+    if g.0.is_multiple_of(3) {
+        1.0
+    } else {
+        (k % 2) as f32
+    }
 }
 
 #[test]
@@ -157,7 +161,7 @@ struct VarySize;
 impl Allocate for VarySize {
     fn decide(&self, v: &View<'_, '_>, g: GroupId) -> Allocation {
         match v.group_target(g) {
-            Some(4) if g.0 % 3 != 0 => Allocation::Extend(2 * (g.0 % 3) as u16),
+            Some(4) if !g.0.is_multiple_of(3) => Allocation::Extend(2 * (g.0 % 3) as u16),
             _ => Allocation::Commit,
         }
     }

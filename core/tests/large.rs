@@ -56,7 +56,7 @@ fn more_than_4096_groups_in_flight_keep_every_invariant_and_finish() {
             rng ^= rng >> 7;
             rng ^= rng << 17;
             let r = running.swap_remove((rng % running.len() as u64) as usize);
-            let x = if r.group.0 % 7 == 0 {
+            let x = if r.group.0.is_multiple_of(7) {
                 1.0
             } else {
                 (r.sample % 2) as f32

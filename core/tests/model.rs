@@ -93,7 +93,7 @@ impl Model {
     /// Whether a micro-batch of `acc` units ending at the `end`-th group of the batch is cut.
     fn cut(&self, acc: u64, end: usize) -> bool {
         let p = self.plan();
-        acc >= p.micro_batch as u64 || end as u32 % (p.batch_groups / p.opt_steps) == 0
+        acc >= p.micro_batch as u64 || (end as u32).is_multiple_of(p.batch_groups / p.opt_steps)
     }
     fn trained(&self) -> u32 {
         self.count(|s| s == GroupState::Trained)
@@ -887,7 +887,7 @@ fn plan() -> impl Strategy<Value = Plan> {
                 let opts: Vec<u32> = (1..=b).filter(|d| b % d == 0).collect();
                 p.opt_steps = opts[oi % opts.len()];
                 let mbs: Vec<u32> = (1..=b / p.opt_steps)
-                    .filter(|d| (b / p.opt_steps) % d == 0)
+                    .filter(|d| (b / p.opt_steps).is_multiple_of(*d))
                     .collect();
                 p.micro_batch = mbs[mi % mbs.len()];
                 if samples_mb > 0 {

@@ -64,7 +64,7 @@ fn plan(b: &mut Bytes<'_>) -> Plan {
         p.opt_steps = b.pick(4) as u32;
         p.micro_batch = b.pick(4) as u32;
     } else {
-        let divisors = |n: u32| (1..=n).filter(move |d| n % d == 0);
+        let divisors = |n: u32| (1..=n).filter(move |d| n.is_multiple_of(*d));
         let opts: Vec<u32> = divisors(batch).collect();
         p.opt_steps = opts[b.pick(opts.len())];
         let mbs: Vec<u32> = divisors(batch / p.opt_steps).collect();

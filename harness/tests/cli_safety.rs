@@ -150,9 +150,8 @@ fn every_bad_input_is_one_line_without_a_panic() {
     );
     let huge_pos = d.join("huge-pos");
     std::fs::create_dir_all(&huge_pos).unwrap();
-    for f in ["model.safetensors"] {
-        std::fs::copy(model.join(f), huge_pos.join(f)).unwrap();
-    }
+    let weights = "model.safetensors";
+    std::fs::copy(model.join(weights), huge_pos.join(weights)).unwrap();
     let conf = std::fs::read_to_string(model.join("config.json")).unwrap();
     let mut v: serde_json::Value = serde_json::from_str(&conf).unwrap();
     v["max_position_embeddings"] = serde_json::json!(1_000_000_000_000u64);

@@ -993,7 +993,7 @@ impl<'a> Scheduler<'a> {
 
     /// Whether a micro-batch holding `acc` units and ending at the `end`-th group is cut there.
     pub(crate) fn mb_cut_at(&self, acc: u64, end: u32) -> bool {
-        acc >= self.plan.micro_batch as u64 || end % self.plan.groups_per_opt_step() == 0
+        acc >= self.plan.micro_batch as u64 || end.is_multiple_of(self.plan.groups_per_opt_step())
     }
 
     /// Group `g` just filled the batch further: replay the micro-batch cut on it.

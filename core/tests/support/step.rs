@@ -40,7 +40,7 @@ pub struct StepRun {
 /// Every fifth group (by a hash of its id) answers identically and is filtered.
 pub fn reward(r: RequestId) -> f32 {
     let h = (r.group.0 as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
-    if h % 5 == 0 {
+    if h.is_multiple_of(5) {
         1.0
     } else {
         (r.sample % 2) as f32

@@ -223,10 +223,10 @@ fn verify_expr(nums: &[i128], target: i128, response: &str) -> Verdict {
             }
         }
     }
-    if let Some(c) = claimed {
-        if c != value {
-            return Verdict::Incorrect(format!("expression is {value}, not the claimed {c}"));
-        }
+    if let Some(c) = claimed
+        && c != value
+    {
+        return Verdict::Incorrect(format!("expression is {value}, not the claimed {c}"));
     }
     if value == target {
         Verdict::Correct
