@@ -121,7 +121,7 @@ def scalars(logdir):
 
 
 def test_ray_run_trains_what_the_in_process_run_trains(cluster, config, tmp_path):
-    local = rp.train(config, str(tmp_path / "local"))
+    local = rp.train(config, str(tmp_path / "local"), tracking=True)
     remote = rp_ray.train(config, str(tmp_path / "ray"), placement="pack")
     assert local["steps"] == remote["steps"] == 2
     assert local["trained"], "something was trained"
@@ -145,8 +145,13 @@ def test_ray_run_trains_what_the_in_process_run_trains(cluster, config, tmp_path
     assert saved["publishes"] == 3 and saved["node_ip"] == "127.0.0.1"
     for f in ["metrics.jsonl", "trace.json", "checkpoints/latest", "final/model.safetensors"]:
         assert os.path.exists(os.path.join(tmp_path, "ray", f)), f
-    assert not os.path.exists(os.path.join(tmp_path, "local", "tensorboard")), "off by default"
     check_tensorboard(os.path.join(tmp_path, "ray"), info["perf"])
+    # The in-process run logs the same, less the trainer timers it does not have.
+    lines = [json.loads(line) for line in open(os.path.join(tmp_path, "local", "metrics.jsonl"))]
+    tb = scalars(os.path.join(tmp_path, "local", "tensorboard"))
+    assert tb["perf/rollout_time"] == [(m["step"], f32(m["rollout_s"])) for m in lines]
+    assert tb["train/grad_norm"] == [(m["step"], f32(m["grad_norm"])) for m in lines]
+    assert not any(tag.startswith("perf/train") for tag in tb)
 
 
 def check_tensorboard(out, perf):
@@ -190,6 +195,7 @@ def test_killed_engine_actor_requests_are_readmitted(cluster, config, tmp_path):
     # A preempted request keeps its id and so its sampling seed: the run trains exactly what
     # the same run without the kill trains.
     whole = rp.train(config, str(tmp_path / "nokill"), sets=['run.mode="rolloutpipe"'])
+    assert not os.path.exists(os.path.join(tmp_path, "nokill", "tensorboard")), "off by default"
     assert r["trained"] and sorted(r["trained"]) == sorted(whole["trained"])
     assert [c["trained"] for c in r["counters"]] == [c["trained"] for c in whole["counters"]]
 
