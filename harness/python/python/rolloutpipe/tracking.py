@@ -95,9 +95,9 @@ class Tracker:
             import wandb
         except ImportError:
             return
-        os.environ.setdefault("WANDB_MODE", "offline")
         self.wandb = wandb.init(project="rolloutpipe", dir=self.out, config=self.cfg,
-                                name=os.path.basename(os.path.abspath(self.out)))
+                                name=os.path.basename(os.path.abspath(self.out)),
+                                mode=os.environ.get("WANDB_MODE", "offline"))
         for key in ("train", "rollout"):
             self.wandb.define_metric(f"{key}/step")
         self.wandb.define_metric("train/*", step_metric="train/step")
