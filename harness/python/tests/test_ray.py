@@ -271,3 +271,15 @@ def test_wire_frames_parse_and_bad_ones_are_none():
     frame = b"RPW1" + (2).to_bytes(4, "little") + struct.pack("<2Q", 9, 3) + b'"OptStep"abc'
     assert rp_ray.frame_kind(frame) == "OptStep"
     assert [bytes(p) for p in rp_ray.frame_parts(frame)] == [b'"OptStep"', b"abc"]
+
+
+def test_command_line_placement_and_no_tracking(cluster, config, tmp_path, capsys):
+    out = str(tmp_path / "cli")
+    rc = rp_ray.main(["train", "--config", config, "--out", out, "--set", "run.steps=1",
+                      "--placement", "spread", "--no-tracking"])
+    assert rc == 0 and "1 steps on Ray (node 127.0.0.1)" in capsys.readouterr().out
+    saved = json.load(open(os.path.join(out, "ray.json")))
+    assert saved["placement"] == "spread" and saved["trainer_publishes"] == 1
+    assert not os.path.exists(os.path.join(out, "tensorboard"))
+    with pytest.raises(SystemExit):
+        rp_ray.main(["train", "--config", config, "--out", out, "--placement", "packed"])
