@@ -283,3 +283,18 @@ def test_command_line_placement_and_no_tracking(cluster, config, tmp_path, capsy
     assert not os.path.exists(os.path.join(out, "tensorboard"))
     with pytest.raises(SystemExit):
         rp_ray.main(["train", "--config", config, "--out", out, "--placement", "packed"])
+
+
+def test_trainer_lost_between_its_put_and_the_engines_sync_resumes(cluster, config, tmp_path):
+    # The trainer actor owns the weights object of each sync: killed right after step 0's
+    # export, before the engines fetch that object, the run stops and resumes from the step-0
+    # checkpoint with fresh actors, and ends where an uninterrupted run does.
+    out = str(tmp_path / "owner")
+    r = rp_ray.train(config, out, kill_trainer_after_export=1, trainer_restarts=1,
+                     tracking=False)
+    assert r["ray"]["killed"] == ["trainer"] and r["ray"]["restarts"] == 1
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [m["step"] for m in lines] == [0, 1]
+    accounted(r["counters"])
+    whole = rp.train(config, str(tmp_path / "whole"))
+    assert max_abs_diff(whole["weights"], r["weights"]) <= 1e-6

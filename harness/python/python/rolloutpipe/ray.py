@@ -209,12 +209,13 @@ class RayWorkers:
     outside the group. ``kill_engine_at`` = ``(i, n)`` kills engine i's actor with
     ``ray.kill`` just before its n-th ``engine/i`` message (tests and fault drills: a lost
     engine mid-step); ``kill_trainer_at`` = n kills the trainer's actor just before its n-th
-    message. ``first_phase`` is the run's first step (the checkpoint's on ``--resume``) and
+    message, ``kill_trainer_after_export`` = n just after its n-th weight export (before the
+    engines fetch the weights object it owns). ``first_phase`` is the run's first step (the checkpoint's on ``--resume``) and
     ``tracker`` a :class:`~rolloutpipe.tracking.Tracker` for the trainer's Slime timers."""
 
     def __init__(self, cfg, engine_cpus=1, trainer_cpus=1, engine_gpus=0, trainer_gpus=0,
                  kill_engine_at=None, kill_trainer_at=None, placement="none", first_phase=0,
-                 tracker=None, placement_timeout_s=60):
+                 tracker=None, placement_timeout_s=60, kill_trainer_after_export=None):
         if placement not in PLACEMENTS:
             raise ValueError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
         rollout = cfg["rollout"]
@@ -256,7 +257,9 @@ class RayWorkers:
         self.kill_engine_at = kill_engine_at
         self.engine_calls = [0] * len(self.engines)
         self.kill_trainer_at = kill_trainer_at
+        self.kill_trainer_after_export = kill_trainer_after_export
         self.trainer_calls = 0
+        self.exports = 0
         self.killed = []
 
     @staticmethod
@@ -298,6 +301,10 @@ class RayWorkers:
                 self.perf.append({"step": step, **extra["perf"]})
                 if self.tracker is not None:
                     self.tracker.log_perf(step, extra["perf"])
+            self.exports += 1
+            if self.kill_trainer_after_export == self.exports:
+                ray.kill(self.trainer, no_restart=True)
+                self.killed.append("trainer")
         return reply
 
     def send(self, route, message):
@@ -370,7 +377,7 @@ def checkpoint_next_step(out):
 
 def train(config=None, out=None, sets=(), resume=False, force=False, num_cpus=None,
           address=None, kill_engine_at=None, kill_trainer_at=None, trainer_restarts=0,
-          placement="none", tracking=True):
+          placement="none", tracking=True, kill_trainer_after_export=None):
     """Runs the job on Ray and returns ``rolloutpipe.train``'s result dict plus ``ray``
     (actor calls, weight puts and their seconds, the trainer's Slime timers, the node
     address).
@@ -396,7 +403,8 @@ def train(config=None, out=None, sets=(), resume=False, force=False, num_cpus=No
             first = checkpoint_next_step(out) if resume else 0
             workers = RayWorkers(cfg, kill_engine_at=kill_engine_at,
                                  kill_trainer_at=kill_trainer_at, placement=placement,
-                                 first_phase=first, tracker=tracker)
+                                 first_phase=first, tracker=tracker,
+                                 kill_trainer_after_export=kill_trainer_after_export)
             follower = MetricsFollower(out, tracker).start()
             t = time.perf_counter()
             try:
@@ -413,7 +421,7 @@ def train(config=None, out=None, sets=(), resume=False, force=False, num_cpus=No
                 # Continue from the last checkpoint with new actors (the run directory's
                 # config).
                 config, resume, force = None, True, False
-                kill_engine_at = kill_trainer_at = None
+                kill_engine_at = kill_trainer_at = kill_trainer_after_export = None
             finally:
                 follower.stop()
                 workers.shutdown()
