@@ -367,12 +367,17 @@ class RayWorkers:
         }
 
 def checkpoint_next_step(out):
-    """The step a ``--resume`` of ``out`` starts at (its latest checkpoint's ``next_step``)."""
+    """The step a ``--resume`` of ``out`` starts at (its latest checkpoint's ``next_step``);
+    0 when there is no readable checkpoint (the run itself then refuses to resume, with its
+    own message)."""
     root = os.path.join(out, "checkpoints")
-    with open(os.path.join(root, "latest")) as f:
-        name = f.read().strip()
-    with open(os.path.join(root, name, "state.json")) as f:
-        return int(json.load(f)["next_step"])
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            name = f.read().strip()
+        with open(os.path.join(root, name, "state.json")) as f:
+            return int(json.load(f)["next_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def train(config=None, out=None, sets=(), resume=False, force=False, num_cpus=None,
