@@ -7,9 +7,13 @@ Runs the job three ways in fresh directories under a temporary root: in-process
 hosts directly: the cost of encoding and decoding alone), and on a local Ray instance
 (127.0.0.1, one actor per engine, verifier and the trainer). Prints one Markdown table row per
 way: seconds per step (rollout start to train end, the run's ``rollout_to_train_end_s``), the
-weight sync's seconds (``sync_s``, mean over steps), the ``ray.put`` of the weights, messages
-per step and per second of step time, and bytes per step (both directions and the publishes). Steps whose rollout did not produce the same
-samples in every way are flagged (they should not be: the job is the default with fewer SFT
+weight sync's seconds (``sync_s``, mean over steps), the whole step boundary's (the trainer's
+export, the sync and the rest between one step's train end and the next step's rollout start,
+from ``elapsed_s``; the last step left out), the ``ray.put`` of the weights (mean over
+the weight syncs' puts, the trainer actor's), messages per step and per second of step time,
+bytes per step (both directions and the publishes), and the bytes the driver itself put in
+the object store per step (the start's weights left out). Steps whose rollout did not produce
+the same samples in every way are flagged (they should not be: the job is the default with fewer SFT
 steps, in sync mode with one micro-batch per step).
 """
 
@@ -67,6 +71,12 @@ def summarize(name, r, wall):
         "step_s": statistics.mean(m["rollout_to_train_end_s"] for m in ms),
         "rollout_s": statistics.mean(m["rollout_s"] for m in ms),
         "sync_s": statistics.mean(m["sync_s"] for m in ms),
+        # The step boundary as a whole (the trainer's export, the weight sync, the metrics
+        # line): from one metrics line to the next, less the next step's rollout-to-train-end
+        # window; the last step is left out (it also saves final/).
+        "boundary_s": statistics.mean(
+            b["elapsed_s"] - a["elapsed_s"] - b["rollout_to_train_end_s"]
+            for a, b in zip(ms[:-1], ms[1:-1])) if steps > 2 else float("nan"),
         "wall_s": wall,
     }
     wire = r.get("wire")
@@ -76,7 +86,11 @@ def summarize(name, r, wall):
         # Over the steps themselves (rollout start to train end), not the SFT before them.
         row["msgs_per_s"] = row["msgs_per_step"] / row["step_s"]
     if "ray" in r:
-        row["put_s"] = statistics.mean(r["ray"]["put_s"])
+        info = r["ray"]
+        # The driver puts the start's weights; the trainer actor puts each export (older
+        # launchers: the driver put every publish).
+        row["put_s"] = statistics.mean(info.get("trainer_put_s") or info["put_s"])
+        row["driver_put_bytes_per_step"] = sum(info["put_bytes"][1:]) / steps
     return row
 
 
@@ -105,19 +119,20 @@ def main():
 
     node = rp_ray.start_ray(num_cpus=max(os.cpu_count(), cfg["rollout"]["engines"] + 1))
     t = time.perf_counter()
-    r = rp_ray.train(None, os.path.join(root, "ray"), sets=sets)
+    r = rp_ray.train(None, os.path.join(root, "ray"), sets=sets, tracking=False)
     rows.append(summarize(f"Ray actors ({node})", r, time.perf_counter() - t))
     trained["ray"] = sorted(r["trained"])
 
     same = trained["local"] == trained["wire"] == trained["ray"]
     print(f"job: default config with {' '.join(sets)}; same trained samples in all three: {same}")
-    print("| way | step (s) | rollout (s) | weight sync `sync_s` (s) | `ray.put` (s) | messages/step | messages/s | bytes/step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| way | step (s) | rollout (s) | weight sync `sync_s` (s) | boundary (s) | `ray.put` (s) | messages/step | messages/s | bytes/step | driver puts (bytes/step) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for w in rows:
         f = lambda k, fmt: (fmt.format(w[k]) if k in w else "–")  # noqa: E731
         print(f"| {w['way']} | {w['step_s']:.3f} | {w['rollout_s']:.3f} | {w['sync_s']:.4f} | "
+              f"{w['boundary_s']:.4f} | "
               f"{f('put_s', '{:.4f}')} | {f('msgs_per_step', '{:.0f}')} | {f('msgs_per_s', '{:.0f}')} | "
-              f"{f('bytes_per_step', '{:,.0f}')} |")
+              f"{f('bytes_per_step', '{:,.0f}')} | {f('driver_put_bytes_per_step', '{:,.0f}')} |")
 
 
 if __name__ == "__main__":

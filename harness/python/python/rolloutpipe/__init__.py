@@ -18,7 +18,8 @@ trainer; it releases the GIL around model work. ``Task`` is a built-in task's pr
 generator and verifier (``add``, ``mul``, ``countdown``), the code ``rolloutpipe train`` scores with.
 
 ``train`` runs ``rolloutpipe train``'s whole job from Python, its workers in-process or behind
-a ``send(route, bytes) -> bytes``; ``EngineHost``, ``TrainerHost`` and ``VerifierHost`` answer
+a ``send(route, bytes) -> bytes`` (``tracking=True`` also logs to TensorBoard under Slime's
+metric names, ``rolloutpipe.tracking``); ``EngineHost``, ``TrainerHost`` and ``VerifierHost`` answer
 those messages wherever the work runs. ``rolloutpipe.ray`` (needs ``ray``) runs the job on a
 Ray cluster: ``python -m rolloutpipe.ray train --config F --out DIR``.
 """
@@ -62,9 +63,9 @@ from ._core import (
     Vigor,
     WireError,
     resolve_config,
-    train,
     write_tiny_model,
 )
+from .tracking import train
 
 __version__ = "0.1.0"
 

@@ -10,10 +10,17 @@ trace.json, checkpoints, ``--resume``), laid out on a Ray cluster:
   ``rolloutpipe.train`` with ``send`` = :meth:`RayWorkers.send`, which turns each message into
   one actor call.
 
-Weight sync at a step boundary: the driver serialises the new weights once (safetensors) and
-``send("publish", blob)`` does one ``ray.put``; each engine's sync call passes that one
+Weight sync at a step boundary: the trainer actor answers the export and puts the weights
+blob it exported into the object store itself (``ray.put`` in the actor); when the driver's
+``send("publish", blob)`` carries the same bytes, the driver passes the trainer's
+``ObjectRef`` on instead of putting them again (only the start's weights, which come from the
+driver's SFT or checkpoint, are put by the driver). Each engine's sync call passes that one
 ``ObjectRef``, so every engine gets the same object from the store (one put, many gets). The
-put's seconds are recorded beside the run's own ``sync_s`` (metrics.jsonl) in ``ray.json``.
+puts' seconds are recorded beside the run's own ``sync_s`` (metrics.jsonl) in ``ray.json``.
+
+Metrics also go to TensorBoard (and wandb when installed) under Slime's names
+(``rolloutpipe.tracking``); the trainer actor measures Slime's ``perf/train_wait_time`` and
+``perf/train_time`` with Slime's timer rule.
 
 Ray is started on the loopback address only (``ray.init(address="local",
 _node_ip_address="127.0.0.1", include_dashboard=False)``), or joined with ``--address`` to a
@@ -23,6 +30,8 @@ cluster started by ``ray start --head --node-ip-address=127.0.0.1`` (see docs/ra
 import argparse
 import json
 import os
+import re
+import struct
 import sys
 import time
 
@@ -35,8 +44,64 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
 
 from . import _core
+from .tracking import MetricsFollower, Tracker
 
 LOOPBACK = "127.0.0.1"
+PLACEMENTS = ("none", "pack", "spread")
+
+
+def frame_parts(frame):
+    """The parts of a wire frame (part 0 is the JSON header) as memoryviews, or None when
+    ``frame`` is not one. The layout (harness/src/train/wire.rs): ``b"RPW1"``, u32 LE part
+    count n, n u64 LE part lengths, then the parts."""
+    if len(frame) < 8 or frame[:4] != b"RPW1":
+        return None
+    n = int.from_bytes(frame[4:8], "little")
+    if not 1 <= n <= 16 or len(frame) < 8 + 8 * n:
+        return None
+    view, at, parts = memoryview(frame), 8 + 8 * n, []
+    for length in struct.unpack_from(f"<{n}Q", frame, 8):
+        if at + length > len(frame):
+            return None
+        parts.append(view[at:at + length])
+        at += length
+    return parts
+
+
+def frame_kind(frame):
+    """The message's variant name (``"MicroBatch"``, ``"OptStep"``, ``"Exported"``, ...): the
+    header is serde's externally tagged JSON, ``"Unit"`` or ``{"Variant": ...}``."""
+    parts = frame_parts(frame)
+    m = parts and re.match(rb'\{?"(\w+)"', bytes(parts[0][:64]))
+    return m.group(1).decode() if m else None
+
+
+class TrainTimer:
+    """Slime's trainer timers (slime/backends/megatron_utils/actor.py): ``train_wait`` starts
+    when the trainer is built and whenever a training ends; ``train`` runs from the first
+    training call to the end of the last. One record per weight export (a step boundary)
+    that had training since the last one: ``train_wait_time`` and ``train_time`` seconds."""
+
+    def __init__(self):
+        self.wait_since = None
+        self.train_start = None
+        self.train_end = None
+
+    def built(self, t):
+        self.wait_since = t
+
+    def trained(self, t0, t1):
+        if self.train_start is None:
+            self.train_start = t0
+        self.train_end = t1
+
+    def boundary(self):
+        if self.train_start is None or self.wait_since is None:
+            return None
+        rec = {"train_wait_time": max(self.train_start - self.wait_since, 0.0),
+               "train_time": self.train_end - self.train_start}
+        self.wait_since, self.train_start = self.train_end, None
+        return rec
 
 
 @ray.remote
@@ -49,6 +114,9 @@ class EngineActor:
     def handle(self, message, published=None):
         return self.host.handle(message, published)
 
+    def placement(self):
+        return _placement()
+
 
 @ray.remote
 class VerifierActor:
@@ -60,16 +128,48 @@ class VerifierActor:
     def handle(self, message):
         return self.host.handle(message)
 
+    def placement(self):
+        return _placement()
+
+
+def _placement():
+    """Where this actor runs: its node and its placement group (None outside one)."""
+    ctx = ray.get_runtime_context()
+    return {"node_id": ctx.get_node_id(), "placement_group_id": ctx.get_placement_group_id()}
+
 
 @ray.remote
 class TrainerActor:
-    """The trainer: one ``TrainerHost`` (backend, optimizer state, pending micro-batches)."""
+    """The trainer: one ``TrainerHost`` (backend, optimizer state, pending micro-batches).
+
+    ``handle`` answers ``(reply, extra)``. After a weight export, ``extra["weights"]`` is
+    ``[ObjectRef]`` of the exported weights blob, put in the object store by this actor, with
+    the put's seconds (``put_s``), and ``extra["perf"]`` the step's :class:`TrainTimer`
+    record."""
 
     def __init__(self):
         self.host = _core.TrainerHost()
+        self.timer = TrainTimer()
 
     def handle(self, message):
-        return self.host.handle(message)
+        kind = frame_kind(message)
+        t0 = time.time()
+        reply = self.host.handle(message)
+        t1 = time.time()
+        extra = {}
+        if kind == "Init":
+            self.timer.built(t1)
+        elif kind in ("MicroBatch", "OptStep"):
+            self.timer.trained(t0, t1)
+        elif kind == "Export" and frame_kind(reply) == "Exported":
+            t = time.perf_counter()
+            extra["weights"] = [ray.put(bytes(frame_parts(reply)[1]))]
+            extra["put_s"] = time.perf_counter() - t
+            extra["perf"] = self.timer.boundary()
+        return reply, extra
+
+    def placement(self):
+        return _placement()
 
 
 def start_ray(num_cpus=None, address=None):
@@ -102,13 +202,22 @@ class RayWorkers:
     """The job's actors and the ``send`` the driver's transport calls.
 
     ``engine_cpus`` / ``trainer_cpus`` / ``engine_gpus`` / ``trainer_gpus`` are the resources
-    each actor asks for (a multi-node layout puts them with placement groups, docs/ray.md).
-    ``kill_engine_at`` = ``(i, n)`` kills engine i's actor with ``ray.kill`` just before its
-    n-th ``engine/i`` message (tests and fault drills: a lost engine mid-step);
-    ``kill_trainer_at`` = n kills the trainer's actor just before its n-th message."""
+    each actor asks for. ``placement`` lays the trainer and the engines out in one placement
+    group, bundle 0 the trainer's and bundle 1 + i engine i's: ``"pack"`` (Ray's PACK: on as
+    few nodes as fit), ``"spread"`` (SPREAD: across nodes), or ``"none"`` (no group: Ray
+    places each actor by its resources alone). Verifiers ask for no resources and stay
+    outside the group. ``kill_engine_at`` = ``(i, n)`` kills engine i's actor with
+    ``ray.kill`` just before its n-th ``engine/i`` message (tests and fault drills: a lost
+    engine mid-step); ``kill_trainer_at`` = n kills the trainer's actor just before its n-th
+    message, ``kill_trainer_after_export`` = n just after its n-th weight export (before the
+    engines fetch the weights object it owns). ``first_phase`` is the run's first step (the checkpoint's on ``--resume``) and
+    ``tracker`` a :class:`~rolloutpipe.tracking.Tracker` for the trainer's Slime timers."""
 
     def __init__(self, cfg, engine_cpus=1, trainer_cpus=1, engine_gpus=0, trainer_gpus=0,
-                 kill_engine_at=None, kill_trainer_at=None):
+                 kill_engine_at=None, kill_trainer_at=None, placement="none", first_phase=0,
+                 tracker=None, placement_timeout_s=60, kill_trainer_after_export=None):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
         rollout = cfg["rollout"]
         need = rollout["engines"] * engine_cpus + trainer_cpus
         have = ray.cluster_resources().get("CPU", 0)
@@ -117,34 +226,103 @@ class RayWorkers:
             raise RuntimeError(
                 f"the Ray cluster has {have:g} CPUs; {rollout['engines']} engines x {engine_cpus} "
                 f"+ the trainer's {trainer_cpus} need {need:g} (start it with num_cpus >= {need:g})")
-        self.engines = [
-            EngineActor.options(num_cpus=engine_cpus, num_gpus=engine_gpus).remote()
-            for _ in range(rollout["engines"])
-        ]
+        self.pg = None
+        trainer_opts = {"num_cpus": trainer_cpus, "num_gpus": trainer_gpus}
+        engine_opts = [{"num_cpus": engine_cpus, "num_gpus": engine_gpus}
+                       for _ in range(rollout["engines"])]
+        if placement != "none":
+            self.pg = self._placement_group(placement, [trainer_opts] + engine_opts,
+                                            placement_timeout_s)
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            for b, opts in enumerate([trainer_opts] + engine_opts):
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=b)
+        self.engines = [EngineActor.options(**o).remote() for o in engine_opts]
         self.verifiers = [
             VerifierActor.options(num_cpus=0).remote() for _ in range(rollout["verifiers"])
         ]
-        self.trainer = TrainerActor.options(num_cpus=trainer_cpus, num_gpus=trainer_gpus).remote()
+        self.trainer = TrainerActor.options(**trainer_opts).remote()
+        self.one_step_off = cfg["run"]["mode"] == "one-step-off"
+        self.phase = first_phase
+        self.tracker = tracker
         self.published = None
-        self.put_s = []
+        self.exported = None  # (ObjectRef, weights blob) of the trainer's last export
+        self.put_s = []  # the driver's puts (the start's weights)
         self.put_bytes = []
+        self.trainer_put_s = []  # the trainer's puts (each export)
+        self.trainer_publishes = 0
+        self.perf = []
         self.calls = 0
         self.kill_engine_at = kill_engine_at
         self.engine_calls = [0] * len(self.engines)
         self.kill_trainer_at = kill_trainer_at
+        self.kill_trainer_after_export = kill_trainer_after_export
         self.trainer_calls = 0
+        self.exports = 0
         self.killed = []
 
+    @staticmethod
+    def _placement_group(strategy, actor_opts, timeout_s):
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundles = []
+        for o in actor_opts:
+            b = {"CPU": o["num_cpus"]}
+            if o["num_gpus"]:
+                b["GPU"] = o["num_gpus"]
+            bundles.append({k: v for k, v in b.items() if v})
+        pg = placement_group(bundles, strategy=strategy.upper())
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"placement group {bundles} ({strategy.upper()}) was not placed within "
+                f"{timeout_s}s: the cluster lacks the resources")
+        return pg
+
+    def placements(self):
+        """Where each actor runs: ``{"trainer": ..., "engines": [...], "verifiers": [...]}``,
+        each ``{"node_id", "placement_group_id"}``."""
+        get = lambda actors: ray.get([a.placement.remote() for a in actors])  # noqa: E731
+        return {"trainer": get([self.trainer])[0], "engines": get(self.engines),
+                "verifiers": get(self.verifiers)}
+
+    def _trainer(self, message):
+        reply, extra = ray.get(self.trainer.handle.remote(message))
+        if "weights" in extra:
+            parts = frame_parts(reply)
+            self.exported = (extra["weights"][0], bytes(parts[1]))
+            self.trainer_put_s.append(extra["put_s"])
+            # Export k ends phase k: its training is step k's batch (one-step-off: k - 1's).
+            step = self.phase - 1 if self.one_step_off else self.phase
+            self.phase += 1
+            if extra["perf"] is not None:
+                self.perf.append({"step": step, **extra["perf"]})
+                if self.tracker is not None:
+                    self.tracker.log_perf(step, extra["perf"])
+            self.exports += 1
+            if self.kill_trainer_after_export == self.exports:
+                ray.kill(self.trainer, no_restart=True)
+                self.killed.append("trainer")
+        return reply
+
     def send(self, route, message):
-        """Delivers one message: ``publish`` puts a weights blob in the object store;
-        ``engine/i[/sync]``, ``verifier/i``, ``trainer`` call that actor and wait for its
-        reply (the GIL is free while waiting, so the driver's other proxies run)."""
+        """Delivers one message: ``publish`` makes a weights blob the one engines sync from
+        (the trainer's own put of it when it is the weights it exported last, else a put
+        here); ``engine/i[/sync]``, ``verifier/i``, ``trainer`` call that actor and wait for
+        its reply (the GIL is free while waiting, so the driver's other proxies run)."""
         self.calls += 1
         if route == "publish":
-            t = time.perf_counter()
-            self.published = ray.put(message)
-            self.put_s.append(time.perf_counter() - t)
-            self.put_bytes.append(len(message))
+            if self.exported is not None and self.exported[1] == message:
+                self.published = self.exported[0]
+                self.trainer_publishes += 1
+            else:
+                t = time.perf_counter()
+                self.published = ray.put(message)
+                self.put_s.append(time.perf_counter() - t)
+                self.put_bytes.append(len(message))
+            self.exported = None
             return b""
         kind, _, rest = route.partition("/")
         if kind == "engine":
@@ -165,60 +343,98 @@ class RayWorkers:
             if self.kill_trainer_at == self.trainer_calls:
                 ray.kill(self.trainer, no_restart=True)
                 self.killed.append("trainer")
-            return ray.get(self.trainer.handle.remote(message))
+            return self._trainer(message)
         raise ValueError(f"unknown route {route!r}")
 
     def shutdown(self):
         for a in self.engines + self.verifiers + [self.trainer]:
             ray.kill(a, no_restart=True)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
 
     def report(self):
         return {
             "calls": self.calls,
-            "publishes": len(self.put_s),
+            "publishes": self.trainer_publishes + len(self.put_s),
+            "trainer_publishes": self.trainer_publishes,
             "put_s": self.put_s,
             "put_bytes": self.put_bytes,
+            "trainer_put_s": self.trainer_put_s,
+            "perf": self.perf,
             "killed": self.killed,
         }
 
+def checkpoint_next_step(out):
+    """The step a ``--resume`` of ``out`` starts at (its latest checkpoint's ``next_step``);
+    0 when there is no readable checkpoint (the run itself then refuses to resume, with its
+    own message)."""
+    root = os.path.join(out, "checkpoints")
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            name = f.read().strip()
+        with open(os.path.join(root, name, "state.json")) as f:
+            return int(json.load(f)["next_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
 
 def train(config=None, out=None, sets=(), resume=False, force=False, num_cpus=None,
-          address=None, kill_engine_at=None, kill_trainer_at=None, trainer_restarts=0):
+          address=None, kill_engine_at=None, kill_trainer_at=None, trainer_restarts=0,
+          placement="none", tracking=True, kill_trainer_after_export=None):
     """Runs the job on Ray and returns ``rolloutpipe.train``'s result dict plus ``ray``
-    (actor calls, weight puts and their seconds, the node address).
+    (actor calls, weight puts and their seconds, the trainer's Slime timers, the node
+    address).
 
     With ``trainer_restarts`` > 0, a run whose trainer actor died (or any run error) is
-    continued from its last checkpoint with fresh actors, up to that many times."""
+    continued from its last checkpoint with fresh actors, up to that many times.
+    ``placement`` is :class:`RayWorkers`'. With ``tracking`` the metrics also go to
+    ``<out>/tensorboard`` (and wandb when installed) under Slime's names, as they are written
+    (``rolloutpipe.tracking``)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
     cfg = json.loads(_core.resolve_config(config, out, list(sets), resume))
     out = cfg["run"]["out"]
     if num_cpus is None:
         # Logical CPUs: one per engine and one for the trainer, at least what the machine has.
         num_cpus = max(os.cpu_count() or 1, cfg["rollout"]["engines"] + 1)
     node = start_ray(num_cpus=num_cpus, address=address)
+    tracker = Tracker(out, cfg, enabled=tracking)
     attempts = 0
-    killed = []
-    while True:
-        workers = RayWorkers(cfg, kill_engine_at=kill_engine_at,
-                             kill_trainer_at=kill_trainer_at)
-        t = time.perf_counter()
-        try:
-            result = _core.train(config, out, send=workers.send, sets=list(sets),
-                                 resume=resume, force=force)
-            break
-        except _core.RunError:
-            killed += workers.killed
-            has_ckpt = os.path.exists(os.path.join(out, "checkpoints", "latest"))
-            if attempts >= trainer_restarts or not has_ckpt:
-                raise
-            attempts += 1
-            # Continue from the last checkpoint with new actors (the run directory's config).
-            config, resume, force = None, True, False
-            kill_engine_at = kill_trainer_at = None
-        finally:
-            workers.shutdown()
+    killed, perf = [], []
+    try:
+        while True:
+            first = checkpoint_next_step(out) if resume else 0
+            workers = RayWorkers(cfg, kill_engine_at=kill_engine_at,
+                                 kill_trainer_at=kill_trainer_at, placement=placement,
+                                 first_phase=first, tracker=tracker,
+                                 kill_trainer_after_export=kill_trainer_after_export)
+            follower = MetricsFollower(out, tracker).start()
+            t = time.perf_counter()
+            try:
+                result = _core.train(config, out, send=workers.send, sets=list(sets),
+                                     resume=resume, force=force)
+                break
+            except _core.RunError:
+                killed += workers.killed
+                perf += workers.perf
+                has_ckpt = os.path.exists(os.path.join(out, "checkpoints", "latest"))
+                if attempts >= trainer_restarts or not has_ckpt:
+                    raise
+                attempts += 1
+                # Continue from the last checkpoint with new actors (the run directory's
+                # config).
+                config, resume, force = None, True, False
+                kill_engine_at = kill_trainer_at = kill_trainer_after_export = None
+            finally:
+                follower.stop()
+                workers.shutdown()
+    finally:
+        tracker.close()
     info = workers.report()
     info.update(node_ip=node, wall_s=time.perf_counter() - t, restarts=attempts,
-                killed=killed + info["killed"])
+                killed=killed + info["killed"], perf=perf + info["perf"], placement=placement)
     result["ray"] = info
     with open(os.path.join(out, "ray.json"), "w") as f:
         json.dump({**info, "wire": result.get("wire")}, f, indent=1)
@@ -240,12 +456,18 @@ def main(argv=None):
     t.add_argument("--num-cpus", type=int, default=None)
     t.add_argument("--trainer-restarts", type=int, default=1,
                    help="continue from the last checkpoint after a lost trainer (default 1)")
+    t.add_argument("--placement", choices=PLACEMENTS, default="none",
+                   help="lay the trainer and engines out in one placement group: pack, "
+                        "spread, or none (default: no group)")
+    t.add_argument("--no-tracking", action="store_true",
+                   help="no TensorBoard / wandb logging (metrics.jsonl only)")
     a = p.parse_args(argv)
     if a.resume and a.out:
         p.error("--resume and --out are exclusive")
     r = train(config=a.config, out=a.resume or a.out, sets=a.sets, resume=bool(a.resume),
               force=a.force, num_cpus=a.num_cpus, address=a.address,
-              trainer_restarts=a.trainer_restarts)
+              trainer_restarts=a.trainer_restarts, placement=a.placement,
+              tracking=not a.no_tracking)
     last = r["metrics"][-1] if r["metrics"] else {}
     ray_info = r["ray"]
     print(f"run {r['dir']}: {r['steps']} steps on Ray (node {ray_info['node_ip']}); "
