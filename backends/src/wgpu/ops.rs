@@ -34,14 +34,34 @@ pub fn embedding_fwd(
     d: usize,
     vocab: usize,
 ) {
-    let p = Params::new().u(n).u(d).u(vocab);
-    ex.dispatch(
-        Kernel::EmbeddingFwd,
-        0,
-        &[ids, table, out],
-        p,
-        linear(n * d, 256),
-    );
+    // Rows of the table per launch: all, unless the table exceeds the binding limit.
+    let chunk = rows_per_binding(binding_limit(ex), d, 64).min(vocab.max(1));
+    for first in (0..vocab.max(1)).step_by(chunk) {
+        let count = chunk.min(vocab - first.min(vocab));
+        let p = Params::new().u(n).u(d).u(vocab).u(first).u(count);
+        let tb = (table, (first * d * 4) as u64, (count * d * 4) as u64);
+        let tb = if chunk >= vocab { (table, 0, 0) } else { tb };
+        ex.dispatch_ranges(
+            Kernel::EmbeddingFwd,
+            0,
+            &[(ids, 0, 0), tb, (out, 0, 0)],
+            p,
+            linear(n * d, 256),
+        );
+    }
+}
+
+/// The device's storage-binding limit in bytes.
+fn binding_limit(ex: &Exec) -> usize {
+    ex.gpu().device().limits().max_storage_buffer_binding_size as usize
+}
+
+/// How many rows of `width` f32 one binding of `limit` bytes holds, rounded down to a
+/// multiple of `multiple` (itself a multiple of 64, so that every chunk starts on a 256-byte
+/// boundary, the largest storage offset alignment WebGPU allows); at least `multiple`.
+pub fn rows_per_binding(limit: usize, width: usize, multiple: usize) -> usize {
+    let rows = limit / (width.max(1) * 4);
+    (rows / multiple * multiple).max(multiple)
 }
 
 /// The positions of a scatter-add sorted by the row they add to, built on the host from
@@ -239,11 +259,31 @@ pub fn matmul_fwd(
     dout: usize,
     accumulate: bool,
 ) {
-    let p = Params::new().u(n).u(dout).u(din).u(accumulate as usize);
-    if n <= MATMUL_ROWS_MAX {
-        ex.dispatch(Kernel::MatmulFwd, 1, &[x, w, y], p, linear(dout, 256));
-    } else {
-        ex.dispatch(Kernel::MatmulFwd, 0, &[x, w, y], p, tiles(dout, n));
+    // Columns (rows of W) per launch: all, unless W exceeds the binding limit; chunks are
+    // whole 256-column strips, so no output changes its launch geometry's summation order.
+    let chunk = rows_per_binding(binding_limit(ex), din, 256).min(dout.max(1));
+    for c0 in (0..dout.max(1)).step_by(chunk) {
+        let cols = chunk.min(dout - c0.min(dout));
+        let p = Params::new()
+            .u(n)
+            .u(cols)
+            .u(din)
+            .u(accumulate as usize)
+            .u(dout);
+        let (wb, yb) = if chunk >= dout {
+            ((w, 0, 0), (y, 0, 0))
+        } else {
+            (
+                (w, (c0 * din * 4) as u64, (cols * din * 4) as u64),
+                (y, (c0 * 4) as u64, 0),
+            )
+        };
+        let bufs = [(x, 0, 0), wb, yb];
+        if n <= MATMUL_ROWS_MAX {
+            ex.dispatch_ranges(Kernel::MatmulFwd, 1, &bufs, p, linear(cols, 256));
+        } else {
+            ex.dispatch_ranges(Kernel::MatmulFwd, 0, &bufs, p, tiles(cols, n));
+        }
     }
 }
 
