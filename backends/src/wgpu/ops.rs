@@ -743,6 +743,24 @@ mod tests {
     }
 
     #[test]
+    fn binding_chunks_fit_the_limit_and_stay_aligned() {
+        // lm_head of Qwen3-0.6B on lavapipe: 32,768 rows of W a launch, 5 launches.
+        assert_eq!(rows_per_binding(128 << 20, 1024, 256), 32_768);
+        assert_eq!(151_936usize.div_ceil(32_768), 5);
+        for (limit, width, multiple) in [(128 << 20, 1000, 256), (1 << 31, 3, 64), (4096, 7, 64)] {
+            let rows = rows_per_binding(limit, width, multiple);
+            assert_eq!(rows % multiple, 0);
+            // Fits, unless even one multiple does not (then the device reports the error).
+            assert!(
+                rows * width * 4 <= limit || rows == multiple,
+                "{limit} {width}"
+            );
+            // Chunk starts are 256-byte aligned: rows·width·4 with rows a multiple of 64.
+            assert_eq!(rows * width * 4 % 256, 0);
+        }
+    }
+
+    #[test]
     fn rmsnorm_dw_chunks_fit_the_scratch() {
         for rows in (0..3000).chain([65_535, 65_536, 65_537, 1 << 20]) {
             let chunk = rmsnorm_dw_chunk(rows);
