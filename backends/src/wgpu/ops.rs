@@ -309,12 +309,46 @@ pub fn matmul_bwd(
         Some((b, acc)) => (b.clone(), acc),
         None => (dummy, false),
     };
-    let p = Params::new().u(n).u(dout).u(din).u(acc as usize);
-    let b = [dy, x, w, &dxb, dw];
-    if dx.is_some() {
-        ex.dispatch(Kernel::MatmulBwd, 0, &b, p, tiles(din, n));
+    // Rows of W (and dW) per launch: all, unless W exceeds the binding limit. Then dx sums
+    // the chunks' products one after another (deterministic, but not the single fma chain
+    // of one launch); each dW row is still one chain.
+    let chunk = rows_per_binding(binding_limit(ex), din, 256).min(dout.max(1));
+    for (i, c0) in (0..dout.max(1)).step_by(chunk).enumerate() {
+        let rows = chunk.min(dout - c0.min(dout));
+        let first_acc = if i == 0 { acc } else { true };
+        let p = Params::new()
+            .u(n)
+            .u(rows)
+            .u(din)
+            .u(first_acc as usize)
+            .u(dout);
+        let whole = chunk >= dout;
+        let part = |b: &Buffer, row_bytes: usize| {
+            if whole {
+                (b.clone(), 0, 0)
+            } else {
+                let len = (rows * row_bytes) as u64;
+                (b.clone(), (c0 * row_bytes) as u64, len)
+            }
+        };
+        let (wb, dwb) = (part(w, din * 4), part(dw, din * 4));
+        let dyb = if whole {
+            (dy.clone(), 0, 0)
+        } else {
+            (dy.clone(), (c0 * 4) as u64, 0)
+        };
+        let b = [
+            (&dyb.0, dyb.1, dyb.2),
+            (x, 0, 0),
+            (&wb.0, wb.1, wb.2),
+            (&dxb, 0, 0),
+            (&dwb.0, dwb.1, dwb.2),
+        ];
+        if dx.is_some() {
+            ex.dispatch_ranges(Kernel::MatmulBwd, 0, &b, p, tiles(din, n));
+        }
+        ex.dispatch_ranges(Kernel::MatmulBwd, 1, &b, p, tiles(din, rows));
     }
-    ex.dispatch(Kernel::MatmulBwd, 1, &b, p, tiles(din, dout));
 }
 
 /// Rotate-half RoPE in place on `x[rows, heads·hd]` at `pos[rows]`, from the `[max_pos,
