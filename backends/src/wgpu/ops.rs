@@ -174,14 +174,30 @@ pub fn embedding_bwd_spread(
     let col_blocks = d.div_ceil(64).max(1);
     let runs = (spread / col_blocks).clamp(1, touched.min(MAX_GROUPS_Y));
     let per_group = touched.div_ceil(runs);
-    let p = Params::new().u(touched).u(d).u(vocab).u(per_group);
-    ex.dispatch(
-        Kernel::EmbeddingBwd,
-        0,
-        &[starts, pairs, dout, dtable],
-        p,
-        [col_blocks as u32, touched.div_ceil(per_group) as u32],
-    );
+    // Rows of the table per launch: all, unless it exceeds the binding limit.
+    let chunk = rows_per_binding(binding_limit(ex), d, 64).min(vocab.max(1));
+    for first in (0..vocab.max(1)).step_by(chunk) {
+        let count = chunk.min(vocab - first.min(vocab));
+        let p = Params::new()
+            .u(touched)
+            .u(d)
+            .u(vocab)
+            .u(per_group)
+            .u(first)
+            .u(count);
+        let tb = if chunk >= vocab {
+            (dtable, 0, 0)
+        } else {
+            (dtable, (first * d * 4) as u64, (count * d * 4) as u64)
+        };
+        ex.dispatch_ranges(
+            Kernel::EmbeddingBwd,
+            0,
+            &[(starts, 0, 0), (pairs, 0, 0), (dout, 0, 0), tb],
+            p,
+            [col_blocks as u32, touched.div_ceil(per_group) as u32],
+        );
+    }
 }
 
 /// RMSNorm of `rows` rows of width `d`, saving `rstd[rows]`.
