@@ -279,10 +279,16 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.sample_size(10)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(2));
-    for (rows, vocab, top_k) in [(64usize, 64usize, 0usize), (64, 64, 8), (16, 151_936, 50)] {
+    for (rows, vocab, top_k, top_p) in [
+        (64usize, 64usize, 0usize, 1.0f32),
+        (64, 64, 8, 1.0),
+        (16, 151_936, 0, 1.0),
+        (16, 151_936, 50, 1.0),
+        (16, 151_936, 50, 0.9),
+    ] {
         let z = g.upload("logits", &data(rows * vocab, 10));
         let rowp: Vec<f32> = (0..rows)
-            .flat_map(|r| ops::sample_row(1.0, top_k, 1.0, (r as f64 + 0.5) / rows as f64))
+            .flat_map(|r| ops::sample_row(1.0, top_k, top_p, (r as f64 + 0.5) / rows as f64))
             .collect();
         let (rp, tk, lp) = (
             g.upload("rowp", &rowp),
@@ -291,7 +297,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
         );
         // Rows sampled per second (reported as elements).
         grp.throughput(Throughput::Elements(rows as u64));
-        grp.bench_function(format!("{rows}x{vocab}_topk{top_k}"), |b| {
+        grp.bench_function(format!("{rows}x{vocab}_topk{top_k}_topp{top_p}"), |b| {
             b.iter_custom(|it| {
                 timed(&mut ex, it, |ex| {
                     ops::sample(ex, &tk, &lp, &z, &rp, rows, vocab)

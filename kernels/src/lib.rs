@@ -161,7 +161,7 @@ kernels! {
     /// Sum of squares: per-workgroup partials, then one final reduction.
     GradNorm => "grad_norm" + "reduce", ["grad_norm", "grad_norm_reduce"], 3, ro [1], [256, 1, 1], ["grad_norm", "grad_norm_reduce"];
     /// Temperature / top-k / top-p sampling from a host-drawn uniform, with the log-prob.
-    Sample => "sample", ["sample"], 4, ro [1, 2], [256, 1, 1], ["sample"];
+    Sample => "sample" + "reduce", ["sample"], 4, ro [1, 2], [256, 1, 1], ["sample"];
 }
 
 #[cfg(test)]

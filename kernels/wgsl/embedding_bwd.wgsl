@@ -12,12 +12,19 @@
 // dout[pos]` for pos ascending), so the result is bit-identical to it and to itself from
 // run to run, whatever `per_group` is. Per element a lane loads one pair and one gradient,
 // as the column-serial kernel this replaces loaded one token id and one gradient.
+// A table above the device's storage-binding limit (151,936 x 1024 f32 = 622 MB) is launched
+// in chunks of rows by the host, dtable bound from row `first`: each launch walks the same
+// runs and adds only the rows of its chunk, so every element's sum is unchanged.
 
 struct Params {
     touched: u32,
     dim: u32,
     vocab: u32,
     per_group: u32, // touched rows per workgroup
+    first: u32,     // first table row bound
+    count: u32,     // table rows bound
+    _p0: u32,
+    _p1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -40,18 +47,34 @@ fn embedding_bwd(
     let k0 = starts[t0];
     let k1 = starts[min(t0 + p.per_group, p.touched)];
     // The host clamps rows below vocab; min keeps a bad one inside the table regardless.
-    var dst = min(pairs[k0].x, p.vocab - 1u) * p.dim + col;
-    var cur = pairs[k0].x;
-    var acc = dtable[dst];
+    var cur = min(pairs[k0].x, p.vocab - 1u);
+    var mine = in_chunk(cur);
+    var acc = 0.0;
+    if (mine) {
+        acc = dtable[(cur - p.first) * p.dim + col];
+    }
     for (var k = k0; k < k1; k++) {
         let e = pairs[k];
-        if (e.x != cur) {
-            dtable[dst] = acc;
-            cur = e.x;
-            dst = min(cur, p.vocab - 1u) * p.dim + col;
-            acc = dtable[dst];
+        let row = min(e.x, p.vocab - 1u);
+        if (row != cur) {
+            if (mine) {
+                dtable[(cur - p.first) * p.dim + col] = acc;
+            }
+            cur = row;
+            mine = in_chunk(cur);
+            if (mine) {
+                acc = dtable[(cur - p.first) * p.dim + col];
+            }
         }
-        acc += dout[e.y * p.dim + col];
+        if (mine) {
+            acc += dout[e.y * p.dim + col];
+        }
     }
-    dtable[dst] = acc;
+    if (mine) {
+        dtable[(cur - p.first) * p.dim + col] = acc;
+    }
+}
+
+fn in_chunk(row: u32) -> bool {
+    return row >= p.first && row - p.first < p.count;
 }

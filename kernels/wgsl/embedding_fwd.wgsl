@@ -1,12 +1,18 @@
 // embedding_fwd: out[n, d] = table[tokens[n], :].
 // One thread per output element; the grid may spill into y when n*d exceeds what
 // one dispatch dimension can address (65535 workgroups).
+// A table above the device's storage-binding limit (151,936 x 1024 f32 = 622 MB) is launched
+// in chunks of rows by the host, the table bound from row `first`; each launch writes the
+// outputs whose token falls in its chunk.
 
 struct Params {
     n: u32,      // rows (tokens)
     dim: u32,    // hidden size
     vocab: u32,  // rows of the table, to keep an out-of-range id from reading past it
-    _pad: u32,
+    first: u32,  // first table row bound
+    count: u32,  // table rows bound
+    _p0: u32,
+    _p1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -28,5 +34,8 @@ fn embedding_fwd(
     // The host validates ids before upload; clamping keeps a bad id from reading
     // another buffer's memory should that validation ever be bypassed.
     let tok = min(tokens[row], p.vocab - 1u);
-    out[i] = table[tok * p.dim + col];
+    if (tok < p.first || tok - p.first >= p.count) {
+        return;
+    }
+    out[i] = table[(tok - p.first) * p.dim + col];
 }

@@ -3,12 +3,19 @@
 //   matmul_bwd_dw: dW[N, K] += dyᵀ[N, M] · x[M, K]   (weight gradients always accumulate)
 // Both are the shared tiled GEMM of the `gemm` prelude (kernels/wgsl/prelude/gemm.wgsl) in
 // its GEMM_DX and GEMM_DW modes; this file only says how the operands are indexed.
+// A W above the device's storage-binding limit (lm_head at a 151,936 vocabulary) is launched
+// in chunks of its rows by the host: W, dW and dy bound from the chunk's first row (dy's row
+// stride ldy the full width), dx accumulating chunk after chunk.
 
 struct Params {
     m: u32,
     n: u32,
     k: u32,
     accumulate: u32, // for dx: 1 adds into dx (residual-stream gradients), 0 overwrites
+    ldy: u32,        // row stride of dy (n, or the full width when launched in chunks)
+    _p0: u32,
+    _p1: u32,
+    _p2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -22,12 +29,12 @@ struct Params {
 fn gemm_a(mode: u32, r: u32, i: u32) -> f32 {
     if (mode == GEMM_DX) {
         if (r < p.m && i < p.n) {
-            return dy[r * p.n + i];
+            return dy[r * p.ldy + i];
         }
         return 0.0;
     }
     if (r < p.n && i < p.m) {
-        return dy[i * p.n + r];
+        return dy[i * p.ldy + r];
     }
     return 0.0;
 }

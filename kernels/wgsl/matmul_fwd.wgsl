@@ -6,12 +6,19 @@
 // through workgroup memory 256 values of K at a time, so it needs two barriers per 256 of K.
 // Both entries sum each output in the same order (one fma chain over K, ascending), so a
 // decode step's rows come out bit for bit as they would in a larger product.
+// A W above the device's storage-binding limit (lm_head at a 151,936 vocabulary: 622 MB) is
+// launched in column chunks by the host: W and y bound from the chunk's first column, y's
+// row stride ldy the full width; each output's sum is unchanged.
 
 struct Params {
     m: u32,
     n: u32,
     k: u32,
     accumulate: u32, // 1: y += x·Wᵀ, 0: y = x·Wᵀ
+    ldy: u32,        // row stride of y (n, or the full width when launched in column chunks)
+    _p0: u32,
+    _p1: u32,
+    _p2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -35,7 +42,7 @@ fn gemm_b(mode: u32, i: u32, c: u32) -> f32 {
 }
 
 fn gemm_store(mode: u32, r: u32, c: u32, v: f32) {
-    let o = r * p.n + c;
+    let o = r * p.ldy + c;
     if (p.accumulate != 0u) {
         y[o] += v;
     } else {
@@ -93,7 +100,7 @@ fn matmul_fwd_rows(
     }
     if (c < p.n) {
         for (var r = 0u; r < m; r++) {
-            let o = r * p.n + c;
+            let o = r * p.ldy + c;
             if (p.accumulate != 0u) {
                 y[o] += acc[r];
             } else {

@@ -310,7 +310,7 @@ enum Cmd {
     Dispatch {
         kernel: Kernel,
         entry: usize,
-        bufs: Vec<wgpu::Buffer>,
+        bufs: Vec<Bind>,
         groups: [u32; 2],
         slot: u64,
     },
@@ -325,6 +325,11 @@ enum Cmd {
         buf: wgpu::Buffer,
     },
 }
+
+/// One storage binding of a dispatch: `size` bytes of `buf` from `offset` (0 = to the end).
+/// Both are multiples of the device's storage offset alignment (at most 256 bytes under
+/// WebGPU's rules), so a tensor larger than the binding limit can be bound piecewise.
+pub type Bind = (wgpu::Buffer, u64, u64);
 
 /// A read-back request: where its bytes land in the submission's staging buffer.
 #[derive(Debug, Clone, Copy)]
@@ -353,7 +358,7 @@ pub struct Exec {
     gpu: Arc<Gpu>,
     arena: wgpu::Buffer,
     arena_slots: u64,
-    bind_groups: HashMap<(Kernel, Vec<wgpu::Buffer>), wgpu::BindGroup>,
+    bind_groups: HashMap<(Kernel, Vec<Bind>), wgpu::BindGroup>,
     cmds: Vec<Cmd>,
     params: Vec<u8>,
     reads: Vec<(wgpu::Buffer, u64, u64, Ticket)>,
@@ -415,6 +420,20 @@ impl Exec {
         p: Params,
         groups: [u32; 2],
     ) {
+        let bufs: Vec<(&wgpu::Buffer, u64, u64)> = bufs.iter().map(|b| (*b, 0, 0)).collect();
+        self.dispatch_ranges(kernel, entry, &bufs, p, groups);
+    }
+
+    /// [`Exec::dispatch`] with each buffer bound from an offset (`(buffer, offset, size)`,
+    /// size 0 = to the end): for tensors above the device's storage-binding limit.
+    pub fn dispatch_ranges(
+        &mut self,
+        kernel: Kernel,
+        entry: usize,
+        bufs: &[(&wgpu::Buffer, u64, u64)],
+        p: Params,
+        groups: [u32; 2],
+    ) {
         let slot = (self.params.len() as u64) / SLOT;
         let mut bytes = [0u8; SLOT as usize];
         bytes[..64].copy_from_slice(bytemuck::cast_slice(&p.words));
@@ -422,7 +441,10 @@ impl Exec {
         self.cmds.push(Cmd::Dispatch {
             kernel,
             entry,
-            bufs: bufs.iter().map(|b| (*b).clone()).collect(),
+            bufs: bufs
+                .iter()
+                .map(|(b, o, n)| ((*b).clone(), *o, *n))
+                .collect(),
             groups,
             slot,
         });
@@ -527,10 +549,14 @@ impl Exec {
                                     size: NonZeroU64::new(PARAMS_BYTES),
                                 }),
                             }];
-                            for (b, buf) in bufs.iter().enumerate() {
+                            for (b, (buf, offset, size)) in bufs.iter().enumerate() {
                                 entries.push(wgpu::BindGroupEntry {
                                     binding: b as u32 + 1,
-                                    resource: buf.as_entire_binding(),
+                                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                        buffer: buf,
+                                        offset: *offset,
+                                        size: NonZeroU64::new(*size),
+                                    }),
                                 });
                             }
                             let bg = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {

@@ -34,14 +34,34 @@ pub fn embedding_fwd(
     d: usize,
     vocab: usize,
 ) {
-    let p = Params::new().u(n).u(d).u(vocab);
-    ex.dispatch(
-        Kernel::EmbeddingFwd,
-        0,
-        &[ids, table, out],
-        p,
-        linear(n * d, 256),
-    );
+    // Rows of the table per launch: all, unless the table exceeds the binding limit.
+    let chunk = rows_per_binding(binding_limit(ex), d, 64).min(vocab.max(1));
+    for first in (0..vocab.max(1)).step_by(chunk) {
+        let count = chunk.min(vocab - first.min(vocab));
+        let p = Params::new().u(n).u(d).u(vocab).u(first).u(count);
+        let tb = (table, (first * d * 4) as u64, (count * d * 4) as u64);
+        let tb = if chunk >= vocab { (table, 0, 0) } else { tb };
+        ex.dispatch_ranges(
+            Kernel::EmbeddingFwd,
+            0,
+            &[(ids, 0, 0), tb, (out, 0, 0)],
+            p,
+            linear(n * d, 256),
+        );
+    }
+}
+
+/// The device's storage-binding limit in bytes.
+fn binding_limit(ex: &Exec) -> usize {
+    ex.gpu().device().limits().max_storage_buffer_binding_size as usize
+}
+
+/// How many rows of `width` f32 one binding of `limit` bytes holds, rounded down to a
+/// multiple of `multiple` (itself a multiple of 64, so that every chunk starts on a 256-byte
+/// boundary, the largest storage offset alignment WebGPU allows); at least `multiple`.
+pub fn rows_per_binding(limit: usize, width: usize, multiple: usize) -> usize {
+    let rows = limit / (width.max(1) * 4);
+    (rows / multiple * multiple).max(multiple)
 }
 
 /// The positions of a scatter-add sorted by the row they add to, built on the host from
@@ -154,14 +174,30 @@ pub fn embedding_bwd_spread(
     let col_blocks = d.div_ceil(64).max(1);
     let runs = (spread / col_blocks).clamp(1, touched.min(MAX_GROUPS_Y));
     let per_group = touched.div_ceil(runs);
-    let p = Params::new().u(touched).u(d).u(vocab).u(per_group);
-    ex.dispatch(
-        Kernel::EmbeddingBwd,
-        0,
-        &[starts, pairs, dout, dtable],
-        p,
-        [col_blocks as u32, touched.div_ceil(per_group) as u32],
-    );
+    // Rows of the table per launch: all, unless it exceeds the binding limit.
+    let chunk = rows_per_binding(binding_limit(ex), d, 64).min(vocab.max(1));
+    for first in (0..vocab.max(1)).step_by(chunk) {
+        let count = chunk.min(vocab - first.min(vocab));
+        let p = Params::new()
+            .u(touched)
+            .u(d)
+            .u(vocab)
+            .u(per_group)
+            .u(first)
+            .u(count);
+        let tb = if chunk >= vocab {
+            (dtable, 0, 0)
+        } else {
+            (dtable, (first * d * 4) as u64, (count * d * 4) as u64)
+        };
+        ex.dispatch_ranges(
+            Kernel::EmbeddingBwd,
+            0,
+            &[(starts, 0, 0), (pairs, 0, 0), (dout, 0, 0), tb],
+            p,
+            [col_blocks as u32, touched.div_ceil(per_group) as u32],
+        );
+    }
 }
 
 /// RMSNorm of `rows` rows of width `d`, saving `rstd[rows]`.
@@ -239,11 +275,31 @@ pub fn matmul_fwd(
     dout: usize,
     accumulate: bool,
 ) {
-    let p = Params::new().u(n).u(dout).u(din).u(accumulate as usize);
-    if n <= MATMUL_ROWS_MAX {
-        ex.dispatch(Kernel::MatmulFwd, 1, &[x, w, y], p, linear(dout, 256));
-    } else {
-        ex.dispatch(Kernel::MatmulFwd, 0, &[x, w, y], p, tiles(dout, n));
+    // Columns (rows of W) per launch: all, unless W exceeds the binding limit; chunks are
+    // whole 256-column strips, so no output changes its launch geometry's summation order.
+    let chunk = rows_per_binding(binding_limit(ex), din, 256).min(dout.max(1));
+    for c0 in (0..dout.max(1)).step_by(chunk) {
+        let cols = chunk.min(dout - c0.min(dout));
+        let p = Params::new()
+            .u(n)
+            .u(cols)
+            .u(din)
+            .u(accumulate as usize)
+            .u(dout);
+        let (wb, yb) = if chunk >= dout {
+            ((w, 0, 0), (y, 0, 0))
+        } else {
+            (
+                (w, (c0 * din * 4) as u64, (cols * din * 4) as u64),
+                (y, (c0 * 4) as u64, 0),
+            )
+        };
+        let bufs = [(x, 0, 0), wb, yb];
+        if n <= MATMUL_ROWS_MAX {
+            ex.dispatch_ranges(Kernel::MatmulFwd, 1, &bufs, p, linear(cols, 256));
+        } else {
+            ex.dispatch_ranges(Kernel::MatmulFwd, 0, &bufs, p, tiles(cols, n));
+        }
     }
 }
 
@@ -269,12 +325,46 @@ pub fn matmul_bwd(
         Some((b, acc)) => (b.clone(), acc),
         None => (dummy, false),
     };
-    let p = Params::new().u(n).u(dout).u(din).u(acc as usize);
-    let b = [dy, x, w, &dxb, dw];
-    if dx.is_some() {
-        ex.dispatch(Kernel::MatmulBwd, 0, &b, p, tiles(din, n));
+    // Rows of W (and dW) per launch: all, unless W exceeds the binding limit. Then dx sums
+    // the chunks' products one after another (deterministic, but not the single fma chain
+    // of one launch); each dW row is still one chain.
+    let chunk = rows_per_binding(binding_limit(ex), din, 256).min(dout.max(1));
+    for (i, c0) in (0..dout.max(1)).step_by(chunk).enumerate() {
+        let rows = chunk.min(dout - c0.min(dout));
+        let first_acc = if i == 0 { acc } else { true };
+        let p = Params::new()
+            .u(n)
+            .u(rows)
+            .u(din)
+            .u(first_acc as usize)
+            .u(dout);
+        let whole = chunk >= dout;
+        let part = |b: &Buffer, row_bytes: usize| {
+            if whole {
+                (b.clone(), 0, 0)
+            } else {
+                let len = (rows * row_bytes) as u64;
+                (b.clone(), (c0 * row_bytes) as u64, len)
+            }
+        };
+        let (wb, dwb) = (part(w, din * 4), part(dw, din * 4));
+        let dyb = if whole {
+            (dy.clone(), 0, 0)
+        } else {
+            (dy.clone(), (c0 * 4) as u64, 0)
+        };
+        let b = [
+            (&dyb.0, dyb.1, dyb.2),
+            (x, 0, 0),
+            (&wb.0, wb.1, wb.2),
+            (&dxb, 0, 0),
+            (&dwb.0, dwb.1, dwb.2),
+        ];
+        if dx.is_some() {
+            ex.dispatch_ranges(Kernel::MatmulBwd, 0, &b, p, tiles(din, n));
+        }
+        ex.dispatch_ranges(Kernel::MatmulBwd, 1, &b, p, tiles(din, rows));
     }
-    ex.dispatch(Kernel::MatmulBwd, 1, &b, p, tiles(din, dout));
 }
 
 /// Rotate-half RoPE in place on `x[rows, heads·hd]` at `pos[rows]`, from the `[max_pos,
@@ -700,6 +790,24 @@ mod tests {
         );
         let empty = ScatterIndex::new(&[], 4);
         assert_eq!((empty.touched(), empty.pairs.len()), (0, 0));
+    }
+
+    #[test]
+    fn binding_chunks_fit_the_limit_and_stay_aligned() {
+        // lm_head of Qwen3-0.6B on lavapipe: 32,768 rows of W a launch, 5 launches.
+        assert_eq!(rows_per_binding(128 << 20, 1024, 256), 32_768);
+        assert_eq!(151_936usize.div_ceil(32_768), 5);
+        for (limit, width, multiple) in [(128 << 20, 1000, 256), (1 << 31, 3, 64), (4096, 7, 64)] {
+            let rows = rows_per_binding(limit, width, multiple);
+            assert_eq!(rows % multiple, 0);
+            // Fits, unless even one multiple does not (then the device reports the error).
+            assert!(
+                rows * width * 4 <= limit || rows == multiple,
+                "{limit} {width}"
+            );
+            // Chunk starts are 256-byte aligned: rows·width·4 with rows a multiple of 64.
+            assert_eq!(rows * width * 4 % 256, 0);
+        }
     }
 
     #[test]

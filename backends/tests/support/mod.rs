@@ -4,6 +4,7 @@
 pub mod check;
 #[cfg(feature = "wgpu")]
 pub mod device;
+pub mod op_shapes;
 pub mod op_tests;
 pub mod ops;
 #[cfg(feature = "cuda")]

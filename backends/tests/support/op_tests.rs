@@ -11,6 +11,7 @@ use rolloutpipe_backends::SamplingParams;
 use rolloutpipe_backends::cpu::ops as cpu;
 
 use super::check::{assert_close, rand_ids, rand_vec, tol};
+pub use super::op_shapes::production_shapes;
 use super::ops::{Adam, LossInputs, LossKind, OpRunner};
 
 /// One `#[test]` per op test for the backend built by `$make` (an `Option<impl OpRunner>`;
@@ -26,7 +27,8 @@ macro_rules! op_suite {
                 embedding_fwd_bwd, rmsnorm_fwd_bwd, matmul_fwd_bwd, rope_fwd_bwd,
                 attention_fwd_bwd_packed, attention_fwd_decode_chunk_against_cache,
                 swiglu_and_residual, logprob_fwd_bwd, grpo_loss_fwd_bwd, adamw_three_steps,
-                grad_norm_sum_of_squares, sample_matches_cpu_draws);
+                grad_norm_sum_of_squares, sample_matches_cpu_draws,
+                sample_selection_edge_cases, production_shapes);
         }
     };
     (@tests $make:expr; $($t:ident),*) => {
@@ -397,7 +399,13 @@ pub fn grad_norm_sum_of_squares(b: &mut impl OpRunner) {
 /// weights are within `REL` of each other (f32 rounding can swap their order), or the draw
 /// `u·mass` or `top_p` lies within `REL` of a cumulative boundary of the CPU's walk (a
 /// device sums in f32 in another order). Anything else is a real bug.
-fn explained_by_rounding(z: &[f32], p: &SamplingParams, u: f64, cpu_tok: u32, got: u32) -> bool {
+pub fn explained_by_rounding(
+    z: &[f32],
+    p: &SamplingParams,
+    u: f64,
+    cpu_tok: u32,
+    got: u32,
+) -> bool {
     const REL: f64 = 1e-5;
     let it = if p.temperature > 0.0 {
         1.0 / p.temperature as f64
@@ -463,7 +471,7 @@ pub fn sample_matches_cpu_draws(b: &mut impl OpRunner) {
     let (mut draws, mut differ) = (0usize, 0usize);
     let mut scratch = Vec::new();
     for &v in &[11usize, 64, 1000] {
-        // Fewer rows at the large vocabulary: each truncated draw is ~150 passes over it.
+        // Fewer rows at the large vocabulary.
         let rows = if v > 100 { 12 } else { 48 };
         for p in settings(v) {
             let z = rand_vec(&mut rng, rows * v, 4.0);
@@ -493,4 +501,47 @@ pub fn sample_matches_cpu_draws(b: &mut impl OpRunner) {
     // Boundaries are hit with probability ~1e-5 per draw; a handful means a bug even if each
     // case looked like a boundary.
     assert!(differ * 100 <= draws, "{differ} of {draws} draws differ");
+}
+
+/// Selection cases where the token must equal the CPU's exactly (no rounding allowance: a
+/// wrong index among equal weights would otherwise pass as "equal weights"): logits from 5
+/// values only, so runs of ~60 equal weights straddle every top-k and top-p cut (the
+/// kernel's index select), k = 1, k = V and k > V, p = 1, a tiny p, and greedy with tied maxima.
+pub fn sample_selection_edge_cases(b: &mut impl OpRunner) {
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    let (v, rows) = (300usize, 16usize);
+    let settings = [
+        (1.0, 7, 1.0),
+        (1.0, 40, 0.5),
+        (0.8, 1, 1.0),
+        (1.0, v, 1.0),
+        (1.0, v + 10, 0.95),
+        (1.0, 0, 1.0),
+        (1.0, 0, 1e-6),
+        (1.0, 25, 1e-6),
+        (1.3, 0, 0.3),
+        (0.0, 0, 1.0),
+    ];
+    let mut scratch = Vec::new();
+    for (temperature, top_k, top_p) in settings {
+        let p = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            ..Default::default()
+        };
+        let z: Vec<f32> = rand_ids(&mut rng, rows * v, 5)
+            .iter()
+            .map(|&q| q as f32 * 0.75 - 1.0)
+            .collect();
+        let us: Vec<f64> = (0..rows)
+            .map(|_| (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
+            .collect();
+        let (toks, lps) = b.sample(&z, v, &p, &us);
+        for r in 0..rows {
+            let (ct, clp) = cpu::sample(&z[r * v..(r + 1) * v], &p, us[r], &mut scratch);
+            assert_eq!(toks[r], ct, "{p:?} row {r} u={}", us[r]);
+            assert_close("sample logp", &[lps[r]], &[clp], tol::REDUCTION);
+        }
+    }
 }

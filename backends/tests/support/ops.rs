@@ -142,6 +142,11 @@ pub trait OpRunner {
     );
     /// Σ g² over all the tensors `parts` (the global gradient norm's square).
     fn grad_norm_sq(&mut self, parts: &[&[f32]]) -> f32;
+    /// The largest buffer one kernel may bind, in bytes (`None`: no such limit); the
+    /// production-shape run says which ops a device cannot hold at that shape.
+    fn max_binding_bytes(&self) -> Option<u64> {
+        None
+    }
     /// One draw per row of `z: [rows, v]` with uniform `us[r]`: `(tokens, their logp)`.
     fn sample(
         &mut self,

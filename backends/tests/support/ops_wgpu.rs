@@ -370,6 +370,9 @@ impl OpRunner for WgpuOps {
         self.run();
         self.get(&total, 1)[0]
     }
+    fn max_binding_bytes(&self) -> Option<u64> {
+        Some(self.g.device().limits().max_storage_buffer_binding_size)
+    }
     fn sample(
         &mut self,
         z: &[f32],

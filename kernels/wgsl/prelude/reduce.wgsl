@@ -1,4 +1,5 @@
-// Prelude `reduce` (prepended by the kernels crate to grad_norm, logprob_fwd, logprob_bwd):
+// Prelude `reduce` (prepended by the kernels crate to grad_norm, logprob_fwd, logprob_bwd,
+// sample):
 // tree reductions over one 256-thread workgroup. Every thread of the workgroup must call a
 // helper (each contains barriers); all get the same value back.
 // The summation order is fixed (strided per thread, then the tree), so results are
@@ -32,6 +33,35 @@ fn reduce_sum(lid: u32, v: f32) -> f32 {
         workgroupBarrier();
     }
     let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+var<workgroup> red_i: array<u32, WG>;
+
+struct ArgMax {
+    v: f32,
+    i: u32,
+}
+
+// The largest v and, among equal ones, the lowest i (the first maximum when each thread
+// passes its own first maximum in index order).
+fn reduce_argmax(lid: u32, v: f32, i: u32) -> ArgMax {
+    red[lid] = v;
+    red_i[lid] = i;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (lid < s) {
+            let ov = red[lid + s];
+            let oi = red_i[lid + s];
+            if (ov > red[lid] || (ov == red[lid] && oi < red_i[lid])) {
+                red[lid] = ov;
+                red_i[lid] = oi;
+            }
+        }
+        workgroupBarrier();
+    }
+    let r = ArgMax(red[0], red_i[0]);
     workgroupBarrier();
     return r;
 }
