@@ -304,8 +304,6 @@ impl Ctx<'_> {
         Ok((metrics, counters, w, acc_end, test_end))
     }
 
-    /// Training fields of a step's metrics, from its trainer aggregate and window.
-
     /// Training fields of a step's metrics ([`fill_train`]) over `[start, end]`; moves
     /// `last_train_end` (Slime's window) to the end.
     fn fill(
