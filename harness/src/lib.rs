@@ -6,6 +6,7 @@
 pub mod alloc;
 pub mod cli;
 pub mod cmd;
+pub mod driver;
 pub mod interrupt;
 pub mod limits;
 pub mod logging;

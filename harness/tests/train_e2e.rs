@@ -125,6 +125,32 @@ fn every_mode_runs_end_to_end_and_stays_on_policy() {
             assert!(m.rollout_to_train_end_s > 0.0 && m.rollout_to_train_end_s >= m.rollout_s);
             assert!((0.0..=1.0).contains(&m.trainer_wait_ratio));
             assert!(m.loss.is_finite() && m.grad_norm.is_finite());
+            // The metrics shared with `simulate` (driver::metrics), by hand.
+            let bound = m.ideal_s.max(m.first_micro_batch_ready_s + m.train_busy_s);
+            assert!((m.bound_s - bound).abs() < 1e-9, "{mode}: {m:?}");
+            // Group times are read from an Instant, the rollout from the core's ticks: 1 ms slack.
+            assert!(m.first_micro_batch_ready_s > 0.0);
+            assert!(
+                m.first_micro_batch_ready_s <= m.rollout_s + 1e-3,
+                "{mode}: {m:?}"
+            );
+            assert!((0.0..1.0).contains(&m.slime_wait_ratio), "{mode}: {m:?}");
+            if mode != Mode::OneStepOff {
+                // Slime's window (from the previous train end) holds SPEC's and the same work.
+                assert!(
+                    m.slime_wait_ratio >= m.trainer_wait_ratio - 1e-9,
+                    "{mode}: {m:?}"
+                );
+            }
+            assert!(
+                m.slot_occupancy > 0.0 && m.slot_occupancy <= 1.0,
+                "{mode}: {m:?}"
+            );
+            assert!(
+                (0.0..=m.rollout_to_train_end_s).contains(&m.rollout_idle_s),
+                "{mode}: {m:?}"
+            );
+            assert!(m.rollouts > 0);
         }
         let lines = std::fs::read_to_string(o.dir.join("metrics.jsonl")).unwrap();
         assert_eq!(lines.lines().count(), 2);

@@ -1,19 +1,24 @@
-//! The simulation loop: events in time order, every decision from `rolloutpipe-core`.
+//! The simulator's side of the step driver (`crate::driver`): time, engines, the verifier and
+//! the trainer, as `driver::Workers` over a virtual clock and an event queue.
 //!
-//! The loop owns time, engines, the verifier and the trainer; the core owns the step protocol.
-//! Each event reports what happened to the core (`on_*`) and then asks it what to do next
-//! (`poll_abort`, `poll_draw`, `poll_admit`, `poll_dispatch`, `poll_micro_batch`). Nothing here
-//! decides which request runs, which group is filtered, trained or aborted.
+//! The driver owns the core calls and their order: each event is reported to the core
+//! (`on_*`), then the driver asks it what to do next (allocation, draw, abort, admit, dispatch,
+//! optimizer step, micro-batch, step done). Nothing here decides which request runs, which
+//! group is filtered, trained or aborted; what is the simulator's own is the SGLang engine
+//! model, the router, multiplexing and migration.
 //!
 //! Step timing: on-policy modes start the rollout of step k+1 when step k's last optimizer step
 //! is done plus the weight sync. `one-step-off` instead rolls out step k+1 with the weights of
 //! step k-1 while the trainer trains step k; both sides meet at a barrier, sync, and go on.
-use std::collections::HashMap;
+mod policies;
+mod workers;
 
-use anyhow::{Context, anyhow, bail, ensure};
+use std::collections::{HashMap, VecDeque};
+
+use anyhow::{Context, ensure};
 use rolloutpipe_core::{
-    AdmissionPolicy, Allocation, Completion, DispatchPolicy, GroupId, GroupSlot, GroupState, Plan,
-    PolicyVersion, RequestId, RequestSlot, Scheduler, StepId, SubmitOrder, Tick,
+    AdmissionPolicy, DispatchPolicy, GroupId, GroupSlot, Plan, PolicyVersion, RequestId,
+    RequestSlot, Scheduler, StepSummary, SubmitOrder, Tick,
 };
 
 use super::config::{MigrateVia, Mode, Routing, SimConfig, SubmitOrderConfig};
@@ -22,6 +27,7 @@ use super::metrics::{RunResult, StepMetrics, secs};
 use super::queue::EventQueue;
 use super::trainer::TrainerModel;
 use super::workload::{GroupDraw, Workload, name_hash};
+use crate::driver::{Report, metrics};
 
 /// What happened, for the trace and the Gantt plot (recorded only when asked).
 #[derive(Debug, Default, Clone)]
@@ -192,6 +198,10 @@ struct Sim<'c> {
     policy: crate::alloc::Policy,
     /// Most samples one group can end with (responses drawn per prompt).
     max_samples: u32,
+    /// The core's group capacity per step.
+    max_groups: u32,
+    /// Requests reported generated to the core, in report order, awaiting its answer.
+    generated_keys: VecDeque<usize>,
 }
 
 /// Storage for the core: two schedulers, so one-step-off can train step k while rolling out k+1.
@@ -274,21 +284,11 @@ pub fn simulate(
         rec: Recording::default(),
         policy,
         max_samples,
+        max_groups,
+        generated_keys: VecDeque::new(),
     };
     sim.queue.push(0, Ev::StartRollout { step: 0 });
-    while let Some((at, ev)) = sim.queue.pop() {
-        ensure!(
-            at >= sim.now,
-            "event queue went back in time ({at} < {})",
-            sim.now
-        );
-        sim.now = at;
-        sim.events += 1;
-        sim.handle(&mut scheds, ev, max_groups)?;
-        if sim.ctxs.len() as u64 == sim.steps && sim.ctxs.iter().all(|c| c.metrics.is_some()) {
-            break;
-        }
-    }
+    crate::driver::drive(&mut scheds, &mut sim)?;
     let steps: Vec<StepMetrics> = sim.ctxs.iter().filter_map(|c| c.metrics.clone()).collect();
     ensure!(
         steps.len() as u64 == sim.steps,
@@ -359,61 +359,18 @@ impl<'c> Sim<'c> {
         &mut self.ctxs[step as usize]
     }
 
-    fn handle(
-        &mut self,
-        scheds: &mut [Scheduler<'_>; 2],
-        ev: Ev,
-        max_groups: u32,
-    ) -> anyhow::Result<()> {
-        match ev {
-            Ev::StartRollout { step } => self.start_rollout(scheds, step, max_groups)?,
-            Ev::StartTrain { step } => self.training = Some(step),
-            Ev::Boundary { engine, epoch } => {
-                if epoch != self.engines[engine].epoch() {
-                    return Ok(()); // superseded by a later change to this engine
-                }
-                let out = self.engines[engine].on_event();
-                self.dirty[engine] = true;
-                for key in out.finished {
-                    self.on_generated(scheds, key as usize)?;
-                }
-            }
-            Ev::Reward { key } => self.on_reward(scheds, key)?,
-            Ev::MuxDone => {}
-            Ev::MicroBatchDone { step } => {
-                scheds[(step % 2) as usize]
-                    .on_micro_batch_consumed(tick(self.now))
-                    .map_err(|e| anyhow!("step {step}: micro-batch consumed: {e}"))?;
-                // The optimizer step is the core's decision (`poll_optimizer_step`, asked in
-                // `kick_trainer`): a batch that turns final and short after its last
-                // micro-batch was consumed makes one due without any micro-batch announcing it.
-                self.trainer_busy = false;
-            }
-            Ev::OptimizerDone { step } => {
-                scheds[(step % 2) as usize]
-                    .on_optimizer_step_done(tick(self.now))
-                    .map_err(|e| anyhow!("step {step}: optimizer step: {e}"))?;
-                self.trainer_busy = false;
-            }
-        }
-        self.housekeeping(scheds)
-    }
-
-    fn start_rollout(
-        &mut self,
-        scheds: &mut [Scheduler<'_>; 2],
-        step: u64,
-        max_groups: u32,
-    ) -> anyhow::Result<()> {
-        let version = match self.mode {
+    /// The weights version step `step`'s rollout uses.
+    fn version(&self, step: u64) -> u64 {
+        match self.mode {
             // One step stale: the rollout of step k uses the weights step k-1 trained from.
             Mode::OneStepOff => step.saturating_sub(1),
             _ => step,
-        };
-        let plan = self.plan(max_groups);
-        scheds[(step % 2) as usize]
-            .begin_step(tick(self.now), StepId(step), PolicyVersion(version), plan)
-            .map_err(|e| anyhow!("step {step}: begin_step: {e}"))?;
+        }
+    }
+
+    /// After the core began `step`: its workload and bookkeeping.
+    fn start_rollout(&mut self, step: u64) -> anyhow::Result<()> {
+        let version = self.version(step);
         let progress = if self.steps > 1 {
             step as f64 / (self.steps - 1) as f64
         } else {
@@ -488,7 +445,8 @@ impl<'c> Sim<'c> {
         }
     }
 
-    fn on_generated(&mut self, scheds: &mut [Scheduler<'_>; 2], key: usize) -> anyhow::Result<()> {
+    /// A request finished on its engine: everything but the core's part.
+    fn finished_request(&mut self, key: usize) -> Report {
         let r = self.reqs[key];
         self.inflight.remove(&r.id);
         self.held_changed(r.engine, -1);
@@ -506,223 +464,26 @@ impl<'c> Sim<'c> {
                 finished: true,
             });
         }
-        let sched = &mut scheds[(step % 2) as usize];
-        match sched.on_request_generated(tick(self.now), r.id, r.version, r.tokens) {
-            Ok(Completion::Accepted { .. }) => {
-                self.reqs[key].status = ReqStatus::Generated;
-                self.queue
-                    .push(self.now + self.verifier_ns, Ev::Reward { key });
-            }
-            // The request's group ended while it ran (an abort crossed the finish); the core
-            // counted it and freed the slot.
-            Ok(_) => self.reqs[key].status = ReqStatus::Done,
-            Err(e) => bail!("{}: generated: {e}", r.id),
+        self.generated_keys.push_back(key);
+        Report::Generated {
+            id: r.id,
+            version: r.version,
+            tokens: r.tokens,
         }
-        Ok(())
     }
 
-    fn on_reward(&mut self, scheds: &mut [Scheduler<'_>; 2], key: usize) -> anyhow::Result<()> {
-        let r = self.reqs[key];
-        if r.status != ReqStatus::Generated {
-            return Ok(());
-        }
-        self.reqs[key].status = ReqStatus::Done;
-        let step = r.id.step.0;
-        let sched = &mut scheds[(step % 2) as usize];
-        if sched.step().map(|(s, _)| s) != Some(r.id.step) {
-            return Ok(()); // the step is over and its scheduler reused; the core would refuse it
-        }
-        let g = r.id.group;
-        match sched.on_reward(tick(self.now), r.id, r.reward) {
-            Ok(Completion::Accepted { group_state: state }) => {
-                let c = &mut self.ctxs[step as usize];
-                let gi = g.0 as usize;
-                if !c.completed[gi]
-                    && matches!(state, GroupState::Trainable | GroupState::Dispatched)
-                {
-                    c.completed[gi] = true;
-                    c.completions.push(self.now - c.start);
-                    if self.record {
-                        self.rec.completions.push((step, g.0, self.now));
-                    }
-                }
-            }
-            // Discarded: the group ended meanwhile (aborted as surplus or filtered).
-            Ok(_) => {}
-            Err(e) => {
-                // A reward for a group that ended meanwhile (aborted as surplus) is refused by
-                // the core; anything else is a simulator bug.
-                let ended = sched.group(g).is_some_and(|info| info.state.is_final());
-                ensure!(ended, "{}: reward refused for a live group: {e}", r.id);
+    /// A group turned trainable (at its last reward, or when a held group was committed).
+    fn completed(&mut self, step: u64, group: u32) {
+        let now = self.now;
+        let c = &mut self.ctxs[step as usize];
+        let gi = group as usize;
+        if !c.completed[gi] {
+            c.completed[gi] = true;
+            c.completions.push(now - c.start);
+            if self.record {
+                self.rec.completions.push((step, group, now));
             }
         }
-        Ok(())
-    }
-
-    /// After every event: aborts, draws, admissions, trainer, engine schedules, step ends.
-    fn housekeeping(&mut self, scheds: &mut [Scheduler<'_>; 2]) -> anyhow::Result<()> {
-        if let Some(step) = self.rolling {
-            let sched = &mut scheds[(step % 2) as usize];
-            // Aborts of surplus (or filtered) groups' in-flight requests.
-            while let Some(id) = sched.poll_abort(tick(self.now)) {
-                if let Some(key) = self.inflight.remove(&id) {
-                    let e = self.reqs[key].engine as usize;
-                    self.engines[e].advance_to(self.now);
-                    self.dirty[e] = true;
-                    let generated = self.engines[e].abort(key as u64);
-                    ensure!(
-                        generated.is_some(),
-                        "{id}: engine {e} did not hold an in-flight request"
-                    );
-                    self.reqs[key].status = ReqStatus::Aborted;
-                    let tokens = generated.unwrap_or(0);
-                    self.held_changed(e as u16, -1);
-                    let c = &mut self.ctxs[step as usize];
-                    c.tokens_generated += u64::from(tokens);
-                    if self.record {
-                        let r = self.reqs[key];
-                        self.rec.requests.push(RequestSpan {
-                            step,
-                            engine: r.engine,
-                            group: id.group.0,
-                            sample: id.sample,
-                            start: r.start,
-                            end: self.now,
-                            tokens,
-                            finished: false,
-                        });
-                    }
-                }
-                sched
-                    .on_abort_acked(tick(self.now), id)
-                    .map_err(|e| anyhow!("{id}: abort ack: {e}"))?;
-            }
-            // Allocation decisions (VIGOR's rounds, Pilot-Commit's verdicts): a round-2 request
-            // is admitted only now, after its group's round-1 rewards are all in.
-            while let Some(a) = sched.poll_allocation_with(tick(self.now), &self.policy) {
-                let state = sched.group(a.group).map(|g| g.state);
-                let c = &mut self.ctxs[step as usize];
-                let gi = a.group.0 as usize;
-                if matches!(a.applied, Allocation::Extend(_)) {
-                    c.extended += 1;
-                } else if !c.completed[gi]
-                    && matches!(state, Some(GroupState::Trainable | GroupState::Dispatched))
-                {
-                    // A held group completes when it is committed, not at its last reward.
-                    c.completed[gi] = true;
-                    c.completions.push(self.now - c.start);
-                    if self.record {
-                        self.rec.completions.push((step, a.group.0, self.now));
-                    }
-                }
-            }
-            // Over-sampling draws.
-            while let Some(n) = sched.poll_draw(tick(self.now)) {
-                let first = sched
-                    .on_prompts_drawn(tick(self.now), n)
-                    .map_err(|e| anyhow!("step {step}: draw: {e}"))?;
-                let c = &mut self.ctxs[step as usize];
-                for i in 0..n {
-                    let g = c.workload.group(step, u64::from(first.0 + i));
-                    c.groups.push(g);
-                    c.completed.push(false);
-                    c.data_ready.push(Ns::MAX);
-                    c.logprob_ready.push(None);
-                    c.mb_started.push(false);
-                }
-                ensure!(
-                    c.groups.len() == (first.0 + n) as usize,
-                    "step {step}: core numbered groups out of draw order"
-                );
-            }
-            self.fill(sched, step)?;
-            if sched.is_batch_final() && self.ctxs[step as usize].rollout_end.is_none() {
-                self.rollout_ended(step);
-            }
-            let no_admissible = sched.view().pending_requests() == 0;
-            if self.mode.migrates() && no_admissible {
-                self.migrate(step);
-            }
-        }
-        self.kick_trainer(scheds)?;
-        if self.mode.multiplexes() {
-            let no_admissible = self
-                .rolling
-                .is_none_or(|r| scheds[(r % 2) as usize].view().pending_requests() == 0);
-            if no_admissible {
-                self.multiplex();
-            }
-        }
-        for e in 0..self.engines.len() {
-            if std::mem::take(&mut self.dirty[e]) {
-                self.engines[e].admit_waiting();
-                self.engines[e].prefill();
-                if let Some((at, epoch)) = self.engines[e].schedule() {
-                    self.queue.push(at, Ev::Boundary { engine: e, epoch });
-                }
-            }
-        }
-        self.check_step_done(scheds)
-    }
-
-    /// Hands pending requests to engines (the router; see `config::Routing`).
-    fn fill(&mut self, sched: &mut Scheduler<'_>, step: u64) -> anyhow::Result<()> {
-        if sched.view().pending_requests() == 0 {
-            return Ok(());
-        }
-        if self.cfg.rollout.routing != Routing::Central {
-            // Bound at submission: Slime's semaphore (`plan.slots`, enforced by the core) lets a
-            // request through, the router picks an engine at once, and the request waits in
-            // that engine's queue until SGLang admits it.
-            while let Some(adm) = sched.poll_admit(tick(self.now)) {
-                let e = self.route(step, adm.request.group.0);
-                self.place(step, e, adm.request, adm.version, false)?;
-            }
-            return Ok(());
-        }
-        for e in 0..self.engines.len() {
-            // Only engines with a free slot can take work; bring them to their next iteration
-            // boundary so the KV check sees current occupancy.
-            if self.engines[e].has_free_slot() {
-                self.engines[e].advance_to(self.now);
-                self.engines[e].admit_waiting();
-                self.dirty[e] = true;
-            }
-        }
-        // A central queue: the least-loaded engine that can run a request now takes it.
-        while let Some(e) = (0..self.engines.len())
-            .filter(|&e| self.engines[e].can_admit(self.prompt_tokens))
-            .min_by_key(|&e| (self.engines[e].held(), e))
-        {
-            let Some(adm) = sched.poll_admit(tick(self.now)) else {
-                break;
-            };
-            self.place(step, e, adm.request, adm.version, true)?;
-        }
-        Ok(())
-    }
-
-    /// The engine a newly submitted request of `group` is bound to. sgl-router's cache_aware
-    /// policy (`CacheAwarePolicy::select_worker`): when the loads are unbalanced (max - min >
-    /// balance_abs and max > min * balance_rel) the least-loaded engine; otherwise the engine
-    /// whose radix tree holds the prompt, which is where the group's earlier samples went; a
-    /// prompt seen nowhere goes to the least-loaded engine.
-    fn route(&mut self, step: u64, group: u32) -> usize {
-        let loads: Vec<usize> = self.engines.iter().map(Engine::held).collect();
-        let least = (0..loads.len()).min_by_key(|&e| (loads[e], e)).unwrap_or(0);
-        if self.cfg.rollout.routing == Routing::LeastLoaded {
-            return least;
-        }
-        let (min, max) = (loads[least], loads.iter().copied().max().unwrap_or(0));
-        let r = &self.cfg.rollout;
-        let unbalanced = max - min > r.router_balance_abs as usize
-            && max as f64 > min as f64 * r.router_balance_rel;
-        let e = match self.prefix_home.get(&(step, group)) {
-            Some(&home) if !unbalanced => usize::from(home),
-            _ => least,
-        };
-        self.prefix_home.insert((step, group), e as u16);
-        e
     }
 
     /// Puts an admitted request on engine `e`: straight into the batch (`now`, central queue)
@@ -816,223 +577,8 @@ impl<'c> Sim<'c> {
         }
     }
 
-    fn kick_trainer(&mut self, scheds: &mut [Scheduler<'_>; 2]) -> anyhow::Result<()> {
-        let Some(step) = self.training else {
-            return Ok(());
-        };
-        let sched = &mut scheds[(step % 2) as usize];
-        let per_mtok = self.cfg.trainer.data_transfer_s_per_mtok;
-        while let Some(d) = sched.poll_dispatch(tick(self.now)) {
-            // Slime hands the batch over only after `abort` returned; CGP ships each group as
-            // it is dispatched. Either way the data crosses one link, group after group.
-            let mut from = self.link_free.max(self.now);
-            if !self.mode.pipelined() && d.seq == 0 {
-                from = from.max(self.now + secs_to_ns(self.cfg.rollout.abort_s));
-            }
-            let c = &mut self.ctxs[step as usize];
-            ensure!(
-                d.seq as usize == c.dispatched.len(),
-                "step {step}: dispatch sequence skipped"
-            );
-            c.dispatched.push(d.group);
-            let gi = d.group.0 as usize;
-            // The trainer sees the group's final size, not every response drawn for it.
-            let target = sched.group(d.group).map_or(0, |g| usize::from(g.target));
-            c.groups[gi].samples.truncate(target);
-            c.trained_samples += target as u64;
-            let tokens = c.groups[gi].train_tokens();
-            let ready = from + secs_to_ns(per_mtok * tokens as f64 * 1e-6);
-            c.data_ready[gi] = ready;
-            self.link_free = ready;
-        }
-        if self.trainer_busy {
-            return Ok(());
-        }
-        if sched.poll_optimizer_step(tick(self.now)).is_some() {
-            let dt = self.trainer_model.optimizer_ns();
-            self.trainer_busy = true;
-            let c = self.ctx(step);
-            c.trainer_busy += dt;
-            c.last_opt = dt;
-            if self.record {
-                self.rec
-                    .trainer
-                    .push((step, "optimizer".into(), self.now, self.now + dt));
-            }
-            self.queue.push(self.now + dt, Ev::OptimizerDone { step });
-            return Ok(());
-        }
-        if let Some(mb) = sched.poll_micro_batch(tick(self.now)) {
-            let now = self.now;
-            let c = &mut self.ctxs[step as usize];
-            let first = mb.first_seq as usize;
-            let groups = c
-                .dispatched
-                .get(first..first + mb.len as usize)
-                .with_context(|| {
-                    format!(
-                        "step {step}: micro-batch {} beyond dispatched groups",
-                        mb.index
-                    )
-                })?
-                .to_vec();
-            // The micro-batch starts once its groups' data has arrived.
-            let start = groups
-                .iter()
-                .map(|g| c.data_ready[g.0 as usize])
-                .fold(now, Ns::max);
-            let (mut tokens, mut precomputed) = (0u64, 0u64);
-            for g in &groups {
-                let gi = g.0 as usize;
-                let t = c.groups[gi].train_tokens();
-                tokens += t;
-                // Log-probs an engine finished by now need no pass on the trainer; a pass
-                // still running on an engine is wasted (the trainer computes it itself).
-                if c.logprob_ready[gi].is_some_and(|at| at <= start) {
-                    precomputed += t;
-                }
-                c.mb_started[gi] = true;
-            }
-            let dt = self.trainer_model.micro_batch_ns_split(tokens, precomputed);
-            c.trainer_busy += dt;
-            c.last_mb = dt;
-            self.trainer_busy = true;
-            if self.record {
-                self.rec
-                    .trainer
-                    .push((step, format!("mb {}", mb.index), start, start + dt));
-            }
-            self.queue.push(start + dt, Ev::MicroBatchDone { step });
-        }
-        Ok(())
-    }
-
-    /// Tail multiplexing: each idle engine (nothing running or waiting, no admissible request
-    /// anywhere) takes the old/ref log-prob pass of one complete group the trainer has not
-    /// started. The engines hold the weights v_k the rollout used, which are the weights the
-    /// trainer would compute the pass with, so step k stays on-policy. It takes the most
-    /// recently dispatched group: the trainer consumes groups in dispatch order, so work from
-    /// the back is the least likely to be overtaken.
-    fn multiplex(&mut self) {
-        let Some(step) = self.training else { return };
-        let po = &self.cfg.policy;
-        let passes = f64::from(self.cfg.trainer.logprob_passes);
-        if passes == 0.0 {
-            return;
-        }
-        for e in 0..self.engines.len() {
-            if !self.engines[e].is_idle() || self.engines[e].time() > self.now {
-                continue;
-            }
-            let c = &mut self.ctxs[step as usize];
-            let Some(&g) = c.dispatched.iter().rev().find(|g| {
-                let gi = g.0 as usize;
-                !c.mb_started[gi] && c.logprob_ready[gi].is_none()
-            }) else {
-                return;
-            };
-            let gi = g.0 as usize;
-            let tokens = c.groups[gi].train_tokens();
-            let dt =
-                secs_to_ns(po.mux_overhead_s + passes * tokens as f64 / po.mux_logprob_tok_per_s);
-            let start = self.now.max(c.data_ready[gi].min(self.now));
-            let end = self.engines[e].occupy(start, dt);
-            c.logprob_ready[gi] = Some(end);
-            c.mux_ns += dt;
-            c.mux_groups += 1;
-            self.dirty[e] = true;
-            self.queue.push(end, Ev::MuxDone);
-            if self.record {
-                self.rec.mux.push((step, e as u16, g.0, end - dt, end));
-            }
-        }
-    }
-
-    /// Long-tail migration: when no request waits to be admitted, the rollout's tail is what is
-    /// left on the engines. A lightly loaded engine (fewer than `migrate_receiver_max` running)
-    /// receives, one at a time, the request that has generated the most tokens (at least
-    /// `migrate_min_generated`) on the engine with the largest batch, when that batch is more
-    /// than twice its own. A long-running request is the likeliest long tail (lengths are
-    /// heavy-tailed), and in a small batch it decodes near the base iteration time instead of
-    /// the crowded batch's, so the tail is consolidated on few engines and runs faster. The
-    /// policy knows only what a live system knows (tokens generated so far), never the
-    /// remaining length. The core keeps the request in flight: a move is not a failure. State
-    /// moves by KV transfer (the receiver's decode stalls for the copy) or by re-prefill.
-    fn migrate(&mut self, step: u64) {
-        let po = &self.cfg.policy;
-        let max_moves = self.engines.len() * po.migrate_receiver_max as usize;
-        for _ in 0..max_moves {
-            // The receiver: the least-loaded engine that is not busy with other work.
-            let Some(dst) = (0..self.engines.len())
-                .filter(|&e| {
-                    let en = &self.engines[e];
-                    en.running() < po.migrate_receiver_max as usize
-                        && en.waiting() == 0
-                        && !(en.is_idle() && en.time() > self.now)
-                })
-                .min_by_key(|&e| (self.engines[e].running(), e))
-            else {
-                return;
-            };
-            let floor = 2 * (self.engines[dst].running() + 1);
-            let mut best: Option<(usize, usize, u32, u64)> = None;
-            for src in 0..self.engines.len() {
-                let n = self.engines[src].running();
-                if src == dst || n <= floor || self.engines[src].waiting() > 0 {
-                    continue;
-                }
-                let Some((key, generated)) = self.engines[src].most_generated() else {
-                    continue;
-                };
-                if generated < po.migrate_min_generated {
-                    continue;
-                }
-                if best.is_none_or(|(_, bn, bg, _)| (n, generated) > (bn, bg)) {
-                    best = Some((src, n, generated, key));
-                }
-            }
-            let Some((src, _, _, key)) = best else { return };
-            self.engines[src].advance_to(self.now);
-            self.dirty[src] = true;
-            {
-                let Some(mut w) = self.engines[src].take(key) else {
-                    continue;
-                };
-                let tokens = w.prompt + w.generated;
-                self.engines[dst].advance_to(self.now);
-                if po.migrate_via == MigrateVia::KvTransfer {
-                    let bytes = f64::from(tokens) * f64::from(po.kv_bytes_per_token);
-                    let dt = secs_to_ns(bytes / (po.migrate_kv_gb_per_s * 1e9));
-                    self.engines[dst].occupy(self.now, dt);
-                    w.resident = true;
-                }
-                self.engines[dst].enqueue(w);
-                self.dirty[dst] = true;
-                let r = &mut self.reqs[key as usize];
-                r.engine = dst as u16;
-                let id = r.id;
-                self.held_changed(src as u16, -1);
-                self.held_changed(dst as u16, 1);
-                self.ctxs[step as usize].migrations += 1;
-                if self.record {
-                    self.rec.migrations.push((
-                        step, id.group.0, id.sample, src as u16, dst as u16, self.now, tokens,
-                    ));
-                }
-            }
-        }
-    }
-
-    fn check_step_done(&mut self, scheds: &mut [Scheduler<'_>; 2]) -> anyhow::Result<()> {
-        let Some(step) = self.training else {
-            return Ok(());
-        };
-        if self.trainer_busy {
-            return Ok(());
-        }
-        let Some(summary) = scheds[(step % 2) as usize].poll_step_done() else {
-            return Ok(());
-        };
+    /// The core says `step` is done: its metrics, then the next step's start.
+    fn step_end(&mut self, step: u64, summary: StepSummary) -> anyhow::Result<()> {
         let now = self.now;
         let m_groups = self.setting().micro_batch as usize;
         let counters = summary.counters;
@@ -1046,15 +592,11 @@ impl<'c> Sim<'c> {
         c.train_end = Some(now);
         // Engines' busy time counts everything they did in the window, work of the next step's
         // rollout included (one-step-off), so idle is clamped at 0.
-        let window = (now - c.start) as f64 * engines;
         let busy = engine_busy.saturating_sub(c.engine_busy_at_start) as f64;
-        let rollout_idle = ((window - busy) / engines).max(0.0) * 1e-9;
-        let rollout_ns = rollout_end - c.start;
-        let slot_occupancy = if rollout_ns == 0 {
-            0.0
-        } else {
-            c.occupancy_area / (rollout_ns as f64 * f64::from(self.slots))
-        };
+        let rollout_idle = metrics::rollout_idle((now - c.start) as f64, busy, engines) * 1e-9;
+        let slot_occupancy =
+            metrics::slot_occupancy(c.occupancy_area, (rollout_end - c.start) as f64, self.slots);
+        let completions: Vec<f64> = c.completions.iter().map(|&t| secs(t)).collect();
         let observed_filter = f64::from(counters.filtered())
             / f64::from((counters.filtered() + counters.batch_filled()).max(1));
         c.metrics = Some(StepMetrics {
@@ -1065,11 +607,7 @@ impl<'c> Sim<'c> {
             train_end: secs(now),
             trainer_busy: secs(c.trainer_busy),
             last_tail: secs(c.last_mb + c.last_opt),
-            first_micro_batch_ready: c
-                .completions
-                .get(m_groups.saturating_sub(1))
-                .or(c.completions.last())
-                .map_or(0.0, |&t| secs(t)),
+            first_micro_batch_ready: metrics::first_micro_batch_ready(&completions, m_groups),
             tokens_generated: c.tokens_generated,
             slot_occupancy,
             drawn: counters.drawn,
@@ -1078,14 +616,14 @@ impl<'c> Sim<'c> {
             aborted_groups: counters.aborted,
             aborted_requests: counters.requests_aborted as u32,
             retractions: c.retractions,
-            group_completion: c.completions.iter().map(|&t| secs(t)).collect(),
+            group_completion: completions,
             staleness: step - c.version,
             prev_train_end: secs(prev_train_end),
             rollout_idle,
             mux_s: secs(c.mux_ns),
             mux_groups: c.mux_groups,
             migrations: c.migrations,
-            rollouts: counters.requests_generated + counters.requests_discarded,
+            rollouts: metrics::rollouts(&counters),
             trained_samples: c.trained_samples,
             extended: c.extended,
             skipped: counters.filtered_skipped,

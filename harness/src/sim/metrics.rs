@@ -1,8 +1,10 @@
-//! What one simulated run measures, per step and in total.
+//! What one simulated run measures, per step and in total. The per-step definitions shared
+//! with `train` are in `crate::driver::metrics`.
 use serde::Serialize;
 
 use super::config::Mode;
 use super::engine::Ns;
+use crate::driver::metrics;
 
 /// Seconds from nanoseconds.
 pub fn secs(ns: Ns) -> f64 {
@@ -80,31 +82,27 @@ impl StepMetrics {
         self.rollout_end - self.rollout_start
     }
 
-    /// Trainer waiting ratio inside the rollout-to-train-end window.
+    /// Trainer waiting ratio inside the rollout-to-train-end window
+    /// ([`metrics::wait_ratio`]).
     pub fn wait_ratio(&self) -> f64 {
-        let window = self.r2t();
-        if window <= 0.0 {
-            0.0
-        } else {
-            ((window - self.trainer_busy) / window).clamp(0.0, 1.0)
-        }
+        metrics::wait_ratio(self.trainer_busy, self.r2t())
     }
 
-    /// Slime's `perf/wait_time_ratio` (slime/backends/megatron_utils/actor.py: `inverse_timer(
-    /// "train_wait")` around `timer("train")`): the trainer's idle share of the time since the
-    /// previous step's training ended, which includes the weight update.
+    /// Slime's `perf/wait_time_ratio` ([`metrics::slime_wait_ratio`]): the trainer's idle
+    /// share of the time since the previous step's training ended, which includes the weight
+    /// update.
     pub fn slime_wait_ratio(&self) -> f64 {
-        let window = self.train_end - self.prev_train_end;
-        if window <= 0.0 {
-            0.0
-        } else {
-            ((window - self.trainer_busy) / window).clamp(0.0, 1.0)
-        }
+        metrics::slime_wait_ratio(self.trainer_busy, self.train_end, self.prev_train_end)
     }
 
-    /// The bound given this rollout (see [`RunResult::mean_ideal`]).
+    /// The bound given this rollout ([`metrics::bound`]).
     pub fn ideal(&self) -> f64 {
-        (self.rollout() + self.last_tail).max(self.first_micro_batch_ready + self.trainer_busy)
+        metrics::bound(
+            self.rollout(),
+            self.last_tail,
+            self.first_micro_batch_ready,
+            self.trainer_busy,
+        )
     }
 
     /// Rollout throughput, generated tokens per second of rollout.

@@ -1,0 +1,153 @@
+//! Per-step metrics, defined once for `simulate` (`sim::metrics::StepMetrics`) and `train`
+//! (`metrics.jsonl`). Times are seconds; each function says which window it measures.
+use rolloutpipe_core::Counters;
+
+/// SPEC's in-window trainer waiting ratio: the trainer's idle share of the rollout-to-train-end
+/// window, `1 - busy / window`. `busy` is micro-batches plus optimizer steps inside the window.
+/// 0 for an empty window.
+pub fn wait_ratio(busy: f64, window: f64) -> f64 {
+    if window <= 0.0 {
+        0.0
+    } else {
+        ((window - busy) / window).clamp(0.0, 1.0)
+    }
+}
+
+/// Slime's `perf/wait_time_ratio` (`slime/observability/train_metric_utils.py`, from
+/// `inverse_timer("train_wait")` around `timer("train")` in
+/// `slime/backends/megatron_utils/actor.py`): the trainer's idle share of the time since the
+/// previous step's training ended, so the weight update (and, for sync, the whole rollout) is
+/// inside the window. `busy` is the step's own training.
+pub fn slime_wait_ratio(busy: f64, train_end: f64, prev_train_end: f64) -> f64 {
+    wait_ratio(busy, train_end - prev_train_end)
+}
+
+/// The bound given this rollout: SPEC §3's `T_rollout + T_train(last micro-batch) + T_opt`
+/// (`last_tail` is the last micro-batch plus the optimizer step after it), tightened by
+/// `t(first micro-batch ready) + T_train(all)`, since no trainer finishes its own work sooner.
+/// It holds for schedules that keep this rollout and this trainer work, not for every
+/// on-policy schedule. All times are relative to the rollout start.
+pub fn bound(rollout: f64, last_tail: f64, first_micro_batch_ready: f64, busy: f64) -> f64 {
+    (rollout + last_tail).max(first_micro_batch_ready + busy)
+}
+
+/// When the first micro-batch's worth (`micro_batch` groups) of trainable groups had
+/// materialized, from their completion times in materialization order (the last one when fewer
+/// completed; 0 when none did).
+pub fn first_micro_batch_ready(completions: &[f64], micro_batch: usize) -> f64 {
+    completions
+        .get(micro_batch.saturating_sub(1))
+        .or(completions.last())
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// Rollouts: responses generated to the end, whatever then became of their group (aborted
+/// requests excluded).
+pub fn rollouts(c: &Counters) -> u64 {
+    c.requests_generated + c.requests_discarded
+}
+
+/// Slot occupancy: the time-average of requests held by the engines over the rollout
+/// (`area` = held x time, in the same unit as `rollout`), divided by the slots.
+pub fn slot_occupancy(area: f64, rollout: f64, slots: u32) -> f64 {
+    if rollout <= 0.0 {
+        0.0
+    } else {
+        area / (rollout * f64::from(slots))
+    }
+}
+
+/// Rollout engines' idle time inside a window, per engine: `window - busy / engines`, where
+/// `busy` is the engines' busy time summed (it can include work outside the step, so the
+/// result is clamped at 0).
+pub fn rollout_idle(window: f64, busy: f64, engines: f64) -> f64 {
+    ((window * engines - busy) / engines).max(0.0)
+}
+
+/// Held requests integrated over time, for [`slot_occupancy`]: `change` at every admission and
+/// release, `stop` at the rollout's end (later changes are not counted).
+#[derive(Debug, Clone, Default)]
+pub struct Occupancy {
+    held: u64,
+    since: u64,
+    area: f64,
+    stopped: bool,
+}
+
+impl Occupancy {
+    /// Starts counting at `now` with nothing held.
+    pub fn start(now: u64) -> Self {
+        Self {
+            since: now,
+            ..Self::default()
+        }
+    }
+
+    /// `delta` requests were admitted (positive) or released (negative) at `now`.
+    pub fn change(&mut self, now: u64, delta: i64) {
+        self.advance(now);
+        self.held = self.held.saturating_add_signed(delta);
+    }
+
+    /// The rollout ended at `now`.
+    pub fn stop(&mut self, now: u64) {
+        self.advance(now);
+        self.stopped = true;
+    }
+
+    /// Whether [`stop`](Self::stop) was called.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Held x time so far.
+    pub fn area(&self) -> f64 {
+        self.area
+    }
+
+    fn advance(&mut self, now: u64) {
+        if !self.stopped {
+            self.area += self.held as f64 * now.saturating_sub(self.since) as f64;
+        }
+        self.since = now;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratios_are_idle_shares_of_their_windows() {
+        assert_eq!(wait_ratio(3.0, 4.0), 0.25);
+        assert_eq!(wait_ratio(5.0, 4.0), 0.0);
+        assert_eq!(wait_ratio(1.0, 0.0), 0.0);
+        // Slime's window runs from the previous train end: 10 s, 3 s busy.
+        assert!((slime_wait_ratio(3.0, 25.0, 15.0) - 0.7).abs() < 1e-12);
+    }
+
+    #[test]
+    fn bound_takes_the_binding_term() {
+        // Rollout-bound: 10 s rollout + 1 s tail.
+        assert_eq!(bound(10.0, 1.0, 2.0, 5.0), 11.0);
+        // Trainer-bound: first micro-batch at 2 s, then 12 s of training.
+        assert_eq!(bound(10.0, 1.0, 2.0, 12.0), 14.0);
+        assert_eq!(first_micro_batch_ready(&[1.0, 2.0, 3.0], 2), 2.0);
+        assert_eq!(first_micro_batch_ready(&[1.0], 4), 1.0);
+        assert_eq!(first_micro_batch_ready(&[], 4), 0.0);
+    }
+
+    #[test]
+    fn occupancy_integrates_until_stopped() {
+        let mut o = Occupancy::start(10);
+        o.change(10, 2); // 2 held from 10
+        o.change(14, -1); // 1 held from 14: 8 so far
+        o.stop(20); // + 6
+        o.change(30, -1); // after the end: not counted
+        assert_eq!(o.area(), 14.0);
+        assert_eq!(slot_occupancy(o.area(), 10.0, 2), 0.7);
+        assert_eq!(rollout_idle(10.0, 15.0, 2.0), 2.5);
+        assert_eq!(rollout_idle(10.0, 25.0, 2.0), 0.0);
+    }
+}

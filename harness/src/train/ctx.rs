@@ -1,0 +1,273 @@
+//! The scheduler thread's context across steps: the workers' channels and handles, the clock,
+//! the trace, the weight sync and each request's sampling parameters.
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use rolloutpipe_backends::optim::AdamState;
+use rolloutpipe_backends::{ModelConfig, SamplingParams, SyncTarget, WeightSnapshot, Weights};
+use rolloutpipe_core::{PolicyVersion, RequestId, Tick};
+
+use super::config::TrainConfig;
+use super::data::DataSource;
+use super::metrics::{Measured, TrainedRecord};
+use super::summary::SummaryBase;
+use super::workers::{EngineCmd, Event, GroupBatch, TrainCmd, TrainerReply, VerifyJob};
+use crate::plot::GanttRow;
+use crate::tasks::Tokenizer;
+use crate::trace::ChromeTrace;
+
+/// Trace process ids.
+pub(super) const PID_ENGINES: u32 = 1;
+pub(super) const PID_TRAINER: u32 = 2;
+pub(super) const PID_GROUPS: u32 = 3;
+
+/// The scheduler thread's view of one rollout engine.
+pub(super) struct EngineHandle {
+    /// The device and dtype its weight snapshots are made for; `None`: it is sent the master
+    /// weights (a remote engine converts them itself).
+    pub(super) target: Option<SyncTarget>,
+    pub(super) tx: Sender<EngineCmd>,
+    pub(super) live: bool,
+    /// Requests it holds.
+    pub(super) running: u32,
+    /// Holding at least one request since (for the engines' busy time).
+    pub(super) busy_from: Option<Instant>,
+}
+
+/// The scheduler thread's state across steps: the workers' channels, the data, the trace and
+/// what the run measures.
+pub(super) struct Ctx<'c> {
+    pub(super) cfg: &'c TrainConfig,
+    pub(super) clock: Instant,
+    pub(super) events: Receiver<Event>,
+    pub(super) engines: Vec<EngineHandle>,
+    pub(super) verify: Option<Sender<VerifyJob>>,
+    pub(super) trainer: Sender<TrainCmd>,
+    pub(super) data: DataSource,
+    pub(super) trace: ChromeTrace,
+    pub(super) measured: Measured,
+    /// The trainer's busy intervals.
+    pub(super) busy: Vec<(Instant, Instant)>,
+    /// The rollout engines' busy intervals (at least one request held).
+    pub(super) engine_busy: Vec<(Instant, Instant)>,
+    pub(super) trained: Vec<TrainedRecord>,
+    pub(super) timeline: Option<Vec<GanttRow>>,
+    pub(super) model_cfg: ModelConfig,
+    pub(super) tok: Arc<dyn Tokenizer>,
+    /// An earlier invocation's trace events and the offset this one's are placed at.
+    pub(super) trace_base: (Vec<serde_json::Value>, f64),
+    /// What `summary.json` carries over from earlier invocations and the start of this one.
+    pub(super) summary: SummaryBase,
+    /// Set when a signal stopped the run: the step a resume continues at.
+    pub(super) interrupted: Option<u64>,
+    /// The `[alloc]` policy: how many samples each prompt gets.
+    pub(super) policy: crate::alloc::Policy,
+    /// Pool indices of problems evicted from later epochs.
+    pub(super) evicted: HashSet<usize>,
+}
+
+impl Ctx<'_> {
+    /// Writes `trace.json`: earlier invocations' events, then this one's.
+    pub(super) fn write_trace(&self, out: &Path) -> anyhow::Result<()> {
+        let (base, offset) = &self.trace_base;
+        self.trace
+            .write_merged(&out.join("trace.json"), base, *offset)
+    }
+
+    pub(super) fn now(&self) -> Tick {
+        Tick(self.clock.elapsed().as_micros() as u64)
+    }
+
+    pub(super) fn us(&self, t: Instant) -> f64 {
+        t.saturating_duration_since(self.clock).as_secs_f64() * 1e6
+    }
+
+    pub(super) fn trace_header(&mut self) {
+        self.trace.process(PID_ENGINES, "rollout engines");
+        for e in 0..self.engines.len() {
+            self.trace
+                .thread(PID_ENGINES, e as u32, &format!("engine {e}"));
+        }
+        self.trace.process(PID_TRAINER, "trainer");
+        self.trace.thread(PID_TRAINER, 0, "trainer");
+        self.trace.process(PID_GROUPS, "groups");
+    }
+
+    pub(super) fn recv(&self) -> anyhow::Result<Option<Event>> {
+        match self.events.recv_timeout(Duration::from_millis(200)) {
+            Ok(Event::Fatal(msg)) => bail!("{msg}"),
+            Ok(e) => Ok(Some(e)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => bail!("every worker thread stopped"),
+        }
+    }
+
+    /// The error for a worker whose channel closed: the worker's own fatal message when it
+    /// sent one before stopping, so the cause is not lost behind "stopped".
+    pub(super) fn worker_stopped(&self, who: &str) -> anyhow::Error {
+        for ev in self.events.try_iter() {
+            if let Event::Fatal(msg) = ev {
+                return anyhow::anyhow!("{who} stopped: {msg}");
+            }
+        }
+        anyhow::anyhow!("{who} stopped without reporting an error")
+    }
+
+    pub(super) fn send_trainer(&self, cmd: TrainCmd) -> anyhow::Result<()> {
+        self.trainer
+            .send(cmd)
+            .map_err(|_| self.worker_stopped("the trainer thread"))
+    }
+
+    /// Exports the trainer's weights, and its moments when `optimizer` (checkpoints only).
+    pub(super) fn export(
+        &mut self,
+        optimizer: bool,
+    ) -> anyhow::Result<(Arc<Weights>, Option<AdamState>)> {
+        self.send_trainer(TrainCmd::Export { optimizer })?;
+        loop {
+            if let Some(Event::Trainer(TrainerReply::Exported(w, a))) = self.recv()? {
+                return Ok((w, a));
+            }
+        }
+    }
+
+    /// Weight sync: every live engine imports `w` as version `v`; returns seconds taken.
+    pub(super) fn sync_engines(
+        &mut self,
+        w: Arc<Weights>,
+        v: PolicyVersion,
+    ) -> anyhow::Result<f64> {
+        let t = Instant::now();
+        let mut waiting = 0;
+        // Engines run in their own threads on their own devices, so they load host snapshots,
+        // one per engine dtype, converted once here.
+        // Remote engines are sent the master weights (`target` None), serialised once for all.
+        let mut snaps: Vec<(SyncTarget, Arc<WeightSnapshot>)> = Vec::new();
+        for e in self.engines.iter().filter(|e| e.live) {
+            let snap = match e.target {
+                None => None,
+                Some(target) => Some(match snaps.iter().find(|(t, _)| t.dtype == target.dtype) {
+                    Some((_, s)) => s.clone(),
+                    None => {
+                        let s = Arc::new(WeightSnapshot::host(&self.model_cfg, &w, target.dtype)?);
+                        snaps.push((target, s.clone()));
+                        s
+                    }
+                }),
+            };
+            let cmd = EngineCmd::Sync {
+                snap,
+                master: w.clone(),
+                version: v,
+            };
+            if e.tx.send(cmd).is_ok() {
+                waiting += 1;
+            }
+        }
+        while waiting > 0 {
+            match self.recv()? {
+                Some(Event::Synced { decode, .. }) => {
+                    self.measured.decode.extend(decode);
+                    waiting -= 1;
+                }
+                // Late rewards of aborted groups and failures of idle engines change nothing.
+                Some(Event::EngineFailed { .. } | Event::Rewarded { .. }) | None => {}
+                Some(_) => bail!("unexpected event during weight sync"),
+            }
+        }
+        let s = t.elapsed().as_secs_f64();
+        let now = self.us(Instant::now());
+        self.trace.complete(
+            "weight sync",
+            "sync",
+            PID_TRAINER,
+            0,
+            now - s * 1e6,
+            s * 1e6,
+            serde_json::json!({"version": v.0}),
+        );
+        Ok(s)
+    }
+
+    pub(super) fn sampling(&self, rid: RequestId) -> SamplingParams {
+        let rl = &self.cfg.rl;
+        // A pure function of the seed and the request, so a resumed run samples the same.
+        let seed = mix(&[
+            self.cfg.run.seed,
+            rid.step.0,
+            rid.group.0 as u64,
+            rid.sample as u64,
+            rid.attempt as u64,
+        ]);
+        SamplingParams {
+            temperature: rl.temperature,
+            top_k: rl.top_k,
+            top_p: rl.top_p,
+            max_new_tokens: rl.max_new_tokens,
+            stop_tokens: self.tok.eos_id().into_iter().collect(),
+            seed,
+        }
+    }
+
+    /// Engine `e` took (`delta` > 0) or released requests; its busy intervals follow.
+    pub(super) fn engine_running(&mut self, e: usize, delta: i64) {
+        let Some(h) = self.engines.get_mut(e) else {
+            return;
+        };
+        let before = h.running;
+        h.running = u32::try_from(i64::from(h.running) + delta).unwrap_or(0);
+        let now = Instant::now();
+        if before == 0 && h.running > 0 {
+            h.busy_from = Some(now);
+        } else if h.running == 0
+            && let Some(from) = h.busy_from.take()
+        {
+            self.engine_busy.push((from, now));
+        }
+    }
+
+    /// The engines' busy intervals, the ones still open ending now.
+    pub(super) fn engine_busy_now(&self) -> Vec<(Instant, Instant)> {
+        let now = Instant::now();
+        let open = self
+            .engines
+            .iter()
+            .filter_map(|h| h.busy_from.map(|f| (f, now)));
+        self.engine_busy.iter().copied().chain(open).collect()
+    }
+
+    /// Records which step trains each response of `groups`.
+    pub(super) fn record_trained(&mut self, groups: &[GroupBatch], step: u64) {
+        for g in groups {
+            for s in &g.samples {
+                self.trained.push(TrainedRecord {
+                    step,
+                    rollout_step: g.step,
+                    group: g.group.0,
+                    sample: s.sample,
+                    version: s.version.0,
+                });
+            }
+        }
+    }
+}
+
+/// A 64-bit mix of several values (SplitMix64 finaliser over a running hash).
+pub(super) fn mix(parts: &[u64]) -> u64 {
+    let mut h = 0x9E37_79B9_7F4A_7C15u64;
+    for &p in parts {
+        h ^= p
+            .wrapping_add(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(h << 6)
+            .wrapping_add(h >> 2);
+        h = (h ^ (h >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        h = (h ^ (h >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        h ^= h >> 31;
+    }
+    h
+}

@@ -1,0 +1,342 @@
+//! `metrics.jsonl`: one line per step ([`StepMetrics`]), the trained-response records and the
+//! raw timings a run returns. The timing metrics shared with `simulate` are computed by
+//! `crate::driver::metrics`.
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+use super::data;
+use super::phase::TrainAgg;
+use crate::driver::metrics;
+
+/// One line of `metrics.jsonl`: what step `step` did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// Step.
+    pub step: u64,
+    /// Mode.
+    pub mode: String,
+    /// Weights version of its rollout.
+    pub rollout_version: u64,
+    /// Mean reward of every scored response of the step.
+    pub reward: f64,
+    /// Share of the step's responses verified correct.
+    pub train_accuracy: f64,
+    /// Greedy held-out accuracy after the step (evaluation steps only).
+    pub heldout_accuracy: Option<f64>,
+    /// Greedy accuracy on the independent test set (`run.test_problems`) after the step
+    /// (evaluation steps only).
+    #[serde(default)]
+    pub test_accuracy: Option<f64>,
+    /// Normalised loss of the step's optimizer steps (mean).
+    pub loss: f64,
+    /// Mean k3 KL per token (0 without a reference).
+    pub kl: f64,
+    /// Mean entropy per token.
+    pub entropy: f64,
+    /// Pre-clip gradient norm (last optimizer step).
+    pub grad_norm: f64,
+    /// Share of tokens whose ratio was clipped.
+    pub clip_fraction: f64,
+    /// Rollout start to batch final, s.
+    pub rollout_s: f64,
+    /// Rollout start to train end, s (headline metric 1).
+    pub rollout_to_train_end_s: f64,
+    /// Trainer wait / (wait + busy) inside that window (headline metric 2).
+    pub trainer_wait_ratio: f64,
+    /// SPEC §3's ideal bound `T_rollout + T_train(last micro-batch)` (the optimizer step
+    /// after it included), s; `bound_s` is the tightened one.
+    pub ideal_s: f64,
+    /// The bound given this rollout (`driver::metrics::bound`, as in `simulate`), s after the
+    /// rollout start: `ideal_s` tightened by `first_micro_batch_ready_s + train_busy_s`.
+    #[serde(default)]
+    pub bound_s: f64,
+    /// When the first micro-batch's worth of trainable groups had materialized, s after the
+    /// rollout start.
+    #[serde(default)]
+    pub first_micro_batch_ready_s: f64,
+    /// Slime's `perf/wait_time_ratio` (`driver::metrics::slime_wait_ratio`): the trainer's
+    /// idle share of the time since the previous step's train end (the workers' start for the
+    /// invocation's first step), weight sync included; beside SPEC's `trainer_wait_ratio`.
+    #[serde(default)]
+    pub slime_wait_ratio: f64,
+    /// Time-average of the requests the engines held over the rollout, divided by
+    /// `engines x slots`.
+    #[serde(default)]
+    pub slot_occupancy: f64,
+    /// Rollout engines' idle time (no request held) inside the rollout-to-train-end window,
+    /// s per engine.
+    #[serde(default)]
+    pub rollout_idle_s: f64,
+    /// Trainer busy time on this step's batch, s.
+    pub train_busy_s: f64,
+    /// Weight sync after the step, s.
+    pub sync_s: f64,
+    /// Response tokens generated (aborted and discarded included).
+    pub tokens: u64,
+    /// Generated tokens per second of rollout.
+    pub tokens_per_s: f64,
+    /// Prompts drawn.
+    pub drawn: u32,
+    /// Groups trained.
+    pub trained: u32,
+    /// Groups filtered (all reasons).
+    pub filtered: u32,
+    /// Groups aborted.
+    pub aborted: u32,
+    /// Requests that failed and were re-admitted or filtered.
+    pub requests_failed: u64,
+    /// Rollouts (responses generated to the end, whatever then became of their group) this
+    /// step; aborted requests are not counted (their tokens are in `tokens`).
+    #[serde(default)]
+    pub rollouts: u64,
+    /// Rollouts of every step so far, this one included (across resumptions).
+    #[serde(default)]
+    pub rollouts_cum: u64,
+    /// Groups the allocation policy extended (VIGOR's extra rounds, Pilot-Commit's commits).
+    #[serde(default)]
+    pub extended: u32,
+    /// Groups the allocation policy skipped (Pilot-Commit: too easy, solved or too hard).
+    #[serde(default)]
+    pub skipped: u32,
+    /// Seconds since the run (or its resumption) started.
+    pub elapsed_s: f64,
+}
+
+/// One trained response: which step trained it and which weights generated it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainedRecord {
+    /// The step whose optimizer step(s) it fed (its trainer held `v_step` when it started).
+    pub step: u64,
+    /// Rollout step that generated it.
+    pub rollout_step: u64,
+    /// Group id within that rollout step.
+    pub group: u32,
+    /// Sample index.
+    pub sample: u16,
+    /// The weights version that generated it.
+    pub version: u64,
+}
+
+/// Raw timings for `compare` and the simulator calibration.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Measured {
+    /// Decode iterations: (running requests, seconds).
+    pub decode: Vec<(u32, f64)>,
+    /// Verifier latency per response, s.
+    pub verify_s: Vec<f64>,
+    /// Micro-batches: (response tokens, prompt+response tokens, seconds).
+    pub micro_batches: Vec<(usize, usize, f64)>,
+    /// Optimizer steps, s.
+    pub opt_s: Vec<f64>,
+    /// Weight syncs, s.
+    pub sync_s: Vec<f64>,
+    /// Prompt lengths, tokens.
+    pub prompt_tokens: Vec<u32>,
+    /// Response lengths, tokens.
+    pub response_tokens: Vec<u32>,
+    /// Responses per engine slot (S) and engines (E) of the run.
+    pub slots: u32,
+    /// Engines.
+    pub engines: u16,
+}
+
+/// The windows and busy intervals one step's timing metrics are computed over.
+pub(super) struct Window<'a> {
+    /// The step's rollout start.
+    pub start: Instant,
+    /// Its train end (`None`: now).
+    pub end: Option<Instant>,
+    /// The previous step's train end (Slime's window starts there).
+    pub prev_end: Instant,
+    /// The trainer's busy intervals (micro-batches, optimizer steps).
+    pub trainer: &'a [(Instant, Instant)],
+    /// The rollout engines' busy intervals (at least one request held).
+    pub engines: &'a [(Instant, Instant)],
+    /// Rollout engines.
+    pub engine_count: usize,
+}
+
+/// Seconds of `spans` inside `[start, end]`.
+fn overlap(spans: &[(Instant, Instant)], start: Instant, end: Instant) -> f64 {
+    spans
+        .iter()
+        .map(|&(a, b)| {
+            let (a, b) = (a.max(start), b.min(end));
+            if b > a { (b - a).as_secs_f64() } else { 0.0 }
+        })
+        .sum()
+}
+
+/// Training fields of a step's metrics, from its trainer aggregate and window; returns the
+/// train end used.
+pub(super) fn fill_train(m: &mut StepMetrics, t: &TrainAgg, w: &Window<'_>) -> Instant {
+    let end = w.end.unwrap_or_else(Instant::now);
+    let window = (end - w.start).as_secs_f64().max(1e-9);
+    let busy = overlap(w.trainer, w.start, end);
+    m.rollout_to_train_end_s = window;
+    m.trainer_wait_ratio = metrics::wait_ratio(busy, window);
+    m.slime_wait_ratio = metrics::slime_wait_ratio(
+        t.busy_s,
+        end.saturating_duration_since(w.prev_end).as_secs_f64(),
+        0.0,
+    );
+    m.train_busy_s = t.busy_s;
+    m.ideal_s = m.rollout_s + t.last_mb_s;
+    m.bound_s = metrics::bound(
+        m.rollout_s,
+        t.last_mb_s,
+        m.first_micro_batch_ready_s,
+        t.busy_s,
+    );
+    let engines = w.engine_count.max(1) as f64;
+    m.rollout_idle_s = metrics::rollout_idle(window, overlap(w.engines, w.start, end), engines);
+    let tok = t.accum.tokens.max(1) as f64;
+    m.loss = t.loss_sum / t.opt_steps.max(1) as f64;
+    m.kl = t.accum.kl_sum / tok;
+    m.entropy = t.accum.entropy_sum / tok;
+    m.grad_norm = t.grad_norm;
+    m.clip_fraction = t.accum.clip_fraction();
+    end
+}
+
+/// Opens `metrics.jsonl` for appending, dropping lines of steps at or after `from` (a resumed
+/// run redoes them).
+pub(super) fn open_metrics(out: &Path, from: u64) -> anyhow::Result<std::fs::File> {
+    let path = out.join("metrics.jsonl");
+    let kept: Vec<String> = match std::fs::read_to_string(&path) {
+        Ok(text) => text
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<StepMetrics>(l)
+                    .map(|m| m.step < from)
+                    .unwrap_or(false)
+            })
+            .map(str::to_owned)
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    let mut f =
+        std::fs::File::create(&path).with_context(|| format!("writing {}", path.display()))?;
+    for l in kept {
+        writeln!(f, "{l}")?;
+    }
+    Ok(f)
+}
+
+/// Reads a run's `metrics.jsonl`.
+pub fn read_metrics(dir: &Path) -> anyhow::Result<Vec<StepMetrics>> {
+    let path = dir.join("metrics.jsonl");
+    let text = data::read(&path)?;
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| {
+            serde_json::from_str(l).with_context(|| format!("{} line {}", path.display(), i + 1))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// `train`'s metrics line and `simulate`'s step metrics, fed the same spans, give the same
+    /// waiting ratios and bound: one definition (`driver::metrics`) serves both.
+    #[test]
+    fn train_and_simulate_agree_on_the_same_spans() {
+        let t0 = Instant::now() + Duration::from_secs(100);
+        let at = |s: f64| t0 + Duration::from_secs_f64(s);
+        // Previous train end at 1 s; rollout 2..12 s; micro-batches at 5..8 and 11..13, the
+        // optimizer step 13..14 (train end). The trainer's 4..4.5 work belongs to the step
+        // before and is outside the window.
+        let trainer = [(at(0.5), at(1.0)), (at(5.0), at(8.0)), (at(11.0), at(13.0))];
+        let trainer = [trainer.as_slice(), &[(at(13.0), at(14.0))]].concat();
+        // Two engines: busy 2..12 and 2..7.
+        let engines = [(at(2.0), at(12.0)), (at(2.0), at(7.0))];
+        let agg = TrainAgg {
+            busy_s: 6.0,
+            last_mb_s: 3.0,
+            ..TrainAgg::default()
+        };
+        let mut m = StepMetrics {
+            rollout_s: 10.0,
+            first_micro_batch_ready_s: 3.0,
+            ..StepMetrics::default()
+        };
+        let w = Window {
+            start: at(2.0),
+            end: Some(at(14.0)),
+            prev_end: at(1.0),
+            trainer: &trainer,
+            engines: &engines,
+            engine_count: 2,
+        };
+        fill_train(&mut m, &agg, &w);
+        let sim = crate::sim::StepMetrics {
+            step: 0,
+            version: 0,
+            rollout_start: 2.0,
+            rollout_end: 12.0,
+            train_end: 14.0,
+            trainer_busy: 6.0,
+            last_tail: 3.0,
+            first_micro_batch_ready: 3.0,
+            tokens_generated: 0,
+            slot_occupancy: 0.0,
+            drawn: 0,
+            trained: 0,
+            filtered: 0,
+            aborted_groups: 0,
+            aborted_requests: 0,
+            retractions: 0,
+            group_completion: Vec::new(),
+            staleness: 0,
+            prev_train_end: 1.0,
+            rollout_idle: 0.0,
+            mux_s: 0.0,
+            mux_groups: 0,
+            migrations: 0,
+            rollouts: 0,
+            trained_samples: 0,
+            extended: 0,
+            skipped: 0,
+        };
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        // By hand: window 12 s, 6 s busy in it.
+        assert!(close(m.rollout_to_train_end_s, 12.0));
+        assert!(close(m.trainer_wait_ratio, 0.5), "{}", m.trainer_wait_ratio);
+        assert!(close(m.trainer_wait_ratio, sim.wait_ratio()));
+        // Slime: 13 s since the previous train end, 6 s busy.
+        assert!(
+            close(m.slime_wait_ratio, 7.0 / 13.0),
+            "{}",
+            m.slime_wait_ratio
+        );
+        assert!(close(m.slime_wait_ratio, sim.slime_wait_ratio()));
+        // Bound: max(10 + 3, 3 + 6) = 13 s; SPEC's untightened one is also 13 here.
+        assert!(close(m.bound_s, 13.0));
+        assert!(close(m.bound_s, sim.ideal()));
+        assert!(close(m.ideal_s, 13.0));
+        // Engines: 24 engine-s of window, 15 busy: 4.5 s idle each.
+        assert!(close(m.rollout_idle_s, 4.5), "{}", m.rollout_idle_s);
+        // Trainer-bound: the tightening term binds.
+        let mut m2 = StepMetrics {
+            rollout_s: 4.0,
+            first_micro_batch_ready_s: 3.0,
+            ..StepMetrics::default()
+        };
+        fill_train(&mut m2, &agg, &w);
+        let sim2 = crate::sim::StepMetrics {
+            rollout_end: 6.0,
+            ..sim
+        };
+        assert!(close(m2.bound_s, 9.0));
+        assert!(close(m2.bound_s, sim2.ideal()));
+        assert!(close(m2.ideal_s, 7.0));
+    }
+}
