@@ -301,6 +301,11 @@ fn mean_cut(results: &[RunResult], sync: &[RunResult], mode: Mode) -> f64 {
     cuts.iter().sum::<f64>() / cuts.len().max(1) as f64
 }
 
+/// A point of the swept axes: (over-sampling draw factor, concurrency).
+type SweepPoint = (u32, u32);
+/// One mode's r2t cuts over the settings.
+type ModeCuts = (Mode, Vec<f64>);
+
 /// The swept axes: the baseline's over-sampling chunk (`draw_batch` B or 2B) and the per-engine
 /// concurrency (`sglang_server_concurrency`), for every setting and the on-policy modes. Writes
 /// `sweep_axes.csv` (one line per run) and `sweep_axes.txt` (per mode: the range of the r2t cut
@@ -319,8 +324,7 @@ fn sweep_axes(cfg: &SimConfig, out: &Path, threads: usize) -> anyhow::Result<()>
     let mut csv = String::from(
         "draw_factor,concurrency,profile,setting,mode,r2t_s,r2t_cut,bound_cut,wait_ratio,slime_wait\n",
     );
-    // (draw factor, concurrency) -> mode -> cuts over settings.
-    let mut summary: Vec<((u32, u32), Vec<(Mode, Vec<f64>)>)> = Vec::new();
+    let mut summary: Vec<(SweepPoint, Vec<ModeCuts>)> = Vec::new();
     for draw in [1u32, 2] {
         for conc in [32u32, 128, 512] {
             let mut c = cfg.clone();

@@ -283,14 +283,14 @@ fn trainer_side<W: Workers>(sched: &mut Scheduler<'_>, w: &mut W, step: u64) -> 
                     .map_err(|e| anyhow!("step {step}: optimizer step: {e}"))?;
                 continue;
             }
-        } else if let Some(mb) = sched.poll_micro_batch(now) {
-            if w.micro_batch(step, mb)? == Work::Done {
-                let c = sched
-                    .on_micro_batch_consumed(now)
-                    .map_err(|e| anyhow!("step {step}: micro-batch consumed: {e}"))?;
-                w.consumed(step, c)?;
-                continue;
-            }
+        } else if let Some(mb) = sched.poll_micro_batch(now)
+            && w.micro_batch(step, mb)? == Work::Done
+        {
+            let c = sched
+                .on_micro_batch_consumed(now)
+                .map_err(|e| anyhow!("step {step}: micro-batch consumed: {e}"))?;
+            w.consumed(step, c)?;
+            continue;
         }
         break;
     }
