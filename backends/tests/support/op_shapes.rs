@@ -16,7 +16,7 @@ use rolloutpipe_backends::SamplingParams;
 use rolloutpipe_backends::cpu::ops as cpu;
 
 use super::check::{Tol, assert_close, rand_ids, rand_vec, tol};
-use super::op_tests::explained_by_rounding;
+use super::op_tests::{check_rmsnorm, explained_by_rounding};
 use super::ops::OpRunner;
 
 const HIDDEN: usize = 1024;
@@ -104,24 +104,7 @@ pub fn production_shapes(b: &mut impl OpRunner) {
 
     // Norms: the hidden state, and q_norm / k_norm per head.
     for (rows, dim) in [(5, HIDDEN), (5 * HEADS, HEAD_DIM)] {
-        let x = rand_vec(&mut rng, rows * dim, 2.0);
-        let w = rand_vec(&mut rng, dim, 1.5);
-        let dout = rand_vec(&mut rng, rows * dim, 1.0);
-        let (dx0, dw0) = (
-            rand_vec(&mut rng, rows * dim, 1.0),
-            rand_vec(&mut rng, dim, 1.0),
-        );
-        let (mut out, mut rstd) = (vec![0.0; rows * dim], vec![0.0; rows]);
-        cpu::rmsnorm_fwd(&mut out, &mut rstd, &x, &w, dim, 1e-6);
-        let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
-        cpu::rmsnorm_bwd(&mut dx, &mut dw, &dout, &x, &w, &rstd, dim);
-        let (gout, grstd) = b.rmsnorm_fwd(&x, &w, dim, 1e-6);
-        assert_close("prod rmsnorm_fwd out", &gout, &out, tol::REDUCTION);
-        assert_close("prod rmsnorm_fwd rstd", &grstd, &rstd, tol::REDUCTION);
-        let (mut gdx, mut gdw) = (dx0, dw0);
-        b.rmsnorm_bwd(&mut gdx, &mut gdw, &dout, &x, &w, &grstd, dim);
-        assert_close("prod rmsnorm_bwd dx", &gdx, &dx, tol::REDUCTION);
-        assert_close("prod rmsnorm_bwd dw", &gdw, &dw, tol::REDUCTION);
+        check_rmsnorm(b, &mut rng, rows, dim, "prod ");
     }
 
     // Projections, K up to 3072 (down_proj), on both sides of the row-strip switch.

@@ -66,27 +66,46 @@ pub fn embedding_fwd_bwd(b: &mut impl OpRunner) {
 pub fn rmsnorm_fwd_bwd(b: &mut impl OpRunner) {
     let mut rng = ChaCha8Rng::seed_from_u64(12);
     for &(rows, dim) in &[(1, 4), (5, 32), (67, 130), (300, 8)] {
-        let x = rand_vec(&mut rng, rows * dim, 2.0);
-        let w = rand_vec(&mut rng, dim, 1.5);
-        let dout = rand_vec(&mut rng, rows * dim, 1.0);
-        let (dx0, dw0) = (
-            rand_vec(&mut rng, rows * dim, 1.0),
-            rand_vec(&mut rng, dim, 1.0),
-        );
-        let (mut out, mut rstd) = (vec![0.0; rows * dim], vec![0.0; rows]);
-        cpu::rmsnorm_fwd(&mut out, &mut rstd, &x, &w, dim, 1e-6);
-        let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
-        cpu::rmsnorm_bwd(&mut dx, &mut dw, &dout, &x, &w, &rstd, dim);
-        let (gout, grstd) = b.rmsnorm_fwd(&x, &w, dim, 1e-6);
-        assert_close("rmsnorm_fwd out", &gout, &out, tol::REDUCTION);
-        assert_close("rmsnorm_fwd rstd", &grstd, &rstd, tol::REDUCTION);
-        // The backward reads the backend's own saved rstd, as in the model.
-        let (mut gdx, mut gdw) = (dx0, dw0);
-        b.rmsnorm_bwd(&mut gdx, &mut gdw, &dout, &x, &w, &grstd, dim);
-        assert_close("rmsnorm_bwd dx", &gdx, &dx, tol::REDUCTION);
         // Column sums of ≤ 300 rows in chunks (wgpu: two stages) instead of one loop.
-        assert_close("rmsnorm_bwd dw", &gdw, &dw, tol::REDUCTION);
+        check_rmsnorm(b, &mut rng, rows, dim, "");
     }
+}
+
+/// RMSNorm forward and backward of `rows` × `dim` random rows against the CPU reference;
+/// `tag` prefixes the assertion names.
+pub fn check_rmsnorm(
+    b: &mut impl OpRunner,
+    rng: &mut ChaCha8Rng,
+    rows: usize,
+    dim: usize,
+    tag: &str,
+) {
+    let x = rand_vec(rng, rows * dim, 2.0);
+    let w = rand_vec(rng, dim, 1.5);
+    let dout = rand_vec(rng, rows * dim, 1.0);
+    let (dx0, dw0) = (rand_vec(rng, rows * dim, 1.0), rand_vec(rng, dim, 1.0));
+    let (mut out, mut rstd) = (vec![0.0; rows * dim], vec![0.0; rows]);
+    cpu::rmsnorm_fwd(&mut out, &mut rstd, &x, &w, dim, 1e-6);
+    let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
+    cpu::rmsnorm_bwd(&mut dx, &mut dw, &dout, &x, &w, &rstd, dim);
+    let (gout, grstd) = b.rmsnorm_fwd(&x, &w, dim, 1e-6);
+    assert_close(
+        &format!("{tag}rmsnorm_fwd out"),
+        &gout,
+        &out,
+        tol::REDUCTION,
+    );
+    assert_close(
+        &format!("{tag}rmsnorm_fwd rstd"),
+        &grstd,
+        &rstd,
+        tol::REDUCTION,
+    );
+    // The backward reads the backend's own saved rstd, as in the model.
+    let (mut gdx, mut gdw) = (dx0, dw0);
+    b.rmsnorm_bwd(&mut gdx, &mut gdw, &dout, &x, &w, &grstd, dim);
+    assert_close(&format!("{tag}rmsnorm_bwd dx"), &gdx, &dx, tol::REDUCTION);
+    assert_close(&format!("{tag}rmsnorm_bwd dw"), &gdw, &dw, tol::REDUCTION);
 }
 
 pub fn matmul_fwd_bwd(b: &mut impl OpRunner) {
