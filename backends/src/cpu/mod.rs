@@ -9,6 +9,7 @@
 pub mod generate;
 pub mod kernel;
 pub mod lm_head;
+mod load;
 pub mod model;
 pub mod ops;
 pub mod store;
@@ -327,10 +328,13 @@ impl RolloutEngine for CpuBackend {
             }
             return Ok(path);
         }
-        let w = snap.host_weights(&self.model.cfg)?;
-        let flat = self.model.layout.flatten(&w)?;
-        drop(w);
-        self.set_flat(flat)?;
+        let SnapshotPayload::Host(ts) = &snap.payload else {
+            return Err(BackendError::invalid(
+                "weight snapshot",
+                "it lives on another device; take a host snapshot for this engine",
+            ));
+        };
+        load::load_host(self.model_mut("load_weights")?, ts)?;
         Ok(SyncPath::Host)
     }
 
