@@ -16,7 +16,7 @@ use rolloutpipe_backends::SamplingParams;
 use rolloutpipe_backends::cpu::ops as cpu;
 
 use super::check::{Tol, assert_close, rand_ids, rand_vec, tol};
-use super::op_tests::{check_rmsnorm, explained_by_rounding};
+use super::op_tests::{check_matmul, check_rmsnorm, explained_by_rounding};
 use super::ops::OpRunner;
 
 const HIDDEN: usize = 1024;
@@ -115,24 +115,7 @@ pub fn production_shapes(b: &mut impl OpRunner) {
         (12, MLP, HIDDEN),
         (12, HEADS * HEAD_DIM, HIDDEN),
     ] {
-        let x = rand_vec(&mut rng, n * din, 1.0);
-        let w = rand_vec(&mut rng, dout * din, 1.0);
-        let dy = rand_vec(&mut rng, n * dout, 1.0);
-        let (dx0, dw0) = (
-            rand_vec(&mut rng, n * din, 1.0),
-            rand_vec(&mut rng, dout * din, 1.0),
-        );
-        let mut y = vec![0.0; n * dout];
-        cpu::matmul_fwd(&mut y, &x, &w, n, din, dout);
-        let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
-        cpu::matmul_bwd(Some(&mut dx), &mut dw, &dy, &x, &w, n, din, dout);
-        let gy = b.matmul_fwd(&x, &w, n, din, dout);
-        let (mut gdx, mut gdw) = (dx0, dw0);
-        b.matmul_bwd(&mut gdx, &mut gdw, &dy, &x, &w, n, din, dout);
-        let what = format!("prod matmul {n}x{din}->{dout}");
-        assert_close(&format!("{what} y"), &gy, &y, tol::MATMUL);
-        assert_close(&format!("{what} dx"), &gdx, &dx, tol::MATMUL);
-        assert_close(&format!("{what} dw"), &gdw, &dw, tol::MATMUL);
+        check_matmul(b, &mut rng, n, din, dout, "prod ");
     }
 
     // RoPE at head_dim 128, theta 1e6, positions up to 40,960.

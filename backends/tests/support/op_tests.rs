@@ -120,25 +120,35 @@ pub fn matmul_fwd_bwd(b: &mut impl OpRunner) {
         (65, 130, 67),
         (128, 64, 200),
     ] {
-        let x = rand_vec(&mut rng, n * din, 1.0);
-        let w = rand_vec(&mut rng, dout * din, 1.0);
-        let dy = rand_vec(&mut rng, n * dout, 1.0);
-        let (dx0, dw0) = (
-            rand_vec(&mut rng, n * din, 1.0),
-            rand_vec(&mut rng, dout * din, 1.0),
-        );
-        let mut y = vec![0.0; n * dout];
-        cpu::matmul_fwd(&mut y, &x, &w, n, din, dout);
-        let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
-        cpu::matmul_bwd(Some(&mut dx), &mut dw, &dy, &x, &w, n, din, dout);
-        let gy = b.matmul_fwd(&x, &w, n, din, dout);
-        let (mut gdx, mut gdw) = (dx0, dw0);
-        b.matmul_bwd(&mut gdx, &mut gdw, &dy, &x, &w, n, din, dout);
-        let what = format!("matmul {n}x{din}->{dout}");
-        assert_close(&format!("{what} y"), &gy, &y, tol::MATMUL);
-        assert_close(&format!("{what} dx"), &gdx, &dx, tol::MATMUL);
-        assert_close(&format!("{what} dw"), &gdw, &dw, tol::MATMUL);
+        check_matmul(b, &mut rng, n, din, dout, "");
     }
+}
+
+/// The projection `y = x Wᵀ` and its backward (dx, dW accumulated onto random starts) of an
+/// `n` × `din` → `dout` product against the CPU reference; `tag` prefixes the assertion names.
+pub fn check_matmul(
+    b: &mut impl OpRunner,
+    rng: &mut ChaCha8Rng,
+    n: usize,
+    din: usize,
+    dout: usize,
+    tag: &str,
+) {
+    let x = rand_vec(rng, n * din, 1.0);
+    let w = rand_vec(rng, dout * din, 1.0);
+    let dy = rand_vec(rng, n * dout, 1.0);
+    let (dx0, dw0) = (rand_vec(rng, n * din, 1.0), rand_vec(rng, dout * din, 1.0));
+    let mut y = vec![0.0; n * dout];
+    cpu::matmul_fwd(&mut y, &x, &w, n, din, dout);
+    let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
+    cpu::matmul_bwd(Some(&mut dx), &mut dw, &dy, &x, &w, n, din, dout);
+    let gy = b.matmul_fwd(&x, &w, n, din, dout);
+    let (mut gdx, mut gdw) = (dx0, dw0);
+    b.matmul_bwd(&mut gdx, &mut gdw, &dy, &x, &w, n, din, dout);
+    let what = format!("{tag}matmul {n}x{din}->{dout}");
+    assert_close(&format!("{what} y"), &gy, &y, tol::MATMUL);
+    assert_close(&format!("{what} dx"), &gdx, &dx, tol::MATMUL);
+    assert_close(&format!("{what} dw"), &gdw, &dw, tol::MATMUL);
 }
 
 pub fn rope_fwd_bwd(b: &mut impl OpRunner) {
