@@ -115,19 +115,39 @@ fn run() -> std::result::Result<(), String> {
                 beta: 0.04,
                 temperature: 1.0,
             };
-            be.zero_grad().unwrap();
-            let st = be.accumulate(&batch, &obj).map_err(|e| e.to_string())?;
-            phases.push(phase("accumulated"));
             let norm = normalizer(Aggregation::TokenMean, std::slice::from_ref(&batch));
-            let os = be
-                .optimizer_step(norm, &AdamW::default())
-                .map_err(|e| e.to_string())?;
-            phases.push(phase("stepped"));
+            // VS_TORCH_STEPS=N repeats the step on the same batch (as vs_torch.py does): step 1
+            // touches the gradient sums and moments for the first time, later steps show the
+            // steady state.
+            let steps: usize = std::env::var("VS_TORCH_STEPS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1);
+            let mut step_s = Vec::new();
+            let mut last = None;
+            for s in 0..steps.max(1) {
+                let ts = Instant::now();
+                be.zero_grad().map_err(|e| e.to_string())?;
+                let st = be.accumulate(&batch, &obj).map_err(|e| e.to_string())?;
+                if s == 0 {
+                    phases.push(phase("accumulated"));
+                }
+                let os = be
+                    .optimizer_step(norm, &AdamW::default())
+                    .map_err(|e| e.to_string())?;
+                step_s.push(ts.elapsed().as_secs_f64());
+                if s == 0 {
+                    phases.push(phase("stepped"));
+                }
+                last = Some((st, os));
+            }
+            let (st, os) = last.expect("at least one step");
             format!(
-                "\"loss\":{},\"entropy\":{},\"grad_norm\":{}",
+                "\"loss\":{},\"entropy\":{},\"grad_norm\":{},\"step_s\":{:?}",
                 st.loss_sum / norm,
                 st.entropy_sum / st.tokens as f64,
-                os.grad_norm
+                os.grad_norm,
+                step_s
             )
         }
         "logits" => {

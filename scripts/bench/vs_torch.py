@@ -18,6 +18,7 @@ Weights are f32 for every workload (a training run keeps f32 master weights).
 """
 
 import json
+import os
 import sys
 import time
 
@@ -81,21 +82,27 @@ def main():
         ids = torch.tensor(ids)
         adv = torch.tensor(adv, dtype=torch.float32)[:, None]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-        opt.zero_grad()
-        # logits at positions 15..62 predict the 48 response tokens
-        logits = model(input_ids=ids, logits_to_keep=49).logits[:, :-1]
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 16:, None])[..., 0]
-        old = logp.detach()
-        ref = logp.detach()
-        rho = torch.exp(logp - old)
-        surr = torch.minimum(rho * adv, rho.clamp(0.8, 1.2) * adv)
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
-        per_tok = -surr + 0.04 * kl
-        loss = per_tok.sum() / per_tok.numel()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        detail = {"loss": loss.item(), "grad_norm": grad_norm.item()}
+        step_s = []
+        # VS_TORCH_STEPS=N repeats the step on the same batch: step 1 allocates the gradients
+        # and moments (first touch of every page), later steps show the steady state.
+        for _ in range(int(os.environ.get("VS_TORCH_STEPS", "1"))):
+            ts = time.perf_counter()
+            opt.zero_grad()
+            # logits at positions 15..62 predict the 48 response tokens
+            logits = model(input_ids=ids, logits_to_keep=49).logits[:, :-1]
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 16:, None])[..., 0]
+            old = logp.detach()
+            ref = logp.detach()
+            rho = torch.exp(logp - old)
+            surr = torch.minimum(rho * adv, rho.clamp(0.8, 1.2) * adv)
+            kl = torch.exp(ref - logp) - (ref - logp) - 1
+            per_tok = -surr + 0.04 * kl
+            loss = per_tok.sum() / per_tok.numel()
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step_s.append(time.perf_counter() - ts)
+        detail = {"loss": loss.item(), "grad_norm": grad_norm.item(), "step_s": step_s}
     elif task == "logits":
         with torch.no_grad():
             z = model(input_ids=torch.tensor([tokens(7, 64, v)])).logits

@@ -11,6 +11,8 @@
 #               docs/performance.md is only written for the full 28 layers unless --doc.
 #   --only T    run only workload T; --sides ours re-runs only our side (the table then reuses
 #               PyTorch's last results from target/vs_torch/log-lN).
+#   VS_TORCH_STEPS=N (environment) repeats the GRPO step N times on both sides: step 1 touches
+#               the gradients and moments for the first time, later ones are the steady state.
 # Needs python3 (with venv), cargo and /usr/bin/time. The venv is .venv-bench in the repository
 # (ignored by git), with pinned versions from PyPI; the model is built once under
 # target/vs_torch/ (about 1.2 GB on disk for 28 layers).
@@ -114,7 +116,9 @@ ratios = []
 for task, r in rows:
     for side in ("torch", "ours"):
         j = r[side]
-        res = {"grpo": lambda j: f"loss {j['loss']:.6g}, grad norm {j['grad_norm']:.5g}",
+        steps = lambda j: ("" if len(j.get("step_s", [])) < 2 else
+                           ", steps " + " / ".join(f"{x:.2f}" for x in j["step_s"]) + " s")
+        res = {"grpo": lambda j: f"loss {j['loss']:.6g}, grad norm {j['grad_norm']:.5g}{steps(j)}",
                "logits": lambda j: f"Σ logits {j['logits_sum']:.6g}",
                "generate": lambda j: f"{j['tok_per_s']:.1f} tok/s, first {j['first'][:4]}"}[task](j)
         name = "PyTorch" if side == "torch" else "ours"
