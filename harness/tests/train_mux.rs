@@ -1,7 +1,7 @@
 //! Tail multiplexing in `train` (`rollout.multiplex`): engines compute the KL reference
 //! log-probs of dispatched groups, and the run ends with the same weights, bit for bit, as
 //! the same run without it.
-use std::path::PathBuf;
+use std::path::Path;
 
 use rolloutpipe_backends::Weights;
 use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig, run};
@@ -82,7 +82,7 @@ fn mux_groups(o: &RunOutcome) -> u32 {
     o.metrics.iter().map(|m| m.mux_groups).sum()
 }
 
-fn trace_mux_spans(dir: &PathBuf) -> usize {
+fn trace_mux_spans(dir: &Path) -> usize {
     let t = std::fs::read_to_string(dir.join("trace.json")).unwrap();
     t.matches("\"multiplexed\"").count()
 }

@@ -246,9 +246,9 @@ fn remote_engines_refuse_tail_multiplexing_in_one_line() {
         .unwrap();
     cfg.validate().unwrap();
     let lb = Loopback::new(&cfg);
-    let e = run_with_transport(&cfg, &dir("mux-remote"), FRESH, &lb.transport())
-        .err()
-        .expect("a remote run with rollout.multiplex must be refused");
+    let Err(e) = run_with_transport(&cfg, &dir("mux-remote"), FRESH, &lb.transport()) else {
+        panic!("a remote run with rollout.multiplex must be refused");
+    };
     let msg = format!("{e:#}");
     assert!(msg.contains("rollout.multiplex"), "{msg}");
     assert_eq!(msg.lines().count(), 1, "{msg}");
