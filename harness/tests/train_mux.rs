@@ -78,6 +78,15 @@ fn bits(w: &Weights) -> Vec<(String, Vec<u32>)> {
     v
 }
 
+/// Per step, the bits of the KL and loss sums: they take every reference log-prob in, so they
+/// see a change the weights can round away (one ulp of one log-prob).
+fn kl_loss_bits(o: &RunOutcome) -> Vec<(u64, u64)> {
+    o.metrics
+        .iter()
+        .map(|m| (m.kl.to_bits(), m.loss.to_bits()))
+        .collect()
+}
+
 fn mux_groups(o: &RunOutcome) -> u32 {
     o.metrics.iter().map(|m| m.mux_groups).sum()
 }
@@ -113,6 +122,7 @@ fn multiplexed_reference_passes_leave_the_weights_bit_identical() {
         let kl: f64 = plain.metrics.iter().map(|m| m.kl).sum();
         assert!(kl > 0.0, "{mode}: the KL term is live");
         let target = bits(&plain.weights);
+        let target_kl = kl_loss_bits(&plain);
         // Every run, with whatever share of the passes on engines, ends bit-identical.
         let mux = go_until_multiplexed(
             &cfg(mode, &["rollout.multiplex=true"]),
@@ -122,6 +132,11 @@ fn multiplexed_reference_passes_leave_the_weights_bit_identical() {
                 assert!(
                     bits(&o.weights) == target,
                     "{mode}: {n} multiplexed groups changed the weights"
+                );
+                assert_eq!(
+                    kl_loss_bits(o),
+                    target_kl,
+                    "{mode}: {n} multiplexed groups changed the KL or the loss"
                 );
             },
         );
