@@ -94,7 +94,7 @@ impl Phase<'_, '_> {
         }
         let group = self.dispatched.get(index).map_or(0, |g| g.group.0);
         self.ctx.trace.complete(
-            &format!("ref log-probs g{group}"),
+            &format!("ref log-probs s{step}/g{group}"),
             "multiplexed",
             PID_ENGINES,
             engine as u32,
