@@ -549,8 +549,10 @@ impl TrainConfig {
                 ensure!(v >= 1, "{name} must be at least 1");
             }
             // Weights, gradients and two AdamW moments in the trainer, a copy per engine, the
-            // evaluator, a reference and the checkpoint being written.
-            let copies = 4 + u128::from(self.rollout.engines) + 3;
+            // evaluator, a reference and the checkpoint being written; with multiplexing, a
+            // reference per engine as well.
+            let engine_copies = if self.rollout.multiplex { 2 } else { 1 };
+            let copies = 4 + engine_copies * u128::from(self.rollout.engines) + 3;
             let mc = self.model_config(256);
             check_model_fits(
                 &mc,
