@@ -24,6 +24,8 @@ common=(--set run.eval_every=0 --set run.checkpoint_every=0 --set run.eval_probl
   --set rl.beta=0.05 --set rl.batch_groups=8 --set rl.micro_batch=1
   --set "rollout.engines=${ENGINES:-1}"
   --set "rl.max_new_tokens=${MAXTOK:-192}" --set "rl.temperature=${TEMP:-8.0}" --set task.format_penalty=0.5)
+# SUMMARY_ONLY=1: only print the summary of the runs already in OUT.
+if [ -z "${SUMMARY_ONLY:-}" ]; then
 if [ ! -f "$out/sft/sft/model.safetensors" ]; then
   nice -n 10 "$bin" train --out "$out/sft" --force --mode sync "${common[@]}" \
     --set sft.steps=300 --set run.steps=1 >/dev/null 2>&1
@@ -39,6 +41,7 @@ for r in $(seq 1 "$reps"); do
     echo "done $v rep$r" >&2
   done
 done
+fi
 python3 - "$out" "$reps" <<'PY'
 import json, statistics as st, sys
 out, reps = sys.argv[1], int(sys.argv[2])
@@ -62,5 +65,14 @@ busy = [m["train_busy_s"] / p["train_busy_s"] - 1 for p, m in zip(rows["plain"],
 print("mux vs plain rolloutpipe, paired per repeat: r2t " + ", ".join(f"{x:+.1%}" for x in pair)
       + f" (median {st.median(pair):+.1%}); trainer busy " + ", ".join(f"{x:+.1%}" for x in busy)
       + f" (median {st.median(busy):+.1%})")
+import random
+rng = random.Random(1)
+def ci(xs):
+    b = sorted(st.median(rng.choices(xs, k=len(xs))) for _ in range(10000))
+    return b[250], b[9749]
+for name, xs in [("r2t", pair), ("trainer busy", busy)]:
+    lo, hi = ci(xs)
+    print(f"{name}: 95% percentile-bootstrap interval of the paired median (10,000 resamples): "
+          f"{lo:+.1%} to {hi:+.1%}")
 print(f"rollout share of a sync step: {med['sync']['rollout_s'] / med['sync']['rollout_to_train_end_s']:.2f}")
 PY
