@@ -6,7 +6,7 @@
 //! folded into one scale so the raw sums are never rewritten (they stay readable for tests and
 //! `--save-grads`).
 
-use crate::cpu::ops::{adamw_step, grad_norm};
+use crate::cpu::ops::{adamw_first_step, adamw_step, grad_norm};
 use crate::error::{BackendError, Result};
 
 /// Optimizer settings (torch's AdamW defaults, plus clipping and decay options).
@@ -142,17 +142,21 @@ pub fn step(
         Some(c) => (c / (norm + 1e-6)).min(1.0),
         None => 1.0,
     };
-    if state.m.len() != params.len() {
+    // Fresh moments are all zero and, allocated zeroed, not yet touched: the first step
+    // writes them without reading them (`adamw_first_step`, same bits).
+    let fresh = state.m.len() != params.len();
+    if fresh {
         state.m = vec![0.0; params.len()];
         state.v = vec![0.0; params.len()];
         state.step = 0;
     }
     state.step += 1;
     let scale = (clip / normalizer) as f32;
+    let update = if fresh { adamw_first_step } else { adamw_step };
     for g in groups {
         let r = g.offset..g.offset + g.len;
         let wd = if g.decay { opt.weight_decay } else { 0.0 };
-        adamw_step(
+        update(
             &mut params[r.clone()],
             &grads[r.clone()],
             &mut state.m[r.clone()],

@@ -543,7 +543,13 @@ impl Trainer for CpuBackend {
     }
 
     fn zero_grad(&mut self) -> Result<()> {
-        self.grads.fill(0.0);
+        use rayon::prelude::*;
+        let grads = &mut self.grads;
+        self.pool.install(|| {
+            grads
+                .par_chunks_mut(ops::PAR_CHUNK)
+                .for_each(|c| c.fill(0.0))
+        });
         Ok(())
     }
 
@@ -554,7 +560,16 @@ impl Trainer for CpuBackend {
         let stats = self
             .pool
             .install(|| model.accumulate(batch, obj, acts, Some(grads)))?;
-        if grads.iter().any(|g| !g.is_finite()) {
+        let finite = {
+            use rayon::prelude::*;
+            let grads: &[f32] = grads;
+            self.pool.install(|| {
+                grads
+                    .par_chunks(ops::PAR_CHUNK)
+                    .all(|c| c.iter().all(|g| g.is_finite()))
+            })
+        };
+        if !finite {
             return Err(BackendError::non_finite(
                 "gradient sums after this micro-batch (overflow); call zero_grad before reusing them",
             ));
@@ -571,14 +586,9 @@ impl Trainer for CpuBackend {
         let groups = self.model.layout.param_groups(opt.exclude_norms_from_decay);
         let model =
             Arc::get_mut(&mut self.model).ok_or(BackendError::StepInFlight("optimizer_step"))?;
-        optim::step(
-            &mut model.params,
-            &self.grads,
-            &mut self.opt,
-            &groups,
-            normalizer,
-            opt,
-        )
+        let (grads, state) = (&self.grads, &mut self.opt);
+        self.pool
+            .install(|| optim::step(&mut model.params, grads, state, &groups, normalizer, opt))
     }
 
     fn gradients(&self) -> Result<Weights> {
