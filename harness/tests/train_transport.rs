@@ -238,3 +238,18 @@ fn half_storage_engines_run_in_process_and_remote_alike() {
         .count();
     assert!(rounded > 0, "the trainer's weights are not bf16-rounded");
 }
+
+#[test]
+fn remote_engines_refuse_tail_multiplexing_in_one_line() {
+    let cfg = tiny(Mode::Rolloutpipe, 1)
+        .with_overrides(&["rl.beta=0.1".into(), "rollout.multiplex=true".into()])
+        .unwrap();
+    cfg.validate().unwrap();
+    let lb = Loopback::new(&cfg);
+    let Err(e) = run_with_transport(&cfg, &dir("mux-remote"), FRESH, &lb.transport()) else {
+        panic!("a remote run with rollout.multiplex must be refused");
+    };
+    let msg = format!("{e:#}");
+    assert!(msg.contains("rollout.multiplex"), "{msg}");
+    assert_eq!(msg.lines().count(), 1, "{msg}");
+}

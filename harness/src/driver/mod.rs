@@ -15,7 +15,8 @@
 //! The simulator implements [`Workers`] with its virtual clock and event queue, `train` with
 //! its transport and an `Instant`. What differs between them for real (the simulator's
 //! SGLang engine model, routing, multiplexing and migration; train's least-loaded engine
-//! pick, one-step-off's buffered batch) stays in the implementations.
+//! pick, its multiplexing of the KL reference pass (`train::mux`), one-step-off's buffered
+//! batch) stays in the implementations.
 pub mod metrics;
 
 use anyhow::{Result, anyhow};

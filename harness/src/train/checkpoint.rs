@@ -92,6 +92,8 @@ pub(super) fn restore_group(g: SavedGroup) -> GroupBatch {
                 correct: s.correct,
             })
             .collect(),
+        // One-step-off's pending batches: that mode does not multiplex.
+        ref_logprobs: None,
     }
 }
 

@@ -289,6 +289,13 @@ pub struct RolloutSection {
     /// Absent from run directories written before it existed, which used f32.
     #[serde(default = "default_engine_dtype")]
     pub dtype: String,
+    /// Tail multiplexing (`rl.beta > 0`, on-policy modes): an engine with no request running
+    /// and none waiting to be admitted computes the KL reference log-probs of a dispatched
+    /// group whose micro-batch has not started, with its own f32 CPU copy of the reference
+    /// weights; the trainer skips its reference pass for those samples. Absent from run
+    /// directories written before it existed, which did not multiplex.
+    #[serde(default)]
+    pub multiplex: bool,
 }
 
 /// A `rollout.dtype` value (`f32`, `bf16`, `f16`) as the backends' [`DType`].
@@ -320,6 +327,10 @@ pub struct FaultSection {
     /// Engine 0 fails (loses every request it runs and stops) when it is handed its N-th
     /// request; 0 = never.
     pub fail_engine_at_request: u64,
+    /// Engines add 1e-3 to the first reference log-prob of every group they multiplex (to show
+    /// that the equivalence test sees a wrong engine pass); needs `rollout.multiplex`.
+    #[serde(default)]
+    pub perturb_mux: bool,
 }
 
 impl TrainConfig {
@@ -463,6 +474,23 @@ impl TrainConfig {
             self.trainer.threads >= 1 && ro.threads_per_engine >= 1,
             "trainer.threads and rollout.threads_per_engine must be at least 1"
         );
+        if ro.multiplex {
+            ensure!(
+                rl.beta > 0.0,
+                "rollout.multiplex needs rl.beta > 0: the KL reference pass is the only \
+                 forward-only work the trainer has (old log-probs come from its training forward \
+                 or from the rollout)"
+            );
+            ensure!(
+                r.mode != Mode::OneStepOff,
+                "rollout.multiplex needs an on-policy mode (sync, cgp or rolloutpipe): one-step-off \
+                 buffers each micro-batch at dispatch, so no dispatched group waits for the trainer"
+            );
+        }
+        ensure!(
+            !self.fault.perturb_mux || ro.multiplex,
+            "fault.perturb_mux needs rollout.multiplex = true"
+        );
         if self.fault.fail_engine_at_request > 0 {
             ensure!(
                 ro.engines >= 2,
@@ -521,8 +549,10 @@ impl TrainConfig {
                 ensure!(v >= 1, "{name} must be at least 1");
             }
             // Weights, gradients and two AdamW moments in the trainer, a copy per engine, the
-            // evaluator, a reference and the checkpoint being written.
-            let copies = 4 + u128::from(self.rollout.engines) + 3;
+            // evaluator, a reference and the checkpoint being written; with multiplexing, a
+            // reference per engine as well.
+            let engine_copies = if self.rollout.multiplex { 2 } else { 1 };
+            let copies = 4 + engine_copies * u128::from(self.rollout.engines) + 3;
             let mc = self.model_config(256);
             check_model_fits(
                 &mc,

@@ -36,6 +36,8 @@ pub(super) struct EngineHandle {
     pub(super) running: u32,
     /// Holding at least one request since (for the engines' busy time).
     pub(super) busy_from: Option<Instant>,
+    /// Computing a multiplexed reference pass (`rollout.multiplex`).
+    pub(super) mux_busy: bool,
 }
 
 /// The scheduler thread's state across steps: the workers' channels, the data, the trace and

@@ -210,6 +210,17 @@ impl Phase<'_, '_> {
                 let held = i64::from(self.ctx.engines[e].running);
                 self.ctx.engine_running(e, -held);
             }
+            Event::RefLogprobs {
+                engine,
+                step,
+                index,
+                logprobs,
+                started,
+                ended,
+            } => {
+                let span = (self.ctx.us(started), self.ctx.us(ended));
+                self.on_ref_logprobs(engine, step, index, logprobs, span);
+            }
             Event::Synced { .. } => bail!("an engine synced in the middle of a step"),
             Event::Trainer(_) | Event::Fatal(_) => bail!("unexpected worker event"),
         }

@@ -73,6 +73,13 @@ pub struct StepMetrics {
     pub rollout_idle_s: f64,
     /// Trainer busy time on this step's batch, s.
     pub train_busy_s: f64,
+    /// Tail multiplexing (`rollout.multiplex`): groups whose KL reference log-probs a rollout
+    /// engine computed and the trainer used.
+    #[serde(default)]
+    pub mux_groups: u32,
+    /// Engine seconds spent on multiplexed reference passes, late (dropped) ones included.
+    #[serde(default)]
+    pub mux_s: f64,
     /// Weight sync after the step, s.
     pub sync_s: f64,
     /// Response tokens generated (aborted and discarded included).

@@ -122,6 +122,14 @@ pub(super) struct Phase<'a, 'c> {
     pub(super) occupancy: Occupancy,
     /// Rewarded samples waiting for the core's answer.
     pub(super) scoring: HashMap<RequestId, (Sample, bool)>,
+    /// Tail multiplexing: per dispatched group, its reference pass on an engine.
+    pub(super) mux: Vec<super::mux::MuxPass>,
+    /// Dispatched groups before this index are in a micro-batch the trainer was given.
+    pub(super) started_upto: usize,
+    /// Groups whose multiplexed reference log-probs the trainer used.
+    pub(super) mux_groups: u32,
+    /// Engine seconds spent on multiplexed reference passes (used or late).
+    pub(super) mux_s: f64,
 }
 
 impl<'a, 'c> Phase<'a, 'c> {
@@ -162,6 +170,10 @@ impl<'a, 'c> Phase<'a, 'c> {
             core_done: false,
             occupancy,
             scoring: HashMap::new(),
+            mux: Vec::new(),
+            started_upto: 0,
+            mux_groups: 0,
+            mux_s: 0.0,
         }
     }
 
@@ -274,9 +286,10 @@ impl Workers for Phase<'_, '_> {
     fn free_slot(&mut self) -> Option<usize> {
         let s = self.ctx.cfg.rollout.slots;
         let engines = &self.ctx.engines;
+        // An engine busy with a multiplexed pass would queue the request behind it.
         (0..engines.len())
             .filter(|&i| engines[i].live && engines[i].running < s)
-            .min_by_key(|&i| engines[i].running)
+            .min_by_key(|&i| (engines[i].running, engines[i].mux_busy))
     }
 
     fn submit(&mut self, _step: u64, e: usize, a: Admission) -> anyhow::Result<()> {
@@ -333,7 +346,9 @@ impl Workers for Phase<'_, '_> {
             group: d.group,
             prompt: g.prompt.clone(),
             samples,
+            ref_logprobs: None,
         });
+        self.mux.push(super::mux::MuxPass::Free);
         Ok(())
     }
 
@@ -355,7 +370,8 @@ impl Workers for Phase<'_, '_> {
     }
 
     fn micro_batch(&mut self, step: u64, mb: MicroBatch) -> anyhow::Result<Work> {
-        let groups = self.groups_of(mb)?;
+        let mut groups = self.groups_of(mb)?;
+        self.take_mux(mb, &mut groups);
         if self.one_off {
             // Trained in the next phase, with the weights this rollout's successor uses.
             self.buffer.push((groups, false));
@@ -377,7 +393,11 @@ impl Workers for Phase<'_, '_> {
     }
 
     /// One-step-off: the trainer worker takes the previous step's buffered micro-batches.
-    fn polled(&mut self, _admissible: bool) -> anyhow::Result<()> {
+    /// Multiplexing: idle engines take reference passes.
+    fn polled(&mut self, admissible: bool) -> anyhow::Result<()> {
+        if !admissible {
+            self.multiplex()?;
+        }
         if self.one_off
             && self.busy == Busy::Idle
             && let Some((groups, ends_opt)) = self.pending.pop_front()
@@ -394,8 +414,13 @@ impl Workers for Phase<'_, '_> {
         Ok(())
     }
 
+    /// A late multiplexed pass is waited for: its engine would finish it before the weight
+    /// sync anyway, and its event belongs to this phase.
     fn finished(&self) -> bool {
-        (!self.rollout_this || self.core_done) && self.busy == Busy::Idle && self.pending.is_empty()
+        (!self.rollout_this || self.core_done)
+            && self.busy == Busy::Idle
+            && self.pending.is_empty()
+            && !self.ctx.engines.iter().any(|e| e.mux_busy)
     }
 
     fn wait(&mut self, reports: &mut Vec<Report>) -> anyhow::Result<bool> {

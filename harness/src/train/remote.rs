@@ -465,6 +465,11 @@ impl Forwarding {
 impl Transport for Forwarding {
     fn start(&self, s: Start<'_>) -> anyhow::Result<Workers> {
         let cfg = s.cfg;
+        anyhow::ensure!(
+            !cfg.rollout.multiplex,
+            "rollout.multiplex is not carried over the wire yet: remote engines have no reference \
+             model; run with the local transport or set rollout.multiplex = false"
+        );
         let link = self.link.clone();
         let publisher = Arc::new(Publisher {
             link: link.clone(),
@@ -619,6 +624,14 @@ impl EngineProxy {
                         if !self.dead {
                             cancels.push(rid);
                         }
+                    }
+                    EngineCmd::RefLogprobs { .. } => {
+                        // `Forwarding::start` refuses `rollout.multiplex`, so this is a bug.
+                        self.emit(Event::Fatal(format!(
+                            "remote engine {}: multiplexed reference passes do not cross the wire",
+                            self.engine
+                        )));
+                        return;
                     }
                     EngineCmd::Sync {
                         master, version, ..

@@ -228,6 +228,7 @@ pub fn run_with_transport(
             live: true,
             running: 0,
             busy_from: None,
+            mux_busy: false,
         })
         .collect();
     let (vtx, ttx) = (workers.verify, workers.trainer);

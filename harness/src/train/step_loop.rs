@@ -128,6 +128,8 @@ impl Ctx<'_> {
                 prev,
                 mut buffer,
                 mut occupancy,
+                mux_groups,
+                mux_s,
                 ..
             } = phase;
             // Step boundary: weight sync, then metrics, evaluation and checkpoint.
@@ -188,6 +190,8 @@ impl Ctx<'_> {
                     ),
                     extended: ro.extended,
                     skipped: c.filtered_skipped,
+                    mux_groups,
+                    mux_s,
                     ..Default::default()
                 };
                 occupancy.stop(final_at);

@@ -357,17 +357,40 @@ fn train_micro_batch(
         }
     }
     if let Some(reference) = setup.reference.as_mut() {
-        let seqs: Vec<Sequence> = batch
-            .sequences
-            .iter()
-            .map(|s| Sequence {
-                prompt: s.prompt.clone(),
-                response: s.response.clone(),
-            })
-            .collect();
-        let lps = reference.as_dyn().logprobs(&seqs, setup.temperature)?;
-        for (s, lp) in batch.sequences.iter_mut().zip(lps) {
-            s.ref_logprobs = Some(lp);
+        // Groups a rollout engine multiplexed carry their reference log-probs (the same
+        // weights and batch-invariant kernels, so the same bits); the rest are computed here,
+        // in one pass. Either way each sequence's values enter the update once.
+        let mut seq_of = batch.sequences.iter_mut();
+        let mut missing = Vec::new();
+        for g in &groups {
+            for i in 0..g.samples.len() {
+                let Some(seq) = seq_of.next() else { break };
+                match g.ref_logprobs.as_ref().and_then(|r| r.get(i)) {
+                    Some(lp) if lp.len() == seq.response.len() => {
+                        seq.ref_logprobs = Some(lp.clone())
+                    }
+                    Some(lp) => anyhow::bail!(
+                        "group {}: {} multiplexed reference log-probs for a {}-token response",
+                        g.group,
+                        lp.len(),
+                        seq.response.len()
+                    ),
+                    None => missing.push(seq),
+                }
+            }
+        }
+        if !missing.is_empty() {
+            let seqs: Vec<Sequence> = missing
+                .iter()
+                .map(|s| Sequence {
+                    prompt: s.prompt.clone(),
+                    response: s.response.clone(),
+                })
+                .collect();
+            let lps = reference.as_dyn().logprobs(&seqs, setup.temperature)?;
+            for (s, lp) in missing.into_iter().zip(lps) {
+                s.ref_logprobs = Some(lp);
+            }
         }
     }
     let stats = backend.as_dyn().accumulate(&batch, &setup.objective)?;

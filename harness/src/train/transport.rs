@@ -17,8 +17,8 @@ use rolloutpipe_backends::{ModelConfig, SyncTarget, Weights};
 use super::config::TrainConfig;
 use super::steps::trainer_setup;
 use super::workers::{
-    EngineCmd, Event, TrainCmd, VerifyJob, engine_thread, make_engine, make_trainer,
-    trainer_thread, verifier_thread,
+    EngineCmd, EngineReference, Event, TrainCmd, VerifyJob, engine_thread, make_engine,
+    make_trainer, trainer_thread, verifier_thread,
 };
 use crate::tasks::{Task, Tokenizer};
 
@@ -88,13 +88,15 @@ impl Transport for Local {
             )
             .with_context(|| format!("rollout engine {e}"))?;
             let target = be.sync_target();
+            let reference = engine_reference(cfg, s.model_cfg, s.reference)
+                .with_context(|| format!("rollout engine {e}: reference model"))?;
             let (tx, rx) = mpsc::channel();
             let events = s.events.clone();
             let fail = fail_at(cfg, e);
             handles.push(
                 std::thread::Builder::new()
                     .name(format!("engine-{e}"))
-                    .spawn(move || engine_thread(e, be, rx, events, fail))?,
+                    .spawn(move || engine_thread(e, be, rx, events, fail, reference))?,
             );
             engines.push(EngineLink {
                 tx,
@@ -135,6 +137,24 @@ impl Transport for Local {
             trainer: ttx,
             handles,
         })
+    }
+}
+
+/// An engine's reference model when the run multiplexes (`rollout.multiplex`, `rl.beta > 0`):
+/// the trainer's reference weights on an f32 CPU backend of its own (4 bytes per parameter per
+/// engine), whatever `run.backend` and `rollout.dtype` are, so that its log-probs are the
+/// trainer's bit for bit.
+pub fn engine_reference(
+    cfg: &TrainConfig,
+    model_cfg: &ModelConfig,
+    reference: Option<&Weights>,
+) -> anyhow::Result<Option<EngineReference>> {
+    match reference {
+        Some(r) if cfg.rollout.multiplex => Ok(Some(EngineReference {
+            backend: make_trainer("cpu", model_cfg, r, cfg.rollout.threads_per_engine)?,
+            perturb: cfg.fault.perturb_mux,
+        })),
+        _ => Ok(None),
     }
 }
 

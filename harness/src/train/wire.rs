@@ -395,6 +395,8 @@ impl From<WireGroup> for GroupBatch {
                     correct: s.correct,
                 })
                 .collect(),
+            // Multiplexed passes never cross the wire (the remote transport refuses them).
+            ref_logprobs: None,
         }
     }
 }

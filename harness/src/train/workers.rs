@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use rolloutpipe_backends::optim::AdamState;
 use rolloutpipe_backends::{
     AccumStats, AdamW, Aggregation, CpuBackend, DType, ModelConfig, Objective, OptStats, Policy,
-    RolloutEngine, SamplingParams, StdMode, SyncTarget, Trainer, WeightSnapshot, Weights,
+    RolloutEngine, SamplingParams, Sequence, StdMode, SyncTarget, Trainer, WeightSnapshot, Weights,
 };
 use rolloutpipe_core::{GroupId, PolicyVersion, RequestId};
 
@@ -190,6 +190,9 @@ pub struct GroupBatch {
     pub prompt: Arc<Vec<u32>>,
     /// Its samples, by sample index.
     pub samples: Vec<Sample>,
+    /// The KL reference log-probs of each sample's response, when a rollout engine computed
+    /// them (tail multiplexing); the trainer computes the missing ones itself.
+    pub ref_logprobs: Option<Vec<Vec<f32>>>,
 }
 
 /// Scheduler → engine.
@@ -214,6 +217,18 @@ pub enum EngineCmd {
         master: Arc<Weights>,
         /// Their version.
         version: PolicyVersion,
+    },
+    /// Tail multiplexing: compute the KL reference log-probs of a dispatched group's
+    /// sequences with the engine's reference model.
+    RefLogprobs {
+        /// The step whose group it is.
+        step: u64,
+        /// The group's position in the step's dispatch order.
+        index: usize,
+        /// Its sequences, by sample index.
+        seqs: Vec<Sequence>,
+        /// The sampling temperature the log-probs are taken at.
+        temperature: f32,
     },
     /// Stop the thread.
     Shutdown,
@@ -286,6 +301,21 @@ pub enum Event {
         /// Time spent verifying.
         latency: Duration,
     },
+    /// A multiplexed reference pass finished ([`EngineCmd::RefLogprobs`]).
+    RefLogprobs {
+        /// Engine.
+        engine: u16,
+        /// The step whose group it is.
+        step: u64,
+        /// The group's position in the step's dispatch order.
+        index: usize,
+        /// Per sample, its response tokens' reference log-probs.
+        logprobs: Vec<Vec<f32>>,
+        /// Start.
+        started: Instant,
+        /// End.
+        ended: Instant,
+    },
     /// The trainer finished a command.
     Trainer(TrainerReply),
     /// A worker hit an error it cannot recover from.
@@ -324,13 +354,42 @@ pub enum TrainerReply {
     Exported(Arc<Weights>, Option<AdamState>),
 }
 
-/// Runs one rollout engine until `Shutdown`.
+/// An engine's reference model for tail multiplexing (`rollout.multiplex`): an f32 CPU
+/// backend over the trainer's reference weights, never synced.
+pub struct EngineReference {
+    /// The backend.
+    pub backend: TrainerBackend,
+    /// `fault.perturb_mux`: add 1e-3 to each group's first log-prob (tests only).
+    pub perturb: bool,
+}
+
+impl EngineReference {
+    /// The reference log-probs of `seqs` at `temperature`: the trainer's own computation
+    /// (same weights, same batch-invariant CPU kernels), so bit-identical to it.
+    pub fn logprobs(
+        &mut self,
+        seqs: &[Sequence],
+        temperature: f32,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let mut lps = self.backend.as_dyn().logprobs(seqs, temperature)?;
+        if self.perturb
+            && let Some(x) = lps.first_mut().and_then(|l| l.first_mut())
+        {
+            *x += 1e-3;
+        }
+        Ok(lps)
+    }
+}
+
+/// Runs one rollout engine until `Shutdown`; `reference` is its reference model when it
+/// multiplexes.
 pub fn engine_thread(
     engine: u16,
     backend: EngineBackend,
     rx: Receiver<EngineCmd>,
     events: Sender<Event>,
     fail_at_request: Option<u64>,
+    mut reference: Option<EngineReference>,
 ) {
     let mut step = EngineStep::new(engine, backend, fail_at_request);
     // When the engine took each running request (for the trace and the request spans).
@@ -363,6 +422,35 @@ pub fn engine_thread(
                     step.add(rid, prompt.as_ref().clone(), params)
                 }
                 EngineCmd::Cancel(rid) => step.cancel(rid),
+                EngineCmd::RefLogprobs {
+                    step: s,
+                    index,
+                    seqs,
+                    temperature,
+                } => {
+                    let Some(r) = reference.as_mut() else {
+                        return fatal(anyhow::anyhow!(
+                            "engine {engine}: a reference pass without a reference model"
+                        ));
+                    };
+                    let started = Instant::now();
+                    match r.logprobs(&seqs, temperature) {
+                        Ok(logprobs) => {
+                            let _ = events.send(Event::RefLogprobs {
+                                engine,
+                                step: s,
+                                index,
+                                logprobs,
+                                started,
+                                ended: Instant::now(),
+                            });
+                            continue;
+                        }
+                        Err(e) => {
+                            return fatal(e.context(format!("engine {engine} reference pass")));
+                        }
+                    }
+                }
                 EngineCmd::Sync {
                     snap,
                     master,

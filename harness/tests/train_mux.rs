@@ -1,0 +1,185 @@
+//! Tail multiplexing in `train` (`rollout.multiplex`): engines compute the KL reference
+//! log-probs of dispatched groups, and the run ends with the same weights, bit for bit, as
+//! the same run without it.
+use std::path::Path;
+
+use rolloutpipe_backends::Weights;
+use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig, run};
+
+/// A tiny run whose schedule is deterministic, so that two runs can be compared bit for bit:
+/// one engine holding every request of the step (its continuous batch, and so the order
+/// groups complete and are dispatched in, does not depend on timing) and no over-sampling
+/// (nothing is drawn while the rollout runs).
+fn cfg(mode: Mode, extra: &[&str]) -> TrainConfig {
+    let base = format!(
+        r#"
+[run]
+seed = 5
+steps = 3
+mode = "{}"
+eval_every = 0
+eval_problems = 8
+test_problems = 0
+checkpoint_every = 0
+progress = false
+[task]
+name = "add"
+digits = 1
+# Malformed answers score below wrong ones, so that groups have mixed rewards.
+format_penalty = 0.5
+[model]
+hidden_size = 32
+intermediate_size = 64
+layers = 1
+heads = 2
+kv_heads = 1
+head_dim = 16
+[sft]
+steps = 100
+batch = 16
+lr = 1e-2
+carry_drop = 0.0
+[rl]
+batch_groups = 4
+group_size = 8
+micro_batch = 1
+max_new_tokens = 6
+lr = 1e-3
+beta = 0.1
+[rollout]
+engines = 1
+slots = 32
+max_groups_factor = 1.0
+"#,
+        mode.name()
+    );
+    let sets: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let c = TrainConfig::from_partial_toml(&base)
+        .unwrap()
+        .with_overrides(&sets)
+        .unwrap();
+    c.validate().unwrap();
+    c
+}
+
+fn go(c: &TrainConfig, name: &str) -> RunOutcome {
+    let d = std::env::temp_dir().join(format!("rp-mux-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    run(c, &d, false).unwrap()
+}
+
+fn bits(w: &Weights) -> Vec<(String, Vec<u32>)> {
+    let mut v: Vec<(String, Vec<u32>)> = w
+        .tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Per step, the bits of the KL and loss sums: they take every reference log-prob in, so they
+/// see a change the weights can round away (one ulp of one log-prob).
+fn kl_loss_bits(o: &RunOutcome) -> Vec<(u64, u64)> {
+    o.metrics
+        .iter()
+        .map(|m| (m.kl.to_bits(), m.loss.to_bits()))
+        .collect()
+}
+
+fn mux_groups(o: &RunOutcome) -> u32 {
+    o.metrics.iter().map(|m| m.mux_groups).sum()
+}
+
+fn trace_mux_spans(dir: &Path) -> usize {
+    let t = std::fs::read_to_string(dir.join("trace.json")).unwrap();
+    t.matches("\"multiplexed\"").count()
+}
+
+/// Which groups an engine gets to depends on timing (the trainer may overtake a pass on a
+/// loaded machine), so a run is repeated, up to 4 times, until engines multiplexed some.
+fn go_until_multiplexed(c: &TrainConfig, name: &str, each: impl Fn(&RunOutcome)) -> RunOutcome {
+    for i in 0..4 {
+        let o = go(c, &format!("{name}-{i}"));
+        each(&o);
+        if mux_groups(&o) > 0 {
+            return o;
+        }
+    }
+    panic!("{name}: in 4 runs no reference pass was used from an engine");
+}
+
+#[test]
+fn multiplexed_reference_passes_leave_the_weights_bit_identical() {
+    for mode in [Mode::Sync, Mode::Rolloutpipe] {
+        let plain = go(&cfg(mode, &[]), &format!("{mode}-plain"));
+        assert_eq!(mux_groups(&plain), 0);
+        let trained: Vec<u32> = plain.metrics.iter().map(|m| m.trained).collect();
+        assert!(
+            trained.iter().all(|&t| t >= 2),
+            "{mode}: trained {trained:?}"
+        );
+        let kl: f64 = plain.metrics.iter().map(|m| m.kl).sum();
+        assert!(kl > 0.0, "{mode}: the KL term is live");
+        let target = bits(&plain.weights);
+        let target_kl = kl_loss_bits(&plain);
+        // Every run, with whatever share of the passes on engines, ends bit-identical.
+        let mux = go_until_multiplexed(
+            &cfg(mode, &["rollout.multiplex=true"]),
+            &format!("{mode}-mux"),
+            |o| {
+                let n = mux_groups(o);
+                assert!(
+                    bits(&o.weights) == target,
+                    "{mode}: {n} multiplexed groups changed the weights"
+                );
+                assert_eq!(
+                    kl_loss_bits(o),
+                    target_kl,
+                    "{mode}: {n} multiplexed groups changed the KL or the loss"
+                );
+            },
+        );
+        let n = mux_groups(&mux);
+        assert!(mux.metrics.iter().all(|m| m.mux_s >= 0.0));
+        assert!(mux.metrics.iter().any(|m| m.mux_s > 0.0), "{mode}");
+        assert!(trace_mux_spans(&mux.dir) >= n as usize, "{mode}: trace");
+        let lines = std::fs::read_to_string(mux.dir.join("metrics.jsonl")).unwrap();
+        assert!(lines.contains("\"mux_groups\"") && lines.contains("\"mux_s\""));
+        if mode == Mode::Rolloutpipe {
+            // A wrong engine pass (1e-3 on one log-prob per group) is seen.
+            let bad = go_until_multiplexed(
+                &cfg(mode, &["rollout.multiplex=true", "fault.perturb_mux=true"]),
+                &format!("{mode}-bad"),
+                |_| {},
+            );
+            assert!(
+                bits(&bad.weights) != target,
+                "{mode}: a perturbed engine pass left the weights unchanged"
+            );
+        }
+    }
+}
+
+#[test]
+fn multiplexing_refuses_what_it_cannot_do() {
+    let base = cfg(Mode::Rolloutpipe, &[]);
+    for (sets, want) in [
+        (vec!["rollout.multiplex=true", "rl.beta=0"], "rl.beta > 0"),
+        (
+            vec![
+                "rollout.multiplex=true",
+                "run.mode=one-step-off",
+                "rl.old_logprobs=rollout",
+            ],
+            "on-policy mode",
+        ),
+        (vec!["fault.perturb_mux=true"], "needs rollout.multiplex"),
+    ] {
+        let s: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let c = base.clone().with_overrides(&s).unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains(want), "{sets:?}: {e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+    }
+}
