@@ -227,8 +227,10 @@ fn helpers_are_written_once_and_preludes_used() {
             .to_string();
         let weight_format = WeightFormat::ALL.iter().any(|f| f.prelude() == stem);
         assert!(
-            Kernel::ALL.iter().any(|k| k.preludes().contains(&stem.as_str())
-                || (weight_format && k.reads_weights())),
+            Kernel::ALL
+                .iter()
+                .any(|k| k.preludes().contains(&stem.as_str())
+                    || (weight_format && k.reads_weights())),
             "prelude {stem} is used by no kernel"
         );
     }
