@@ -278,3 +278,47 @@ fn an_f16_value_out_of_range_is_refused_naming_its_tensor() {
     // bf16 has f32's range: the same weights load.
     WgpuBackend::with_gpu_dtype(g, &cfg, &bad, DType::Bf16).unwrap();
 }
+
+/// The weight buffers' bytes as `WgpuBackend::with_dtype` allocates them, computed from the
+/// same function (`param_buffer_bytes`) without a device: the default model and Qwen3-0.6B's
+/// shape. 16-bit storage halves every 2-D tensor; the f32 norm weights stay.
+#[test]
+fn weight_buffer_bytes_halve_at_the_default_model_and_qwen3_0_6b() {
+    use rolloutpipe_backends::cpu::model::Layout;
+    use rolloutpipe_backends::wgpu::model::param_buffer_bytes;
+    use rolloutpipe_kernels::WeightFormat;
+    let qwen3_0_6b = ModelConfig {
+        vocab_size: 151_936,
+        hidden_size: 1024,
+        intermediate_size: 3072,
+        num_hidden_layers: 28,
+        num_attention_heads: 16,
+        num_key_value_heads: 8,
+        head_dim: 128,
+        tie_word_embeddings: true,
+        max_position_embeddings: 40_960,
+        rope_theta: 1e6,
+        ..ModelConfig::small()
+    };
+    for (what, cfg, f32_bytes, bf16_bytes) in [
+        (
+            "default model",
+            ModelConfig::small(),
+            3_184_128u64,
+            1_594_880u64,
+        ),
+        ("Qwen3-0.6B", qwen3_0_6b, 2_384_199_680, 1_192_230_912),
+    ] {
+        let layout = Layout::new(&cfg);
+        let (f, b, h) = (
+            param_buffer_bytes(&layout, WeightFormat::F32),
+            param_buffer_bytes(&layout, WeightFormat::Bf16),
+            param_buffer_bytes(&layout, WeightFormat::F16),
+        );
+        eprintln!(
+            "{what}: f32 {f} B, bf16 {b} B ({:.4}x), f16 {h} B",
+            b as f64 / f as f64
+        );
+        assert_eq!((f, b, h), (f32_bytes, bf16_bytes, bf16_bytes), "{what}");
+    }
+}
