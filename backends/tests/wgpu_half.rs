@@ -12,11 +12,12 @@
 mod check;
 #[path = "support/device.rs"]
 mod device;
+#[path = "support/half.rs"]
+mod half_weights;
 
 use std::sync::Arc;
 
 use check::{assert_close, tol};
-use half::{bf16, f16};
 use rolloutpipe_backends::wgpu::{Gpu, WgpuBackend};
 use rolloutpipe_backends::*;
 
@@ -39,31 +40,10 @@ fn odd() -> ModelConfig {
     }
 }
 
-/// Random weights scaled so that logits are peaked (sampling is then sensitive to any
-/// difference), with norm weights away from 1; and the same rounded to `dtype`.
+/// Peaked random weights and the same rounded to `dtype`: `(raw, rounded)`.
 fn weights(cfg: &ModelConfig, seed: u64, dtype: DType) -> (Weights, Weights) {
-    let mut w = Weights::random(cfg, seed).unwrap();
-    for (name, t) in w.tensors.iter_mut() {
-        if name.ends_with("norm.weight") {
-            t.data
-                .iter_mut()
-                .enumerate()
-                .for_each(|(i, x)| *x += 0.013 * (i % 7) as f32);
-        } else {
-            t.data.iter_mut().for_each(|x| *x *= 5.0);
-        }
-    }
-    let mut r = w.clone();
-    for t in r.tensors.values_mut() {
-        t.data.iter_mut().for_each(|x| {
-            *x = match dtype {
-                DType::Bf16 => bf16::from_f32(*x).to_f32(),
-                DType::F16 => f16::from_f32(*x).to_f32(),
-                DType::F32 => *x,
-            }
-        });
-    }
-    (w, r)
+    let (rounded, raw) = half_weights::weights_in(cfg, seed, dtype);
+    (raw, rounded)
 }
 
 fn bits(x: &[f32]) -> Vec<u32> {
