@@ -7,7 +7,8 @@
 //!   batch of launches into one submission and waits for the device before the clock stops.
 //! - `wgpu_generate/{wgpu,cpu}/N`: generated tokens/s of the default small model with N
 //!   concurrent requests (16-token prompts, 32 new tokens, prefill included), the same
-//!   workload as `cpu_generate`, with the CPU backend measured in the same run.
+//!   workload as `cpu_generate`, with the CPU backend measured in the same run;
+//!   `wgpu_generate/wgpu_bf16/N` is the same model as a bf16-storage wgpu engine.
 //! - `wgpu_train/{wgpu,cpu}`: tokens/s (prompt + response) of one GRPO optimizer step on
 //!   8 sequences of 16 + 48 tokens (forward, backward, AdamW), as `cpu_train`.
 //!
@@ -367,6 +368,11 @@ fn generate(be: &mut dyn Policy, conc: usize, next: &mut u64) {
 
 fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
     let (mut gpu, mut cpu) = small(g);
+    // The same model as a bf16-storage engine (`WgpuBackend::with_dtype`).
+    let cfg = ModelConfig::small();
+    let w = Weights::random(&cfg, 0).expect("random weights");
+    let mut bf16 =
+        WgpuBackend::with_gpu_dtype(Arc::clone(g), &cfg, &w, DType::Bf16).expect("bf16 engine");
     let mut grp = c.benchmark_group("wgpu_generate");
     grp.sample_size(10)
         .warm_up_time(Duration::from_millis(500))
@@ -379,6 +385,9 @@ fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
         });
         grp.bench_function(BenchmarkId::new("cpu", conc), |b| {
             b.iter(|| generate(cpu.as_mut(), conc, &mut next))
+        });
+        grp.bench_function(BenchmarkId::new("wgpu_bf16", conc), |b| {
+            b.iter(|| generate(&mut bf16, conc, &mut next))
         });
     }
     grp.finish();

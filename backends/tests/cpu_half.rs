@@ -28,41 +28,15 @@ fn mini() -> ModelConfig {
     }
 }
 
-/// `x` rounded to `dtype` and widened back.
-fn round(x: f32, dtype: DType) -> f32 {
-    match dtype {
-        DType::Bf16 => bf16::from_f32(x).to_f32(),
-        DType::F16 => f16::from_f32(x).to_f32(),
-        DType::F32 => x,
-    }
-}
+#[path = "support/half.rs"]
+mod half_weights;
+use half_weights::weights_in;
 
 const HALF: [DType; 2] = [DType::Bf16, DType::F16];
 
-/// Peaked random weights (so sampling is sensitive to any numerical difference), rounded to
-/// bf16 values, and the same weights not rounded.
+/// [`weights_in`] rounded to bf16.
 fn weights(cfg: &ModelConfig, seed: u64) -> (Weights, Weights) {
     weights_in(cfg, seed, DType::Bf16)
-}
-
-/// As [`weights`], rounded to `dtype`.
-fn weights_in(cfg: &ModelConfig, seed: u64, dtype: DType) -> (Weights, Weights) {
-    let mut w = Weights::random(cfg, seed).unwrap();
-    for (name, t) in w.tensors.iter_mut() {
-        if name.ends_with("norm.weight") {
-            t.data
-                .iter_mut()
-                .enumerate()
-                .for_each(|(i, x)| *x += 0.013 * (i % 7) as f32);
-        } else {
-            t.data.iter_mut().for_each(|x| *x *= 6.0);
-        }
-    }
-    let mut r = w.clone();
-    for t in r.tensors.values_mut() {
-        t.data.iter_mut().for_each(|x| *x = round(*x, dtype));
-    }
-    (r, w)
 }
 
 fn request(id: u64, prompt: Vec<u32>, seed: u64, max_new: usize) -> GenRequest {

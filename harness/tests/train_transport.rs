@@ -253,3 +253,28 @@ fn remote_engines_refuse_tail_multiplexing_in_one_line() {
     assert!(msg.contains("rollout.multiplex"), "{msg}");
     assert_eq!(msg.lines().count(), 1, "{msg}");
 }
+
+/// `--backend wgpu --set rollout.dtype="bf16"` trains: the engines are bf16 wgpu engines
+/// (`WgpuBackend::with_dtype`) synced from the f32 wgpu trainer through the host, and one GRPO
+/// step runs with every sample accounted for. Skipped where the machine has no wgpu adapter.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_bf16_engines_train_a_step() {
+    if !matches!(rolloutpipe_backends::wgpu::Gpu::new(), Ok(Some(_))) {
+        eprintln!("SKIP: no wgpu adapter; the wgpu bf16 training run did not run");
+        return;
+    }
+    let cfg = tiny(Mode::Sync, 1)
+        .with_overrides(&[
+            "run.backend=\"wgpu\"".into(),
+            "rollout.dtype=\"bf16\"".into(),
+            // Enough SFT (on the wgpu trainer) that some groups have mixed rewards and train.
+            "sft.steps=24".into(),
+        ])
+        .unwrap();
+    cfg.validate().unwrap();
+    let o = run_with_transport(&cfg, &dir("wgpu-bf16"), FRESH, &Local).unwrap();
+    check_accounting(&o);
+    assert!(o.metrics.iter().any(|m| m.tokens > 0), "nothing generated");
+    assert!(!o.trained.is_empty(), "no sample trained");
+}

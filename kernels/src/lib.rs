@@ -16,6 +16,13 @@
 //! reductions; `lse`: per-row max and log-sum-exp), and [`Kernel::wgsl`] prepends the ones a
 //! kernel lists ([`Kernel::preludes`]) to its file.
 //!
+//! The two kernels that read a parameter matrix, `embedding_fwd` and `matmul_fwd`
+//! ([`Kernel::reads_weights`]), read it through one hook, `weight(i)`, that a `weight_<format>`
+//! prelude defines together with the binding: [`Kernel::wgsl`] is their f32 source and
+//! [`Kernel::wgsl_as`] the same source with the bf16 or f16 prelude instead ([`WeightFormat`]:
+//! pairs of 16-bit values packed in `array<u32>`, widened exactly in registers, on any
+//! adapter). Nothing else of the kernel differs between formats.
+//!
 //! Binding convention shared by every file (the wgpu backend builds its layouts from it):
 //! `@group(0) @binding(0)` is a `Params` uniform of at most [`PARAMS_BYTES`] bytes (bound
 //! with a dynamic offset into one arena), and bindings `1..=storage_bindings()` are storage
@@ -120,7 +127,7 @@ macro_rules! kernels {
 
 kernels! {
     /// `out[n, d] = table[tokens[n], :]`.
-    EmbeddingFwd => "embedding_fwd", ["embedding_fwd"], 3, ro [1, 2], [256, 1, 1], ["embedding_fwd"];
+    EmbeddingFwd => "embedding_fwd" + "weight_f32", ["embedding_fwd"], 3, ro [1, 2], [256, 1, 1], ["embedding_fwd"];
     /// `dtable[tokens[n], :] += dout[n, :]`: each workgroup takes 64 columns of a run of
     /// touched rows and sums each row's positions in order, from a host-sorted index.
     EmbeddingBwd => "embedding_bwd", ["embedding_bwd"], 4, ro [1, 2, 3], [64, 1, 1], ["embedding_bwd"];
@@ -131,7 +138,7 @@ kernels! {
     RmsnormBwd => "rmsnorm_bwd", ["rmsnorm_bwd", "rmsnorm_bwd_dw", "rmsnorm_bwd_dw_reduce"], 7, ro [1, 2, 3, 4], [64, 1, 1], ["rmsnorm_bwd", "rmsnorm_bwd_dw"];
     /// `y = x·Wᵀ`, tiled 128x128 per 16x16 workgroup (the `gemm` prelude); a row-strip
     /// variant for ≤ 8 rows.
-    MatmulFwd => "matmul_fwd" + "gemm", ["matmul_fwd", "matmul_fwd_rows"], 3, ro [1, 2], [16, 16, 1], ["matmul_fwd", "matmul_fwd_f32", "matmul_fwd_cast"];
+    MatmulFwd => "matmul_fwd" + "gemm" + "weight_f32", ["matmul_fwd", "matmul_fwd_rows"], 3, ro [1, 2], [16, 16, 1], ["matmul_fwd", "matmul_fwd_f32", "matmul_fwd_cast"];
     /// `dx = dy·W` and `dW += dyᵀ·x`, the same GEMM body.
     MatmulBwd => "matmul_bwd" + "gemm", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, ro [1, 2, 3], [16, 16, 1], ["matmul_bwd_dx", "matmul_bwd_dw"];
     /// Rotate-half RoPE in place from cos/sin tables.
@@ -162,6 +169,86 @@ kernels! {
     GradNorm => "grad_norm" + "reduce", ["grad_norm", "grad_norm_reduce"], 3, ro [1], [256, 1, 1], ["grad_norm", "grad_norm_reduce"];
     /// Temperature / top-k / top-p sampling from a host-drawn uniform, with the log-prob.
     Sample => "sample" + "reduce", ["sample"], 4, ro [1, 2], [256, 1, 1], ["sample"];
+}
+
+/// How a kernel that reads weights ([`Kernel::reads_weights`]) stores them in its binding 2.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WeightFormat {
+    /// One f32 per value (`array<f32>`).
+    F32,
+    /// bfloat16, two values per `u32` (the even index in the low half); widened by a shift.
+    Bf16,
+    /// IEEE half, two values per `u32` (the even index in the low half); widened by core
+    /// WGSL's `unpack2x16float`: no `shader-f16` needed, only the downlevel capability
+    /// `SHADER_F16_IN_F32` that every Vulkan, Metal and DX12 adapter has.
+    F16,
+}
+
+impl WeightFormat {
+    /// Every format, f32 first.
+    pub const ALL: [WeightFormat; 3] = [WeightFormat::F32, WeightFormat::Bf16, WeightFormat::F16];
+
+    /// The prelude (`kernels/wgsl/prelude/<name>.wgsl`) that declares the binding and its
+    /// `weight(i)` hook.
+    pub const fn prelude(self) -> &'static str {
+        match self {
+            WeightFormat::F32 => "weight_f32",
+            WeightFormat::Bf16 => "weight_bf16",
+            WeightFormat::F16 => "weight_f16",
+        }
+    }
+
+    /// Bytes of one value in the buffer.
+    pub const fn bytes(self) -> usize {
+        match self {
+            WeightFormat::F32 => 4,
+            WeightFormat::Bf16 | WeightFormat::F16 => 2,
+        }
+    }
+}
+
+/// The source of a weight-reading kernel with its `weight_f32` prelude replaced by another
+/// format's; `Kernel::wgsl_as` lists the other preludes in the order of the kernel's own
+/// list, which `tests/naga.rs` checks (the result must equal `wgsl()` with that one file
+/// swapped).
+macro_rules! weight_variant {
+    ($name:literal $(+ $pre:literal)*, $fmt:literal) => {
+        concat!(
+            $(include_str!(concat!("../wgsl/prelude/", $pre, ".wgsl")), "\n",)*
+            include_str!(concat!("../wgsl/prelude/weight_", $fmt, ".wgsl")), "\n",
+            include_str!(concat!("../wgsl/", $name, ".wgsl"))
+        )
+    };
+}
+
+impl Kernel {
+    /// Whether the kernel's binding 2 is a parameter tensor that may be stored in 16 bits
+    /// ([`Kernel::wgsl_as`]).
+    pub const fn reads_weights(self) -> bool {
+        matches!(self, Kernel::EmbeddingFwd | Kernel::MatmulFwd)
+    }
+
+    /// The kernel's WGSL with its weights stored as `f`: [`Kernel::wgsl`] for F32, and for
+    /// bf16 and f16 the same file and preludes with `weight_bf16` / `weight_f16` in place of
+    /// `weight_f32`; `None` for a 16-bit format on a kernel that reads no weights.
+    pub const fn wgsl_as(self, f: WeightFormat) -> Option<&'static str> {
+        match (self, f) {
+            (_, WeightFormat::F32) => Some(self.wgsl()),
+            (Kernel::EmbeddingFwd, WeightFormat::Bf16) => {
+                Some(weight_variant!("embedding_fwd", "bf16"))
+            }
+            (Kernel::EmbeddingFwd, WeightFormat::F16) => {
+                Some(weight_variant!("embedding_fwd", "f16"))
+            }
+            (Kernel::MatmulFwd, WeightFormat::Bf16) => {
+                Some(weight_variant!("matmul_fwd" + "gemm", "bf16"))
+            }
+            (Kernel::MatmulFwd, WeightFormat::F16) => {
+                Some(weight_variant!("matmul_fwd" + "gemm", "f16"))
+            }
+            _ => None,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -4,21 +4,81 @@
 
 use naga::valid::{Capabilities, GlobalUse, ValidationFlags, Validator};
 use naga::{AddressSpace, ShaderStage, StorageAccess};
-use rolloutpipe_kernels::{Kernel, MAX_STORAGE_BINDINGS, PARAMS_BYTES};
+use rolloutpipe_kernels::{Kernel, MAX_STORAGE_BINDINGS, PARAMS_BYTES, WeightFormat};
+
+/// Every compiled source: each kernel in f32, and the 16-bit weight variants of those that
+/// read weights (`Kernel::wgsl_as`), so the checks below cover what the backend compiles.
+fn sources() -> Vec<(Kernel, WeightFormat, &'static str)> {
+    let mut out = Vec::new();
+    for &k in Kernel::ALL {
+        for f in WeightFormat::ALL {
+            if let Some(src) = k.wgsl_as(f) {
+                out.push((k, f, src));
+            }
+        }
+    }
+    out
+}
+
+fn parse_src(k: Kernel, f: WeightFormat, src: &str) -> (naga::Module, naga::valid::ModuleInfo) {
+    let module = naga::front::wgsl::parse_str(src)
+        .unwrap_or_else(|e| panic!("{} ({f:?}): {}", k.name(), e.emit_to_string(src)));
+    // No capabilities, except that `unpack2x16float` (f16 weights) is naga's
+    // SHADER_FLOAT16_IN_FLOAT32: wgpu's downlevel flag SHADER_F16_IN_F32, which every Vulkan,
+    // Metal and DX12 adapter has; it is not the `shader-f16` feature. bf16 needs nothing.
+    let caps = match f {
+        WeightFormat::F16 => Capabilities::SHADER_FLOAT16_IN_FLOAT32,
+        _ => Capabilities::empty(),
+    };
+    let info = Validator::new(ValidationFlags::all(), caps)
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{} ({f:?}): {}", k.name(), e.emit_to_string(src)));
+    (module, info)
+}
 
 fn parse(k: Kernel) -> (naga::Module, naga::valid::ModuleInfo) {
-    let module = naga::front::wgsl::parse_str(k.wgsl())
-        .unwrap_or_else(|e| panic!("{}: {}", k.name(), e.emit_to_string(k.wgsl())));
-    let info = Validator::new(ValidationFlags::all(), Capabilities::empty())
-        .validate(&module)
-        .unwrap_or_else(|e| panic!("{}: {}", k.name(), e.emit_to_string(k.wgsl())));
-    (module, info)
+    parse_src(k, WeightFormat::F32, k.wgsl())
 }
 
 #[test]
 fn every_kernel_parses_and_validates() {
+    for (k, f, src) in sources() {
+        parse_src(k, f, src);
+    }
+}
+
+/// The 16-bit variants are the f32 source with only the weight prelude swapped, and exist
+/// exactly for the kernels that read weights.
+#[test]
+fn weight_variants_differ_only_in_the_weight_prelude() {
+    let prelude = |f: WeightFormat| {
+        let path = format!(
+            "{}/wgsl/prelude/{}.wgsl",
+            env!("CARGO_MANIFEST_DIR"),
+            f.prelude()
+        );
+        std::fs::read_to_string(path).expect("weight prelude")
+    };
+    let f32_src = prelude(WeightFormat::F32);
     for &k in Kernel::ALL {
-        parse(k);
+        assert_eq!(k.wgsl_as(WeightFormat::F32), Some(k.wgsl()));
+        assert_eq!(
+            k.reads_weights(),
+            k.preludes().contains(&"weight_f32"),
+            "{}",
+            k.name()
+        );
+        for f in [WeightFormat::Bf16, WeightFormat::F16] {
+            match k.wgsl_as(f) {
+                Some(src) => {
+                    assert!(k.reads_weights(), "{}", k.name());
+                    assert_eq!(k.wgsl().matches(f32_src.as_str()).count(), 1);
+                    let want = k.wgsl().replacen(f32_src.as_str(), &prelude(f), 1);
+                    assert_eq!(src, want, "{} {f:?}", k.name());
+                }
+                None => assert!(!k.reads_weights(), "{} {f:?}", k.name()),
+            }
+        }
     }
 }
 
@@ -41,8 +101,8 @@ fn entry_points_match_the_enum() {
 
 #[test]
 fn bindings_follow_the_convention() {
-    for &k in Kernel::ALL {
-        let (module, info) = parse(k);
+    for (k, f, src) in sources() {
+        let (module, info) = parse_src(k, f, src);
         let mut storage = Vec::new();
         let mut uniform = None;
         for (h, var) in module.global_variables.iter() {
@@ -118,8 +178,10 @@ fn bindings_follow_the_convention() {
     }
 }
 
-/// Functions the `gemm` prelude calls and each including file defines for its operands.
+/// Functions the `gemm` prelude calls and each including file defines for its operands, and
+/// the hook each `weight_*` prelude defines for its format (one of them is prepended).
 const GEMM_HOOKS: [&str; 3] = ["gemm_a", "gemm_b", "gemm_store"];
+const WEIGHT_HOOK: &str = "weight";
 
 /// No helper is written twice: across every kernel file and prelude, a function name is
 /// defined once (the `gemm` prelude's operand hooks excepted), and every prelude file is
@@ -144,7 +206,11 @@ fn helpers_are_written_once_and_preludes_used() {
                 continue;
             };
             let name = rest.split('(').next().unwrap_or("").trim().to_string();
-            if GEMM_HOOKS.contains(&name.as_str()) {
+            let weight_prelude = f
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .is_some_and(|s| s.starts_with("weight_"));
+            if GEMM_HOOKS.contains(&name.as_str()) || (name == WEIGHT_HOOK && weight_prelude) {
                 continue;
             }
             if let Some(prev) = seen.insert(name.clone(), f.clone()) {
@@ -159,10 +225,12 @@ fn helpers_are_written_once_and_preludes_used() {
             .and_then(|s| s.to_str())
             .unwrap_or("")
             .to_string();
+        let weight_format = WeightFormat::ALL.iter().any(|f| f.prelude() == stem);
         assert!(
             Kernel::ALL
                 .iter()
-                .any(|k| k.preludes().contains(&stem.as_str())),
+                .any(|k| k.preludes().contains(&stem.as_str())
+                    || (weight_format && k.reads_weights())),
             "prelude {stem} is used by no kernel"
         );
     }

@@ -17,7 +17,8 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> tokens: array<u32>;
-@group(0) @binding(2) var<storage, read> table: array<f32>;
+// Binding 2, the table, is declared by the `weight_*` prelude (f32, bf16 or f16 storage) and
+// read only through its hook `weight(i)`; the row gather binds an f32 activation there.
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(256)
@@ -37,5 +38,5 @@ fn embedding_fwd(
     if (tok < p.first || tok - p.first >= p.count) {
         return;
     }
-    out[i] = table[(tok - p.first) * p.dim + col];
+    out[i] = weight((tok - p.first) * p.dim + col);
 }

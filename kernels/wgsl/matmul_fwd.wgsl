@@ -23,7 +23,8 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> w: array<f32>;
+// Binding 2, the weight W, is declared by the `weight_*` prelude (f32, bf16 or f16 storage)
+// and read only through its hook `weight(i)`.
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 
 fn gemm_a(mode: u32, r: u32, i: u32) -> f32 {
@@ -36,7 +37,7 @@ fn gemm_a(mode: u32, r: u32, i: u32) -> f32 {
 // B(i, c) = Wᵀ(i, c) = W[c, i].
 fn gemm_b(mode: u32, i: u32, c: u32) -> f32 {
     if (c < p.n && i < p.k) {
-        return w[c * p.k + i];
+        return weight(c * p.k + i);
     }
     return 0.0;
 }
@@ -90,7 +91,7 @@ fn matmul_fwd_rows(
             let len = min(GK, p.k - k0);
             let wb = c * p.k + k0;
             for (var kk = 0u; kk < len; kk++) {
-                let wv = w[wb + kk];
+                let wv = weight(wb + kk);
                 for (var r = 0u; r < ROWS_MAX; r++) {
                     acc[r] = fma(x_rows[r * GK + kk], wv, acc[r]);
                 }

@@ -311,12 +311,13 @@ impl Generator {
         gpu.write(&s.rowp, &self.rowp);
         let p = &md.params;
         let n_k = self.slots * self.slot_rows;
-        ops::embedding_fwd(ex, &s.x, &s.ids, &p[md.embed], n, d, v);
+        let wf = md.weights;
+        ops::embedding_fwd_as(ex, &s.x, &s.ids, &p[md.embed], wf, n, d, v);
         for (l, li) in md.layers.iter().enumerate() {
             ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x, &p[li.input_norm], n, d, eps);
-            ops::matmul_fwd(ex, &s.q_pre, &s.ln, &p[li.q], n, d, qd, false);
-            ops::matmul_fwd(ex, &s.k_pre, &s.ln, &p[li.k], n, d, kd, false);
-            ops::matmul_fwd(ex, &s.v, &s.ln, &p[li.v], n, d, kd, false);
+            ops::matmul_fwd_as(ex, &s.q_pre, &s.ln, &p[li.q], wf, n, d, qd, false);
+            ops::matmul_fwd_as(ex, &s.k_pre, &s.ln, &p[li.k], wf, n, d, kd, false);
+            ops::matmul_fwd_as(ex, &s.v, &s.ln, &p[li.v], wf, n, d, kd, false);
             ops::rmsnorm_fwd(ex, &s.q, &s.rstd, &s.q_pre, &p[li.q_norm], n * h, hd, eps);
             ops::rmsnorm_fwd(ex, &s.k, &s.rstd, &s.k_pre, &p[li.k_norm], n * kvh, hd, eps);
             ops::rope_fwd(ex, &s.q, &s.pos, &md.cos, &md.sin, n, h, hd, maxp);
@@ -342,18 +343,18 @@ impl Generator {
                 kvh,
                 hd,
             );
-            ops::matmul_fwd(ex, &s.tmp, &s.att_out, &p[li.o], n, qd, d, false);
+            ops::matmul_fwd_as(ex, &s.tmp, &s.att_out, &p[li.o], wf, n, qd, d, false);
             ops::residual_fwd(ex, &s.x_mid, &s.x, &s.tmp, n * d);
             ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x_mid, &p[li.post_norm], n, d, eps);
-            ops::matmul_fwd(ex, &s.gate, &s.ln, &p[li.gate], n, d, f, false);
-            ops::matmul_fwd(ex, &s.up, &s.ln, &p[li.up], n, d, f, false);
+            ops::matmul_fwd_as(ex, &s.gate, &s.ln, &p[li.gate], wf, n, d, f, false);
+            ops::matmul_fwd_as(ex, &s.up, &s.ln, &p[li.up], wf, n, d, f, false);
             ops::swiglu_fwd(ex, &s.h, &s.gate, &s.up, n * f);
-            ops::matmul_fwd(ex, &s.tmp, &s.h, &p[li.down], n, f, d, false);
+            ops::matmul_fwd_as(ex, &s.tmp, &s.h, &p[li.down], wf, n, f, d, false);
             ops::residual_fwd(ex, &s.x, &s.x_mid, &s.tmp, n * d);
         }
         ops::embedding_fwd(ex, &s.hsel, &s.last, &s.x, r, d, n);
         ops::rmsnorm_fwd(ex, &s.hnorm, &s.rstd, &s.hsel, &p[md.final_norm], r, d, eps);
-        ops::matmul_fwd(ex, &s.logits, &s.hnorm, &p[md.lm_head], r, d, v, false);
+        ops::matmul_fwd_as(ex, &s.logits, &s.hnorm, &p[md.lm_head], wf, r, d, v, false);
         ops::sample(ex, &s.tokens, &s.logp, &s.logits, &s.rowp, r, v);
         let tt = ex.read_back(&s.tokens, 0, r * 4);
         let tl = ex.read_back(&s.logp, 0, r * 4);

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use rolloutpipe_kernels::{Kernel, MAX_STORAGE_BINDINGS, PARAMS_BYTES};
+use rolloutpipe_kernels::{Kernel, MAX_STORAGE_BINDINGS, PARAMS_BYTES, WeightFormat};
 
 use crate::error::{BackendError, Result};
 
@@ -38,14 +38,15 @@ struct Compiled {
     pipelines: Vec<wgpu::ComputePipeline>,
 }
 
-/// A device and queue with the backend's kernels compiled on demand (once each).
+/// A device and queue with the backend's kernels compiled on demand (once per kernel and
+/// weight format, [`Kernel::wgsl_as`]).
 #[derive(Debug)]
 pub struct Gpu {
     device: wgpu::Device,
     queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
     error: Arc<Mutex<Option<String>>>,
-    compiled: Mutex<HashMap<Kernel, Arc<Compiled>>>,
+    compiled: Mutex<HashMap<(Kernel, WeightFormat), Arc<Compiled>>>,
 }
 
 impl Gpu {
@@ -189,16 +190,25 @@ impl Gpu {
         Ok(out.get::<T>(t))
     }
 
-    fn compiled(&self, k: Kernel) -> Result<Arc<Compiled>> {
+    /// Compiles `k` with its weights in `f` now (it is otherwise compiled at its first
+    /// launch), so that a format the adapter cannot run is refused when an engine is built.
+    pub fn prepare(&self, k: Kernel, f: WeightFormat) -> Result<()> {
+        self.compiled(k, f).map(|_| ())
+    }
+
+    fn compiled(&self, k: Kernel, f: WeightFormat) -> Result<Arc<Compiled>> {
         let mut map = self.compiled.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(c) = map.get(&k) {
+        if let Some(c) = map.get(&(k, f)) {
             return Ok(Arc::clone(c));
         }
+        let src = k
+            .wgsl_as(f)
+            .ok_or_else(|| dev_err(format!("{} reads no {f:?} weights", k.name())))?;
         let module = self
             .device
             .create_shader_module(wgpu::ShaderModuleDescriptor {
                 label: Some(k.name()),
-                source: wgpu::ShaderSource::Wgsl(k.wgsl().into()),
+                source: wgpu::ShaderSource::Wgsl(src.into()),
             });
         let mut entries = vec![wgpu::BindGroupLayoutEntry {
             binding: 0,
@@ -254,7 +264,7 @@ impl Gpu {
             .collect();
         self.check()?;
         let c = Arc::new(Compiled { layout, pipelines });
-        map.insert(k, Arc::clone(&c));
+        map.insert((k, f), Arc::clone(&c));
         Ok(c)
     }
 }
@@ -309,6 +319,7 @@ pub fn linear(n: usize, wg: usize) -> [u32; 2] {
 enum Cmd {
     Dispatch {
         kernel: Kernel,
+        format: WeightFormat,
         entry: usize,
         bufs: Vec<Bind>,
         groups: [u32; 2],
@@ -358,7 +369,7 @@ pub struct Exec {
     gpu: Arc<Gpu>,
     arena: wgpu::Buffer,
     arena_slots: u64,
-    bind_groups: HashMap<(Kernel, Vec<Bind>), wgpu::BindGroup>,
+    bind_groups: HashMap<(Kernel, WeightFormat, Vec<Bind>), wgpu::BindGroup>,
     cmds: Vec<Cmd>,
     params: Vec<u8>,
     reads: Vec<(wgpu::Buffer, u64, u64, Ticket)>,
@@ -434,12 +445,27 @@ impl Exec {
         p: Params,
         groups: [u32; 2],
     ) {
+        self.dispatch_as(kernel, WeightFormat::F32, entry, bufs, p, groups);
+    }
+
+    /// [`Exec::dispatch_ranges`] of `kernel`'s variant whose weight binding (binding 2) holds
+    /// values in `format` ([`Kernel::wgsl_as`]; offsets into it are in bytes, as always).
+    pub fn dispatch_as(
+        &mut self,
+        kernel: Kernel,
+        format: WeightFormat,
+        entry: usize,
+        bufs: &[(&wgpu::Buffer, u64, u64)],
+        p: Params,
+        groups: [u32; 2],
+    ) {
         let slot = (self.params.len() as u64) / SLOT;
         let mut bytes = [0u8; SLOT as usize];
         bytes[..64].copy_from_slice(bytemuck::cast_slice(&p.words));
         self.params.extend_from_slice(&bytes);
         self.cmds.push(Cmd::Dispatch {
             kernel,
+            format,
             entry,
             bufs: bufs
                 .iter()
@@ -521,13 +547,14 @@ impl Exec {
                     });
                     while let Some(Cmd::Dispatch {
                         kernel,
+                        format,
                         entry,
                         bufs,
                         groups,
                         slot,
                     }) = cmds.get(i)
                     {
-                        let c = gpu.compiled(*kernel)?;
+                        let c = gpu.compiled(*kernel, *format)?;
                         let pipeline = c.pipelines.get(*entry).ok_or_else(|| {
                             dev_err(format!("{} has no entry point #{entry}", kernel.name()))
                         })?;
@@ -539,7 +566,7 @@ impl Exec {
                                 bufs.len()
                             )));
                         }
-                        let key = (*kernel, bufs.clone());
+                        let key = (*kernel, *format, bufs.clone());
                         if !self.bind_groups.contains_key(&key) {
                             let mut entries = vec![wgpu::BindGroupEntry {
                                 binding: 0,

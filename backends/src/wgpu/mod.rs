@@ -15,6 +15,11 @@
 //! gradients come back only when asked for (`export_weights`, `gradients`), and logits
 //! only through the inspection call `logits`.
 //!
+//! Weights are f32 (generation, log-probs and training), or bf16 or f16 for an engine
+//! ([`WgpuBackend::with_dtype`]: generation, logits and log-probs with f32 compute on any
+//! adapter, half the weight memory; training calls are refused). See `model` for which
+//! tensors are stored in 16 bits.
+//!
 //! Seam v2 on this backend: weight sync between two backends on one [`Gpu`] is a
 //! buffer-to-buffer copy on the device ([`SyncPath::SameDevice`]); groups are run as
 //! independent requests (each sample prefills; the paged KV pool that references a shared
@@ -50,13 +55,16 @@ use crate::weights::Weights;
 use generate::Generator;
 use model::{
     Acts, DeviceModel, Packed, encode_backward, encode_forward, ensure_acts, upload_packed,
+    weight_format,
 };
 use ops::{AdamScalars, Loss};
+use rolloutpipe_kernels::{Kernel, WeightFormat};
 
 /// Largest `head_dim` the attention kernels support (each of 64 threads owns ≤ 4 dims).
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// Qwen3 on a wgpu device: generation, log-probs and GRPO/SFT training.
+/// Qwen3 on a wgpu device: generation, log-probs and GRPO/SFT training on f32 weights, or
+/// generation and log-probs only on bf16 or f16 weights ([`WgpuBackend::with_dtype`]).
 #[derive(Debug)]
 pub struct WgpuBackend {
     gpu: Arc<Gpu>,
@@ -99,8 +107,28 @@ impl WgpuBackend {
         Self::with_gpu(gpu, cfg, w)
     }
 
+    /// A backend on the default adapter storing its weights in `dtype`: F32 (trains and
+    /// generates), BF16 or F16 (an engine: generation, logits and log-probs with f32 compute,
+    /// half the weight memory; training calls are refused), as `CpuBackend::with_dtype`.
+    /// Values are rounded to nearest-even; a value beyond f16's range is an error under F16.
+    pub fn with_dtype(cfg: &ModelConfig, w: &Weights, dtype: DType) -> Result<Self> {
+        let gpu =
+            Gpu::new()?.ok_or_else(|| BackendError::Device("no wgpu adapter found".into()))?;
+        Self::with_gpu_dtype(gpu, cfg, w, dtype)
+    }
+
     /// A backend on a device the caller opened (tests share one device across backends).
     pub fn with_gpu(gpu: Arc<Gpu>, cfg: &ModelConfig, w: &Weights) -> Result<Self> {
+        Self::with_gpu_dtype(gpu, cfg, w, DType::F32)
+    }
+
+    /// [`WgpuBackend::with_dtype`] on a device the caller opened.
+    pub fn with_gpu_dtype(
+        gpu: Arc<Gpu>,
+        cfg: &ModelConfig,
+        w: &Weights,
+        dtype: DType,
+    ) -> Result<Self> {
         cfg.validate()?;
         if cfg.head_dim > MAX_HEAD_DIM {
             return Err(BackendError::config(
@@ -110,23 +138,33 @@ impl WgpuBackend {
         }
         w.validate(cfg)?;
         let layout = Layout::new(cfg);
+        let format = weight_format(dtype);
+        if format == WeightFormat::F16 {
+            // `unpack2x16float` needs the downlevel capability SHADER_F16_IN_F32 (every
+            // Vulkan, Metal and DX12 adapter has it); refuse here, not at the first launch.
+            gpu.prepare(Kernel::MatmulFwd, format).map_err(|e| {
+                BackendError::Device(format!(
+                    "this adapter cannot read f16 weights (unpack2x16float; use BF16): {e}"
+                ))
+            })?;
+        }
         let flat = layout.flatten::<f32>(w)?;
-        let model = DeviceModel::new(&gpu, cfg, layout, &flat)?;
-        let opt_m = model
-            .layout
-            .entries
+        let model = DeviceModel::new(&gpu, cfg, layout, &flat, format)?;
+        drop(flat);
+        // An engine-only 16-bit model has no gradients, moments or norm partials.
+        let train_entries = match format {
+            WeightFormat::F32 => &model.layout.entries[..],
+            _ => &[],
+        };
+        let opt_m = train_entries
             .iter()
             .map(|e| gpu.buffer(&format!("adam m {}", e.name), e.len))
             .collect();
-        let opt_v = model
-            .layout
-            .entries
+        let opt_v = train_entries
             .iter()
             .map(|e| gpu.buffer(&format!("adam v {}", e.name), e.len))
             .collect();
-        let n_partials: usize = model
-            .layout
-            .entries
+        let n_partials: usize = train_entries
             .iter()
             .map(|e| ops::grad_norm_groups(e.len))
             .sum();
@@ -155,6 +193,25 @@ impl WgpuBackend {
         &self.gpu
     }
 
+    /// Bytes of the device buffers that hold the weights (not gradients or moments).
+    pub fn weight_bytes(&self) -> u64 {
+        self.model.param_bytes()
+    }
+
+    /// Refuses a training call on a 16-bit (engine-only) backend.
+    fn trainable(&self, what: &str) -> Result<()> {
+        if self.model.weights != WeightFormat::F32 {
+            return Err(BackendError::invalid(
+                what,
+                format!(
+                    "this backend stores its weights in {} for generation only; train on an f32 backend",
+                    self.weight_dtype()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// AdamW steps taken so far.
     pub fn optimizer_steps(&self) -> u64 {
         self.opt_step
@@ -180,6 +237,9 @@ impl WgpuBackend {
     /// moments mean a fresh optimizer).
     pub fn set_optimizer_state(&mut self, st: AdamState) -> Result<()> {
         let n = self.model.layout.total;
+        if !(st.m.is_empty() && st.v.is_empty()) {
+            self.trainable("optimizer state")?;
+        }
         if st.m.is_empty() && st.v.is_empty() {
             for b in self.opt_m.iter().chain(&self.opt_v) {
                 self.ex.clear(b);
@@ -259,7 +319,11 @@ impl BackendInfo for WgpuBackend {
 
 impl RolloutEngine for WgpuBackend {
     fn weight_dtype(&self) -> DType {
-        DType::F32
+        match self.model.weights {
+            WeightFormat::F32 => DType::F32,
+            WeightFormat::Bf16 => DType::Bf16,
+            WeightFormat::F16 => DType::F16,
+        }
     }
 
     fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
@@ -272,6 +336,7 @@ impl RolloutEngine for WgpuBackend {
             && let Some(src) = d.handle.downcast_ref::<WgpuSnapshot>()
             && Arc::ptr_eq(&src.gpu, &self.gpu)
             && d.dtype == DType::F32
+            && self.model.weights == WeightFormat::F32
         {
             for ((e, from), to) in self
                 .model
@@ -286,9 +351,12 @@ impl RolloutEngine for WgpuBackend {
             self.ex.submit()?;
             return Ok(SyncPath::SameDevice);
         }
+        // A host snapshot arrives in the engine's dtype (a bf16 engine's bf16 values round-trip
+        // through f32 exactly); other dtypes are rounded here, past f16's range refused by name.
         let w = snap.host_weights(&self.model.cfg)?;
         let flat = self.model.layout.flatten::<f32>(&w)?;
-        self.model.write_params(&self.gpu, &flat);
+        drop(w);
+        self.model.write_params(&self.gpu, &flat)?;
         self.gpu.check()?;
         Ok(SyncPath::Host)
     }
@@ -380,7 +448,7 @@ fn generate_check(
 impl Trainer for WgpuBackend {
     fn export_weights(&self) -> Result<Weights> {
         let mut ex = Exec::new(Arc::clone(&self.gpu));
-        let flat = self.model.read_flat(&mut ex, &self.model.params)?;
+        let flat = self.model.read_params(&mut ex)?;
         Ok(self.model.layout.to_weights(&flat))
     }
 
@@ -388,12 +456,17 @@ impl Trainer for WgpuBackend {
         crate::cpu::refuse_while_generating(self.admitted.len())?;
         w.validate(&self.model.cfg)?;
         let flat = self.model.layout.flatten::<f32>(w)?;
-        self.model.write_params(&self.gpu, &flat);
+        self.model.write_params(&self.gpu, &flat)?;
         self.gpu.check()
     }
 
     fn snapshot_weights(&self, target: SyncTarget) -> Result<WeightSnapshot> {
-        if target.device == self.device() && target.dtype == DType::F32 {
+        // Device to device only between f32 models; a 16-bit engine gets a host snapshot in
+        // its dtype (a conversion kernel would keep that on the device: not written yet).
+        if target.device == self.device()
+            && target.dtype == DType::F32
+            && self.model.weights == WeightFormat::F32
+        {
             let mut ex = Exec::new(Arc::clone(&self.gpu));
             let params: Vec<wgpu::Buffer> = self
                 .model
@@ -515,6 +588,7 @@ impl Trainer for WgpuBackend {
     }
 
     fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats> {
+        self.trainable("accumulate")?;
         validate_train_batch(&self.model.cfg, batch, obj)?;
         let (loss, temperature) = match *obj {
             Objective::Grpo {
@@ -611,6 +685,7 @@ impl Trainer for WgpuBackend {
     }
 
     fn optimizer_step(&mut self, normalizer: f64, opt: &AdamW) -> Result<OptStats> {
+        self.trainable("optimizer_step")?;
         opt.validate()?;
         if !(normalizer.is_finite() && normalizer > 0.0) {
             return Err(BackendError::invalid(
@@ -663,6 +738,7 @@ impl Trainer for WgpuBackend {
     }
 
     fn gradients(&self) -> Result<Weights> {
+        self.trainable("gradients")?;
         let mut ex = Exec::new(Arc::clone(&self.gpu));
         let flat = self.model.read_flat(&mut ex, &self.model.grads)?;
         Ok(self.model.layout.to_weights(&flat))

@@ -1,6 +1,16 @@
 //! The Qwen3 model on the device: one buffer per parameter tensor (gradients and AdamW
 //! moments alike), activations for packed batches, and the forward/backward encoders.
 //!
+//! Weight storage ([`DeviceModel::weights`]): f32, or for an engine-only model bf16 or f16.
+//! A 16-bit model stores its 2-D tensors (embedding, every projection, lm_head: all but
+//! ~0.01 % of the values) as 16-bit values packed in pairs, read by the `_as` variants of
+//! `embedding_fwd` and `matmul_fwd`, which widen them exactly in registers. Its 1-D tensors
+//! (the RMSNorm weights) are rounded to the dtype too but kept as f32 values: the norm
+//! kernels read them as f32 in the forward and backward alike, and at Qwen3-0.6B they are
+//! 58,368 of 596 M values, so a 16-bit variant of those kernels would save 117 KB. Either way
+//! the model computes exactly what an f32 model computes on the same weights rounded to its
+//! dtype (the CPU backend's 16-bit store, `cpu::store`, makes the same promise).
+//!
 //! The structure is the CPU reference's `cpu::model` op for op (same names, same order, same
 //! packed rows without padding), so that a difference between the two backends points at
 //! one kernel. Activation buffers are sized for a row capacity and only reallocated when a
@@ -9,14 +19,16 @@
 
 use std::collections::HashMap;
 
+use rolloutpipe_kernels::WeightFormat;
 use wgpu::Buffer;
 
 use super::gpu::{Exec, Gpu};
 use super::ops::{self, Loss};
 use crate::config::ModelConfig;
-use crate::cpu::model::Layout;
+use crate::cpu::model::{Layout, ParamEntry};
 use crate::cpu::ops::RopeTable;
 use crate::error::{BackendError, Result};
+use crate::seam::DType;
 
 /// Entry indices (into [`Layout::entries`]) of one layer's tensors.
 #[derive(Debug, Clone, Copy)]
@@ -42,9 +54,11 @@ pub struct DeviceModel {
     pub cfg: ModelConfig,
     /// Tensor names, shapes and flat offsets (shared with the CPU reference).
     pub layout: Layout,
+    /// How the 2-D tensors are stored (1-D ones are always f32; see the module docs).
+    pub weights: WeightFormat,
     /// One buffer per layout entry.
     pub params: Vec<Buffer>,
-    /// Gradient sums, one buffer per layout entry.
+    /// Gradient sums, one buffer per layout entry (none for a 16-bit, engine-only model).
     pub grads: Vec<Buffer>,
     /// Entry of `model.embed_tokens.weight`.
     pub embed: usize,
@@ -61,8 +75,16 @@ pub struct DeviceModel {
 }
 
 impl DeviceModel {
-    /// Uploads `flat` (the layout's flat parameter buffer).
-    pub fn new(gpu: &Gpu, cfg: &ModelConfig, layout: Layout, flat: &[f32]) -> Result<Self> {
+    /// Uploads `flat` (the layout's flat parameter buffer), stored as `weights` (rounded to
+    /// nearest-even for bf16 and f16; a value beyond f16's range is an error naming its tensor).
+    /// Only an f32 model gets gradient buffers.
+    pub fn new(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        layout: Layout,
+        flat: &[f32],
+        weights: WeightFormat,
+    ) -> Result<Self> {
         let by_offset: HashMap<usize, usize> = layout
             .entries
             .iter()
@@ -91,16 +113,19 @@ impl DeviceModel {
                 down: at(o.down)?,
             });
         }
-        let params = layout
-            .entries
+        let params = convert(&layout, flat, weights)?
             .iter()
-            .map(|e| gpu.upload(&e.name, &flat[e.offset..e.offset + e.len]))
+            .zip(&layout.entries)
+            .map(|(words, e)| gpu.upload(&e.name, words))
             .collect();
-        let grads = layout
-            .entries
-            .iter()
-            .map(|e| gpu.buffer(&format!("grad {}", e.name), e.len))
-            .collect();
+        let grads = match weights {
+            WeightFormat::F32 => layout
+                .entries
+                .iter()
+                .map(|e| gpu.buffer(&format!("grad {}", e.name), e.len))
+                .collect(),
+            _ => Vec::new(),
+        };
         let rope = RopeTable::<f32>::new(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings);
         Ok(Self {
             embed: at(layout.embed)?,
@@ -109,6 +134,7 @@ impl DeviceModel {
             layers,
             cos: gpu.upload("rope cos", &rope.cos),
             sin: gpu.upload("rope sin", &rope.sin),
+            weights,
             params,
             grads,
             cfg: cfg.clone(),
@@ -116,11 +142,50 @@ impl DeviceModel {
         })
     }
 
-    /// Writes a flat parameter buffer into the tensors.
-    pub fn write_params(&self, gpu: &Gpu, flat: &[f32]) {
-        for (e, b) in self.layout.entries.iter().zip(&self.params) {
-            gpu.write(b, &flat[e.offset..e.offset + e.len]);
+    /// Writes a flat f32 parameter buffer into the tensors, converted to the model's storage
+    /// first: a value that does not fit is refused (naming its tensor) before anything is
+    /// written.
+    pub fn write_params(&self, gpu: &Gpu, flat: &[f32]) -> Result<()> {
+        let words = convert(&self.layout, flat, self.weights)?;
+        for (w, b) in words.iter().zip(&self.params) {
+            gpu.write(b, w);
         }
+        Ok(())
+    }
+
+    /// The parameters read back and widened to f32 (exact), in the flat layout.
+    pub fn read_params(&self, ex: &mut Exec) -> Result<Vec<f32>> {
+        let tickets: Vec<_> = self
+            .layout
+            .entries
+            .iter()
+            .zip(&self.params)
+            .map(|(e, b)| ex.read_back(b, 0, stored_words(e, self.weights) * 4))
+            .collect();
+        let back = ex.submit()?;
+        let mut flat = vec![0.0f32; self.layout.total];
+        for (e, t) in self.layout.entries.iter().zip(tickets) {
+            let out = &mut flat[e.offset..e.offset + e.len];
+            match (self.weights, half_stored(e, self.weights)) {
+                (_, false) => out.copy_from_slice(&back.get::<f32>(t)),
+                (f, true) => {
+                    let words = back.get::<u32>(t);
+                    for (i, o) in out.iter_mut().enumerate() {
+                        let bits = (words[i / 2] >> (16 * (i % 2))) as u16;
+                        *o = match f {
+                            WeightFormat::F16 => half::f16::from_bits(bits).to_f32(),
+                            _ => half::bf16::from_bits(bits).to_f32(),
+                        };
+                    }
+                }
+            }
+        }
+        Ok(flat)
+    }
+
+    /// Bytes of the parameter buffers as allocated.
+    pub fn param_bytes(&self) -> u64 {
+        self.params.iter().map(Buffer::size).sum()
     }
 
     /// Reads tensors (parameters or gradients) back into one flat buffer.
@@ -139,6 +204,86 @@ impl DeviceModel {
         }
         Ok(flat)
     }
+}
+
+/// The storage format of a [`DType`].
+pub fn weight_format(dtype: DType) -> WeightFormat {
+    match dtype {
+        DType::F32 => WeightFormat::F32,
+        DType::Bf16 => WeightFormat::Bf16,
+        DType::F16 => WeightFormat::F16,
+    }
+}
+
+/// Whether entry `e` is stored in 16 bits under `weights` (2-D tensors of a 16-bit model).
+fn half_stored(e: &ParamEntry, weights: WeightFormat) -> bool {
+    weights != WeightFormat::F32 && e.shape.len() == 2
+}
+
+/// 4-byte words of entry `e`'s buffer under `weights`.
+fn stored_words(e: &ParamEntry, weights: WeightFormat) -> usize {
+    if half_stored(e, weights) {
+        e.len.div_ceil(2)
+    } else {
+        e.len
+    }
+}
+
+/// Bytes of the parameter buffers of `layout` stored as `weights`: what [`DeviceModel::new`]
+/// allocates (a buffer holds at least one word), computable without a device.
+pub fn param_buffer_bytes(layout: &Layout, weights: WeightFormat) -> u64 {
+    layout
+        .entries
+        .iter()
+        .map(|e| stored_words(e, weights).max(1) as u64 * 4)
+        .sum()
+}
+
+/// `flat` converted per tensor to the words each parameter buffer holds under `weights`:
+/// f32 bits, or 16-bit values rounded to nearest-even and packed in pairs (`ops::pack_half`);
+/// 1-D tensors of a 16-bit model are rounded, then widened back to f32. A value past f16's
+/// range is an error naming its tensor.
+fn convert(layout: &Layout, flat: &[f32], weights: WeightFormat) -> Result<Vec<Vec<u32>>> {
+    if flat.len() != layout.total {
+        return Err(BackendError::shape("parameters", layout.total, flat.len()));
+    }
+    let mut out = Vec::with_capacity(layout.entries.len());
+    for e in &layout.entries {
+        let src = &flat[e.offset..e.offset + e.len];
+        let bits: Vec<u16> = match weights {
+            WeightFormat::F32 => {
+                out.push(src.iter().map(|x| x.to_bits()).collect());
+                continue;
+            }
+            WeightFormat::Bf16 => crate::cpu::store::round_to_bf16(src)
+                .iter()
+                .map(|x| x.to_bits())
+                .collect(),
+            WeightFormat::F16 => {
+                let v = crate::cpu::store::round_to_f16(src);
+                if v.iter().any(|x| !x.is_finite()) {
+                    return Err(BackendError::invalid(
+                        "weight dtype",
+                        format!(
+                            "{}: a value does not fit in f16 (|x| <= 65504); use BF16",
+                            e.name
+                        ),
+                    ));
+                }
+                v.iter().map(|x| x.to_bits()).collect()
+            }
+        };
+        if half_stored(e, weights) {
+            out.push(ops::pack_half(&bits));
+        } else {
+            let widen = |b: u16| match weights {
+                WeightFormat::F16 => half::f16::from_bits(b).to_f32(),
+                _ => half::bf16::from_bits(b).to_f32(),
+            };
+            out.push(bits.iter().map(|&b| widen(b).to_bits()).collect());
+        }
+    }
+    Ok(out)
 }
 
 /// Saved activations of one layer (the CPU reference's `LayerActs`).
@@ -401,7 +546,8 @@ pub fn encode_forward(ex: &mut Exec, md: &DeviceModel, a: &Acts, n: usize, m: us
     let eps = c.rms_norm_eps;
     let maxp = c.max_position_embeddings;
     let p = &md.params;
-    ops::embedding_fwd(ex, &a.resid[0], &a.ids, &p[md.embed], n, d, v);
+    let wf = md.weights;
+    ops::embedding_fwd_as(ex, &a.resid[0], &a.ids, &p[md.embed], wf, n, d, v);
     for (l, li) in md.layers.iter().enumerate() {
         let la = &a.layers[l];
         let x_in = &a.resid[l];
@@ -415,9 +561,9 @@ pub fn encode_forward(ex: &mut Exec, md: &DeviceModel, a: &Acts, n: usize, m: us
             d,
             eps,
         );
-        ops::matmul_fwd(ex, &la.q_pre, &la.ln1, &p[li.q], n, d, qd, false);
-        ops::matmul_fwd(ex, &la.k_pre, &la.ln1, &p[li.k], n, d, kd, false);
-        ops::matmul_fwd(ex, &la.v, &la.ln1, &p[li.v], n, d, kd, false);
+        ops::matmul_fwd_as(ex, &la.q_pre, &la.ln1, &p[li.q], wf, n, d, qd, false);
+        ops::matmul_fwd_as(ex, &la.k_pre, &la.ln1, &p[li.k], wf, n, d, kd, false);
+        ops::matmul_fwd_as(ex, &la.v, &la.ln1, &p[li.v], wf, n, d, kd, false);
         ops::rmsnorm_fwd(
             ex,
             &la.q,
@@ -454,7 +600,7 @@ pub fn encode_forward(ex: &mut Exec, md: &DeviceModel, a: &Acts, n: usize, m: us
             kvh,
             hd,
         );
-        ops::matmul_fwd(ex, &a.tmp, &la.att_out, &p[li.o], n, qd, d, false);
+        ops::matmul_fwd_as(ex, &a.tmp, &la.att_out, &p[li.o], wf, n, qd, d, false);
         ops::residual_fwd(ex, &la.x_mid, x_in, &a.tmp, n * d);
         ops::rmsnorm_fwd(
             ex,
@@ -466,10 +612,10 @@ pub fn encode_forward(ex: &mut Exec, md: &DeviceModel, a: &Acts, n: usize, m: us
             d,
             eps,
         );
-        ops::matmul_fwd(ex, &la.gate, &la.ln2, &p[li.gate], n, d, f, false);
-        ops::matmul_fwd(ex, &la.up, &la.ln2, &p[li.up], n, d, f, false);
+        ops::matmul_fwd_as(ex, &la.gate, &la.ln2, &p[li.gate], wf, n, d, f, false);
+        ops::matmul_fwd_as(ex, &la.up, &la.ln2, &p[li.up], wf, n, d, f, false);
         ops::swiglu_fwd(ex, &la.h, &la.gate, &la.up, n * f);
-        ops::matmul_fwd(ex, &a.tmp, &la.h, &p[li.down], n, f, d, false);
+        ops::matmul_fwd_as(ex, &a.tmp, &la.h, &p[li.down], wf, n, f, d, false);
         ops::residual_fwd(ex, &a.resid[l + 1], &la.x_mid, &a.tmp, n * d);
     }
     let nl = md.layers.len();
@@ -485,7 +631,7 @@ pub fn encode_forward(ex: &mut Exec, md: &DeviceModel, a: &Acts, n: usize, m: us
     );
     // Row gather through the embedding kernel: hsel[i] = lnf[rows[i]].
     ops::embedding_fwd(ex, &a.hsel, &a.rows, &a.lnf, m, d, n);
-    ops::matmul_fwd(ex, &a.logits, &a.hsel, &p[md.lm_head], m, d, v, false);
+    ops::matmul_fwd_as(ex, &a.logits, &a.hsel, &p[md.lm_head], wf, m, d, v, false);
 }
 
 /// Records the loss backward and the model backward of the packed batch `b` (whose forward

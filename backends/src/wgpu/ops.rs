@@ -8,7 +8,7 @@
 //! rather than added to; `attention_*` take packed rows with per-row metadata instead of one
 //! sequence per call, and save log-sum-exp instead of the probability matrix.
 
-use rolloutpipe_kernels::Kernel;
+use rolloutpipe_kernels::{Kernel, WeightFormat};
 use wgpu::Buffer;
 
 use super::gpu::{Exec, Params, groups, linear};
@@ -34,21 +34,60 @@ pub fn embedding_fwd(
     d: usize,
     vocab: usize,
 ) {
-    // Rows of the table per launch: all, unless the table exceeds the binding limit.
-    let chunk = rows_per_binding(binding_limit(ex), d, 64).min(vocab.max(1));
+    embedding_fwd_as(ex, out, ids, table, WeightFormat::F32, n, d, vocab);
+}
+
+/// [`embedding_fwd`] from a table stored in `format` (16-bit values packed in pairs, as
+/// [`pack_half`] writes them); the output is f32, the same values as from the widened table.
+#[allow(clippy::too_many_arguments)]
+pub fn embedding_fwd_as(
+    ex: &mut Exec,
+    out: &Buffer,
+    ids: &Buffer,
+    table: &Buffer,
+    format: WeightFormat,
+    n: usize,
+    d: usize,
+    vocab: usize,
+) {
+    // Rows of the table per launch: all, unless the table exceeds the binding limit. Chunks
+    // start on 256-byte boundaries: 64 rows of f32, 128 rows of 16-bit values.
+    let bytes = format.bytes();
+    let multiple = 256 / bytes;
+    let chunk = rows_per_binding_as(binding_limit(ex), d, bytes, multiple).min(vocab.max(1));
     for first in (0..vocab.max(1)).step_by(chunk) {
         let count = chunk.min(vocab - first.min(vocab));
         let p = Params::new().u(n).u(d).u(vocab).u(first).u(count);
-        let tb = (table, (first * d * 4) as u64, (count * d * 4) as u64);
+        let tb = (
+            table,
+            (first * d * bytes) as u64,
+            binding_bytes(count * d, bytes),
+        );
         let tb = if chunk >= vocab { (table, 0, 0) } else { tb };
-        ex.dispatch_ranges(
+        ex.dispatch_as(
             Kernel::EmbeddingFwd,
+            format,
             0,
             &[(ids, 0, 0), tb, (out, 0, 0)],
             p,
             linear(n * d, 256),
         );
     }
+}
+
+/// Bytes of a binding of `len` values of `bytes` each, rounded up to whole 4-byte words (a
+/// 16-bit tensor of odd length ends in a half-used word; its buffer holds that word).
+fn binding_bytes(len: usize, bytes: usize) -> u64 {
+    ((len * bytes).div_ceil(4) * 4) as u64
+}
+
+/// 16-bit values (bf16 or f16 bit patterns) packed two per `u32` as the `weight_bf16` and
+/// `weight_f16` preludes read them: value `2j` in the low half of word `j`, `2j + 1` in the
+/// high half; an odd count leaves the last word's high half zero.
+pub fn pack_half(bits: &[u16]) -> Vec<u32> {
+    bits.chunks(2)
+        .map(|p| u32::from(p[0]) | (u32::from(p.get(1).copied().unwrap_or(0)) << 16))
+        .collect()
 }
 
 /// The device's storage-binding limit in bytes.
@@ -60,7 +99,13 @@ fn binding_limit(ex: &Exec) -> usize {
 /// multiple of `multiple` (itself a multiple of 64, so that every chunk starts on a 256-byte
 /// boundary, the largest storage offset alignment WebGPU allows); at least `multiple`.
 pub fn rows_per_binding(limit: usize, width: usize, multiple: usize) -> usize {
-    let rows = limit / (width.max(1) * 4);
+    rows_per_binding_as(limit, width, 4, multiple)
+}
+
+/// [`rows_per_binding`] for values of `bytes` bytes; `multiple · bytes` must be a multiple of
+/// 256 for the chunks to stay aligned.
+pub fn rows_per_binding_as(limit: usize, width: usize, bytes: usize, multiple: usize) -> usize {
+    let rows = limit / (width.max(1) * bytes);
     (rows / multiple * multiple).max(multiple)
 }
 
@@ -275,9 +320,29 @@ pub fn matmul_fwd(
     dout: usize,
     accumulate: bool,
 ) {
+    matmul_fwd_as(ex, y, x, w, WeightFormat::F32, n, din, dout, accumulate);
+}
+
+/// [`matmul_fwd`] with `w` stored in `format` (16-bit values packed in pairs, as
+/// [`pack_half`] writes them), widened exactly in registers: every output is the same fma
+/// chain as from the widened f32 W, so the bits are too.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_fwd_as(
+    ex: &mut Exec,
+    y: &Buffer,
+    x: &Buffer,
+    w: &Buffer,
+    format: WeightFormat,
+    n: usize,
+    din: usize,
+    dout: usize,
+    accumulate: bool,
+) {
     // Columns (rows of W) per launch: all, unless W exceeds the binding limit; chunks are
-    // whole 256-column strips, so no output changes its launch geometry's summation order.
-    let chunk = rows_per_binding(binding_limit(ex), din, 256).min(dout.max(1));
+    // whole 256-column strips, so no output changes its launch geometry's summation order
+    // (256 rows of W start on a 256-byte boundary in any format).
+    let bytes = format.bytes();
+    let chunk = rows_per_binding_as(binding_limit(ex), din, bytes, 256).min(dout.max(1));
     for c0 in (0..dout.max(1)).step_by(chunk) {
         let cols = chunk.min(dout - c0.min(dout));
         let p = Params::new()
@@ -290,15 +355,19 @@ pub fn matmul_fwd(
             ((w, 0, 0), (y, 0, 0))
         } else {
             (
-                (w, (c0 * din * 4) as u64, (cols * din * 4) as u64),
+                (
+                    w,
+                    (c0 * din * bytes) as u64,
+                    binding_bytes(cols * din, bytes),
+                ),
                 (y, (c0 * 4) as u64, 0),
             )
         };
         let bufs = [(x, 0, 0), wb, yb];
         if n <= MATMUL_ROWS_MAX {
-            ex.dispatch_ranges(Kernel::MatmulFwd, 1, &bufs, p, linear(cols, 256));
+            ex.dispatch_as(Kernel::MatmulFwd, format, 1, &bufs, p, linear(cols, 256));
         } else {
-            ex.dispatch_ranges(Kernel::MatmulFwd, 0, &bufs, p, tiles(cols, n));
+            ex.dispatch_as(Kernel::MatmulFwd, format, 0, &bufs, p, tiles(cols, n));
         }
     }
 }
@@ -807,7 +876,28 @@ mod tests {
             );
             // Chunk starts are 256-byte aligned: rows·width·4 with rows a multiple of 64.
             assert_eq!(rows * width * 4 % 256, 0);
+            // and rows·width·2 with rows a multiple of 128 (16-bit tables).
+            let half = rows_per_binding_as(limit, width, 2, 128);
+            assert_eq!((half % 128, half * width * 2 % 256), (0, 0));
+            assert!(half * width * 2 <= limit || half == 128, "{limit} {width}");
         }
+    }
+
+    #[test]
+    fn half_values_pack_low_half_first_and_odd_counts_pad_with_zero() {
+        assert_eq!(
+            pack_half(&[0x1234, 0xabcd, 0x0f0f]),
+            vec![0xabcd_1234, 0x0000_0f0f]
+        );
+        assert_eq!(pack_half(&[]), Vec::<u32>::new());
+        assert_eq!(
+            (
+                binding_bytes(3, 2),
+                binding_bytes(4, 2),
+                binding_bytes(3, 4)
+            ),
+            (8, 8, 12)
+        );
     }
 
     #[test]

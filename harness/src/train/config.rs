@@ -451,8 +451,8 @@ impl TrainConfig {
         self.submit_order()?;
         let dtype = self.engine_dtype()?;
         ensure!(
-            dtype == DType::F32 || r.backend == "cpu",
-            "rollout.dtype {:?} needs run.backend = \"cpu\": the {} backend stores f32 weights",
+            dtype == DType::F32 || matches!(r.backend.as_str(), "cpu" | "wgpu"),
+            "rollout.dtype {:?} needs run.backend = \"cpu\" or \"wgpu\": the {} backend stores f32 weights",
             ro.dtype,
             r.backend
         );
@@ -803,8 +803,8 @@ mod tests {
                 "\"fp8\" is not one of f32, bf16, f16",
             ),
             (
-                vec!["rollout.dtype=\"bf16\"", "run.backend=\"wgpu\""],
-                "needs run.backend = \"cpu\"",
+                vec!["rollout.dtype=\"bf16\"", "run.backend=\"cuda\""],
+                "needs run.backend = \"cpu\" or \"wgpu\": the cuda backend stores f32 weights",
             ),
             (vec!["sft.carry_drop=1.5"], "probability"),
             (vec!["sft.carry_drop=-0.1"], "probability"),
@@ -816,6 +816,16 @@ mod tests {
         }
         let ok = c.with_overrides(&["sft.carry_drop=1".into()]).unwrap();
         ok.validate().unwrap();
+        // Half engine storage is accepted on the two backends that have it.
+        for (backend, dtype) in [("cpu", "bf16"), ("wgpu", "bf16"), ("wgpu", "f16")] {
+            let set = [
+                format!("run.backend=\"{backend}\""),
+                format!("rollout.dtype=\"{dtype}\""),
+            ];
+            let half = c.with_overrides(&set).unwrap();
+            half.validate().unwrap();
+            assert_eq!(half.engine_dtype().unwrap().name().to_lowercase(), dtype);
+        }
     }
 
     #[test]

@@ -65,8 +65,8 @@ pub fn make_trainer(
 }
 
 /// Builds a rollout engine by name with `threads` CPU threads (ignored by GPU backends),
-/// storing its weights in `dtype` (half storage only on the CPU backend; the config refuses
-/// it elsewhere, and so does this, by name).
+/// storing its weights in `dtype` (half storage on the CPU and wgpu backends; the config
+/// refuses it on cuda, and so does this, by name).
 pub fn make_engine(
     name: &str,
     cfg: &ModelConfig,
@@ -77,8 +77,9 @@ pub fn make_engine(
     let b: Box<dyn RolloutEngine> = match (name, dtype) {
         (_, DType::F32) => make_backend(name, cfg, w, threads)?,
         ("cpu", _) => Box::new(CpuBackend::with_dtype(cfg, w, threads, dtype)?),
+        ("wgpu", _) => make_wgpu_engine(cfg, w, dtype)?,
         (other, _) => anyhow::bail!(
-            "rollout.dtype {:?} needs the cpu backend: the {other} backend stores f32 weights",
+            "rollout.dtype {:?} needs the cpu or wgpu backend: the {other} backend stores f32 weights",
             dtype.name().to_ascii_lowercase()
         ),
     };
@@ -98,7 +99,7 @@ pub fn check_backend(name: &str) -> anyhow::Result<()> {
     }
 }
 
-fn make_wgpu_unavailable() -> anyhow::Result<()> {
+fn make_wgpu_unavailable<T>() -> anyhow::Result<T> {
     anyhow::bail!(
         "the wgpu backend is not built into this binary; rebuild with `--features wgpu` \
          (it is a default feature) or use --backend cpu"
@@ -126,6 +127,28 @@ fn make_wgpu(cfg: &ModelConfig, w: &Weights) -> anyhow::Result<Box<dyn Policy>> 
     let b = rolloutpipe_backends::wgpu::WgpuBackend::new(cfg, w)
         .context("starting the wgpu backend (is there a GPU adapter?)")?;
     Ok(Box::new(b))
+}
+
+/// A wgpu engine storing its weights in `dtype` (bf16 or f16: engine-only, f32 compute).
+#[cfg(feature = "wgpu")]
+fn make_wgpu_engine(
+    cfg: &ModelConfig,
+    w: &Weights,
+    dtype: DType,
+) -> anyhow::Result<Box<dyn RolloutEngine>> {
+    use anyhow::Context;
+    let b = rolloutpipe_backends::wgpu::WgpuBackend::with_dtype(cfg, w, dtype)
+        .context("starting the wgpu backend (is there a GPU adapter?)")?;
+    Ok(Box::new(b))
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn make_wgpu_engine(
+    _cfg: &ModelConfig,
+    _w: &Weights,
+    _dtype: DType,
+) -> anyhow::Result<Box<dyn RolloutEngine>> {
+    make_wgpu_unavailable()
 }
 
 #[cfg(not(feature = "wgpu"))]
