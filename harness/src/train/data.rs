@@ -86,10 +86,6 @@ pub struct Problems {
     pub test: Option<(Vec<Problem>, String)>,
 }
 
-/// Size of the generated training pool: large enough that a run never repeats a prompt often,
-/// small enough to generate in milliseconds.
-const POOL: usize = 8192;
-
 fn task_options(cfg: &TrainConfig) -> TaskOptions {
     let t = &cfg.task;
     TaskOptions {
@@ -131,7 +127,7 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
     let task = task(cfg)?;
     let seed = cfg.run.seed;
     let (train, heldout, sft) = if t.jsonl.as_os_str().is_empty() {
-        let train = generate(task.as_ref(), seed, Split::Train, POOL)?;
+        let train = generate(task.as_ref(), seed, Split::Train, t.train_pool)?;
         let held = generate(
             task.as_ref(),
             seed,
