@@ -91,9 +91,8 @@ impl<'s, 'a> View<'s, 'a> {
     /// ```
     pub fn samples_left(&self) -> Option<u64> {
         let p = self.s.plan()?;
-        (p.sample_budget != 0).then(|| {
-            (p.sample_budget as u64).saturating_sub(self.s.samples_used + self.s.reserved)
-        })
+        (p.sample_budget != 0)
+            .then(|| (p.sample_budget as u64).saturating_sub(self.s.samples_used + self.s.reserved))
     }
 
     /// The step's counters.

@@ -181,7 +181,10 @@ impl Scheduler<'_> {
         if self.plan.sample_budget != 0
             && self.samples_used + self.reserved > self.plan.sample_budget as u64
         {
-            return bad("samples used plus reserves exceed the budget", self.samples_used);
+            return bad(
+                "samples used plus reserves exceed the budget",
+                self.samples_used,
+            );
         }
         if self.queue.len != pending_total || self.aborts.len != abort_pending {
             return bad("queue or abort list length", self.queue.len as u64);

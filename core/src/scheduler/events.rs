@@ -394,10 +394,10 @@ impl<'a> Scheduler<'a> {
         let gc = g + self.plan.commit_reserve as u64;
         let left = (self.plan.sample_budget as u64)
             .saturating_sub(self.samples_used + self.reserved + outstanding as u64 * gc);
-        let batch_left = self
-            .plan
-            .batch_groups
-            .saturating_sub(self.counters.drawn.saturating_add(outstanding)) as u64;
+        let batch_left =
+            self.plan
+                .batch_groups
+                .saturating_sub(self.counters.drawn.saturating_add(outstanding)) as u64;
         let n = if left >= batch_left * gc {
             left / gc
         } else {
@@ -419,10 +419,8 @@ impl<'a> Scheduler<'a> {
         }
         let drawn = self.counters.drawn;
         let within = self.plan.batch_groups.saturating_sub(drawn).min(n);
-        let need = self.samples_used
-            + self.reserved
-            + n as u64 * samples as u64
-            + (n - within) as u64 * c;
+        let need =
+            self.samples_used + self.reserved + n as u64 * samples as u64 + (n - within) as u64 * c;
         if need > budget {
             return None;
         }
@@ -435,15 +433,20 @@ impl<'a> Scheduler<'a> {
     }
 
     /// No more draws this step: the batch is final, the data exhausted, `max_groups` drawn, or
-    /// the sample budget has no room for another group even once every reserve is given back
-    /// (reserves come back as their groups are decided, so they only delay draws).
+    /// the sample budget has no room for another prompt (its pilot, plus its `commit_reserve`
+    /// beyond the first B) even once every reserve is given back: reserves come back as their
+    /// groups are decided, so they only delay draws.
     pub(super) fn draws_closed(&self) -> bool {
+        let next = if self.counters.drawn < self.plan.batch_groups {
+            self.plan.group_size as u64
+        } else {
+            self.plan.group_size as u64 + self.plan.commit_reserve as u64
+        };
         self.is_final
             || self.exhausted
             || self.counters.drawn >= self.plan.max_groups
             || (self.plan.sample_budget != 0
-                && (self.plan.sample_budget as u64).saturating_sub(self.samples_used)
-                    < self.plan.group_size as u64)
+                && (self.plan.sample_budget as u64).saturating_sub(self.samples_used) < next)
     }
 
     /// Request `id` generated `tokens` tokens and its reward is known: `on_request_generated`
