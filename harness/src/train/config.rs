@@ -793,6 +793,10 @@ mod tests {
             (vec!["sft.carry_drop=1.5"], "probability"),
             (vec!["sft.carry_drop=-0.1"], "probability"),
             (vec!["sft.carry_drop=0.5", "task.name=mul"], "add task only"),
+            (
+                vec!["task.train_pool=0"],
+                "task.train_pool is 0, must be within 1..=1048576",
+            ),
         ] {
             let set: Vec<String> = set.into_iter().map(Into::into).collect();
             let e = c.with_overrides(&set).unwrap().validate().unwrap_err();

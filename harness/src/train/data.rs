@@ -346,4 +346,20 @@ mod tests {
         // Short runs still warm up over half of their steps.
         assert!((sft_lr(1, 4, peak) - peak).abs() < 1e-15);
     }
+
+    /// `task.train_pool` is the number of training problems the RL stream cycles through.
+    #[test]
+    fn train_pool_sets_the_training_problems_and_the_stream_cycles_them() {
+        let cfg = TrainConfig::default_config()
+            .unwrap()
+            .with_overrides(&["task.train_pool=7".into(), "sft.steps=1".into()])
+            .unwrap();
+        cfg.validate().unwrap();
+        let mut p = problems(&cfg, &crate::tasks::CharTokenizer).unwrap();
+        assert_eq!(p.train.len(), 7);
+        let first: Vec<String> = (0..7).map(|_| p.train.draw().0.prompt.clone()).collect();
+        let again: Vec<String> = (0..7).map(|_| p.train.draw().0.prompt.clone()).collect();
+        assert_eq!(first, again);
+        assert_eq!(p.train.pos, 14);
+    }
 }
