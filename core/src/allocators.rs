@@ -303,11 +303,15 @@ impl PilotCommit {
         })
     }
 
-    /// Sets the plan fields this policy relies on: `group_size = n_pilot` and the hold after
-    /// scoring. Over-drawing (`max_groups`) is the caller's choice.
+    /// Sets the plan fields this policy relies on: `group_size = n_pilot`, the hold after
+    /// scoring, and `commit_reserve = n_commit`, so that with a `sample_budget` a kept prompt's
+    /// commit is reserved before another pilot is drawn (the public code commits to every kept
+    /// prompt of its over-drawn set). Over-drawing (`max_groups`) and the budget are the
+    /// caller's choice.
     pub fn configure(&self, plan: &mut Plan) {
         plan.group_size = self.n_pilot;
         plan.hold_scored = true;
+        plan.commit_reserve = self.n_commit;
     }
 
     /// The verdict on a pilot whose mean reward is `p`.

@@ -76,7 +76,8 @@ impl<'s, 'a> View<'s, 'a> {
         })
     }
 
-    /// Samples the step's `sample_budget` still allows (`None` without a budget).
+    /// Samples the step's `sample_budget` still allows, less what is reserved for undecided
+    /// groups' commits (`Plan::commit_reserve`); `None` without a budget.
     ///
     /// ```
     /// # use rolloutpipe_core::{Plan, PolicyVersion, SchedulerStorage, StepId, Tick};
@@ -90,7 +91,8 @@ impl<'s, 'a> View<'s, 'a> {
     /// ```
     pub fn samples_left(&self) -> Option<u64> {
         let p = self.s.plan()?;
-        (p.sample_budget != 0).then(|| (p.sample_budget as u64).saturating_sub(self.s.samples_used))
+        (p.sample_budget != 0)
+            .then(|| (p.sample_budget as u64).saturating_sub(self.s.samples_used + self.s.reserved))
     }
 
     /// The step's counters.

@@ -299,6 +299,13 @@ pub struct Plan {
     /// Most samples the step may create, drawn groups' and extensions' together (0 = no cap
     /// beyond `max_groups × G` and the storage). At least `B × G` when set.
     pub sample_budget: u32,
+    /// Samples of `sample_budget` reserved for each drawn group's first extension, until the
+    /// group is decided (Pilot-Commit's `n_commit`; 0, the default, reserves nothing). A prompt
+    /// drawn beyond the first B is drawn only with its reserve, and neither a draw nor another
+    /// group's extension may take a reserve, so a kept prompt's commit is never crowded out by
+    /// later pilots. Each of the first B prompts gets its reserve if the budget, less the
+    /// batch's pilots still to draw, holds it. Ignored without a `sample_budget`.
+    pub commit_reserve: u16,
 }
 
 impl Plan {
@@ -328,6 +335,7 @@ impl Plan {
             dispatch: DispatchPolicy::Pipelined,
             hold_scored: false,
             sample_budget: 0,
+            commit_reserve: 0,
         }
     }
 

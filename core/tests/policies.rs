@@ -292,6 +292,64 @@ proptest! {
         }
         prop_assert_eq!(again.counters.trained, out.counters.trained);
     }
+
+    /// With a step budget, a kept prompt's commit is reserved before another pilot is drawn (as
+    /// the public code commits to every kept prompt of its over-drawn set): a prompt drawn
+    /// beyond the first B, or among the first `K = (budget − B × n_pilot) / n_commit` of them,
+    /// never trains on its pilot alone. Only a prompt of the first B drawn when the budget could
+    /// not also hold its commit may. The budget holds, and every prompt decided in two runs of
+    /// different completion orders is decided the same way.
+    #[test]
+    fn pilot_commit_reserves_the_commit_of_every_kept_prompt(
+        seed in 0u64..1_000,
+        order in any::<u64>(),
+        b in 1u32..5,
+        over in 0u32..8,
+        n_pilot in 2u16..6,
+        n_commit in 2u16..6,
+        extra in 0u32..40,
+        draw_batch in 1u32..5,
+        draw_ahead in 0u32..3,
+        admission in 0u8..3,
+        sync in any::<bool>(),
+    ) {
+        let budget = b * n_pilot as u32 + extra;
+        let pc = PilotCommit::new(n_pilot, n_commit, 0.125, 0.25).unwrap();
+        let mut plan = plan_for(b, admission, sync);
+        plan.max_groups = b + over;
+        plan.draw_batch = draw_batch;
+        plan.draw_ahead = draw_ahead;
+        plan.sample_budget = budget;
+        pc.configure(&mut plan);
+        let out = run(plan, &pc, seed, order, 16, 512);
+        prop_assert!(out.max_samples <= budget as u64, "{} > {}", out.max_samples, budget);
+        prop_assert!(out.counters.is_conserved());
+        let k = (budget - b * n_pilot as u32) / n_commit as u32;
+        let reserved = |g: u32| g >= b || g < k;
+        let kept = |g: u32| {
+            let p = (0..n_pilot).map(|j| reward(seed, g, j) as f64).sum::<f64>() / n_pilot as f64;
+            (0.125..=0.75).contains(&p)
+        };
+        for (g, (&t, &st)) in out.targets.iter().zip(&out.states).enumerate() {
+            let g = g as u32;
+            if st == GroupState::Aborted || !kept(g) {
+                continue;
+            }
+            if reserved(g) {
+                prop_assert_eq!(t, n_pilot + n_commit, "kept g{} ({:?}) trained on its pilot alone", g, st);
+            } else {
+                prop_assert!(t == n_pilot || t == n_pilot + n_commit, "g{} target {}", g, t);
+            }
+        }
+        let again = run(plan, &pc, seed, order ^ 0x5A5A, 16, 512);
+        for g in 0..out.states.len().min(again.states.len()) {
+            let (a, z) = (out.states[g], again.states[g]);
+            if a != GroupState::Aborted && z != GroupState::Aborted && reserved(g as u32) {
+                prop_assert_eq!(a, z, "g{}", g);
+                prop_assert_eq!(out.targets[g], again.targets[g], "g{}", g);
+            }
+        }
+    }
 }
 
 #[test]

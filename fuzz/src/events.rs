@@ -93,6 +93,7 @@ fn plan(b: &mut Bytes<'_>) -> Plan {
     };
     p.hold_scored = b.pick(2) == 0;
     p.sample_budget = [0, 0, 8, 16, 24, 40][b.pick(6)];
+    p.commit_reserve = [0, 0, 2, 4][b.pick(4)];
     p
 }
 

@@ -156,17 +156,15 @@ fn pilot_commit_trains_kept_prompts_with_their_committed_samples() {
     check_counts(&o, 32);
     let decided: u32 = o.metrics.iter().map(|m| m.extended + m.skipped).sum();
     assert!(decided > 0, "no pilot was judged");
-    // Every trained group was committed: 4 pilot + 4 committed samples, or fewer only when the
-    // budget refused the commit.
+    // Every trained group was committed: 4 pilot + 4 committed samples. The budget (B x G =
+    // 4 x 8) holds every first-B prompt's commit, and a replacement is drawn only with its
+    // commit reserved, so no kept prompt trains on its pilot alone.
     let mut per_group = std::collections::HashMap::new();
     for t in &o.trained {
         *per_group.entry((t.rollout_step, t.group)).or_insert(0u32) += 1;
     }
-    assert!(per_group.values().any(|&n| n == 8), "{per_group:?}");
-    assert!(
-        per_group.values().all(|&n| n == 4 || n == 8),
-        "{per_group:?}"
-    );
+    assert!(!per_group.is_empty(), "nothing trained");
+    assert!(per_group.values().all(|&n| n == 8), "{per_group:?}");
 }
 
 #[test]

@@ -31,7 +31,7 @@ cd "$(dirname "$0")/../.."
 SETTING=${SETTING:-default}
 OUT=${OUT:-runs/alloc-$SETTING}
 SEEDS=${SEEDS:-"1 2 3 4 5"}
-STEPS=${STEPS:-20}
+if [ "$SETTING" = pool ]; then STEPS=${STEPS:-50}; else STEPS=${STEPS:-20}; fi
 EVAL_EVERY=${EVAL_EVERY:-1}
 EVAL_PROBLEMS=${EVAL_PROBLEMS:-1000}
 TARGET_DELTA=${TARGET_DELTA:-0.25}
@@ -42,7 +42,7 @@ export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2}
 # build on a small machine.
 [ -n "${SKIP_BUILD:-}" ] || nice -n "$NICE" cargo build --release --locked -p rolloutpipe-harness \
   --bin rolloutpipe --no-default-features
-BIN=target/release/rolloutpipe
+BIN=${BIN:-target/release/rolloutpipe}
 mkdir -p "$OUT"
 
 common=(--set run.progress=false --set run.test_problems=0
@@ -50,7 +50,8 @@ common=(--set run.progress=false --set run.test_problems=0
 case "$SETTING" in
   default) ;;
   digits) common+=(--set task.operands=digits) ;;
-  *) echo "SETTING must be default or digits, got $SETTING" >&2; exit 2 ;;
+  pool) common+=(--set task.operands=digits --set task.train_pool=256) ;;
+  *) echo "SETTING must be default, digits or pool, got $SETTING" >&2; exit 2 ;;
 esac
 
 timed() { # label, command...: appends "label: wall s, user s, sys s" to $OUT/times.txt

@@ -32,7 +32,8 @@ impl core::error::Error for AuditError {}
 impl Scheduler<'_> {
     /// Re-derives every count and list from storage and checks the invariants: per-state
     /// counts, per-group request tallies, queue and abort-list contents, incomplete list in draw
-    /// order, slot cap, dispatch order = materialization order of the dispatched groups, and
+    /// order, slot cap, dispatch order = materialization order of the dispatched groups, budget
+    /// reserves (their sum, none on an ended group, used + reserved within the budget), and
     /// conservation. O(groups + requests): for tests and fuzzing, not the hot path.
     ///
     /// ```
@@ -62,8 +63,13 @@ impl Scheduler<'_> {
         let mut pending_total = 0u32;
         let mut abort_pending = 0u32;
         let mut live = 0u64;
+        let mut reserved = 0u64;
         for g in 0..self.counters.drawn {
             let s = &self.groups[g as usize];
+            if s.reserve != 0 && !s.state.is_incomplete() {
+                return bad("ended group still holds a budget reserve", g as u64);
+            }
+            reserved += s.reserve as u64;
             match s.state {
                 GroupState::Queued => c.queued += 1,
                 GroupState::Generating => c.generating += 1,
@@ -167,6 +173,17 @@ impl Scheduler<'_> {
             return bad(
                 "request storage: live records plus holes",
                 self.req_used as u64,
+            );
+        }
+        if reserved != self.reserved {
+            return bad("budget reserves", self.reserved);
+        }
+        if self.plan.sample_budget != 0
+            && self.samples_used + self.reserved > self.plan.sample_budget as u64
+        {
+            return bad(
+                "samples used plus reserves exceed the budget",
+                self.samples_used,
             );
         }
         if self.queue.len != pending_total || self.aborts.len != abort_pending {

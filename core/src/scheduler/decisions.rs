@@ -181,7 +181,7 @@ impl<'a> Scheduler<'a> {
             .max_groups
             .saturating_sub(c.drawn)
             .saturating_sub(self.draw_outstanding);
-        let budget = self.budget_prompts().saturating_sub(self.draw_outstanding);
+        let budget = self.budget_prompts(self.draw_outstanding);
         let n = self.plan.draw_batch.min(room).min(budget);
         if n == 0 {
             return None;

@@ -135,11 +135,9 @@ impl<'a> Scheduler<'a> {
                 group_size: self.plan.group_size,
             });
         }
-        if self.plan.sample_budget != 0
-            && self.samples_used + n as u64 * samples as u64 > self.plan.sample_budget as u64
-        {
+        let Some(reserved_from) = self.draw_reserves(n, samples) else {
             return Err(DrawError::SampleBudget { requested: n });
-        }
+        };
         let g_size = samples as u32;
         let total = n as u64 * g_size as u64;
         // Unreachable under begin_step's capacity contract (extensions keep the storage for
@@ -152,12 +150,19 @@ impl<'a> Scheduler<'a> {
         for i in 0..n {
             let g = drawn + i;
             let first = base + i * g_size;
+            let reserve = if i >= reserved_from.0 || i < reserved_from.1 {
+                self.plan.commit_reserve
+            } else {
+                0
+            };
+            self.reserved += reserve as u64;
             self.groups[g as usize] = GroupSlot {
                 state: GroupState::Queued,
                 target: samples,
                 pending: samples,
                 first,
                 drawn_at: now,
+                reserve,
                 ..GroupSlot::EMPTY
             };
             for s in 0..samples {
@@ -299,8 +304,10 @@ impl<'a> Scheduler<'a> {
         };
         let at_tail = self.extension_room(group.0, extra)?;
         let g = group.0;
-        // A held group goes back to generating; its new samples get a fresh decision.
+        // A held group goes back to generating; its new samples get a fresh decision. Its
+        // reserve, if any, is what these samples spend.
         self.unhold(g);
+        self.release_reserve(g);
         self.samples_used += extra as u64;
         let cap = self.req_cap as u64 - self.reserved_requests();
         let copy = if at_tail { 0 } else { slot.target as u64 };
@@ -340,8 +347,10 @@ impl<'a> Scheduler<'a> {
     /// request storage; returns whether the group's records are already at the storage's end.
     pub(super) fn extension_room(&self, g: u32, extra: u16) -> Result<bool, ExtendError> {
         let slot = &self.groups[g as usize];
+        // The group may spend its own reserve, not another group's.
+        let others = self.reserved - slot.reserve as u64;
         if self.plan.sample_budget != 0
-            && self.samples_used + extra as u64 > self.plan.sample_budget as u64
+            && self.samples_used + others + extra as u64 > self.plan.sample_budget as u64
         {
             return Err(ExtendError::SampleBudget { extra });
         }
@@ -373,22 +382,71 @@ impl<'a> Scheduler<'a> {
             && self.extension_room(g, extra).is_ok()
     }
 
-    /// Prompts the sample budget still allows (`u32::MAX` without a budget).
-    pub(super) fn budget_prompts(&self) -> u32 {
+    /// Prompts the sample budget allows now, beyond the `outstanding` ones already asked for
+    /// (`u32::MAX` without a budget), so that `on_prompts_drawn` accepts them. An asked-for
+    /// prompt is charged `G + commit_reserve`, the most its draw can take; a prompt of the
+    /// first B costs its pilot, plus its reserve when a prompt beyond B is asked for with it.
+    pub(super) fn budget_prompts(&self, outstanding: u32) -> u32 {
         if self.plan.sample_budget == 0 {
             return u32::MAX;
         }
-        let left = (self.plan.sample_budget as u64).saturating_sub(self.samples_used);
-        u32::try_from(left / self.plan.group_size as u64).unwrap_or(u32::MAX)
+        let g = self.plan.group_size as u64;
+        let gc = g + self.plan.commit_reserve as u64;
+        let left = (self.plan.sample_budget as u64)
+            .saturating_sub(self.samples_used + self.reserved + outstanding as u64 * gc);
+        let batch_left =
+            self.plan
+                .batch_groups
+                .saturating_sub(self.counters.drawn.saturating_add(outstanding)) as u64;
+        let n = if left >= batch_left * gc {
+            left / gc
+        } else {
+            batch_left.min(left / g)
+        };
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// The budget check of a draw of `n` prompts of `samples` samples: `None` when it does not
+    /// fit, else `(over, first)`: the prompts from index `over` of the draw on are beyond the
+    /// first B and get their `commit_reserve`, and so do the first `first` of those within B
+    /// (as many as the budget holds, after the reserves, the draw's pilots and the batch's
+    /// pilots still to draw).
+    fn draw_reserves(&self, n: u32, samples: u16) -> Option<(u32, u32)> {
+        let budget = self.plan.sample_budget as u64;
+        let c = self.plan.commit_reserve as u64;
+        if budget == 0 {
+            return Some((u32::MAX, 0));
+        }
+        let drawn = self.counters.drawn;
+        let within = self.plan.batch_groups.saturating_sub(drawn).min(n);
+        let need =
+            self.samples_used + self.reserved + n as u64 * samples as u64 + (n - within) as u64 * c;
+        if need > budget {
+            return None;
+        }
+        if c == 0 {
+            return Some((u32::MAX, 0));
+        }
+        let later = self.plan.batch_groups.saturating_sub(drawn + within) as u64;
+        let spare = (budget - need).saturating_sub(later * self.plan.group_size as u64);
+        Some((within, (spare / c).min(within as u64) as u32))
     }
 
     /// No more draws this step: the batch is final, the data exhausted, `max_groups` drawn, or
-    /// the sample budget has no room for another group.
+    /// the sample budget has no room for another prompt (its pilot, plus its `commit_reserve`
+    /// beyond the first B) even once every reserve is given back: reserves come back as their
+    /// groups are decided, so they only delay draws.
     pub(super) fn draws_closed(&self) -> bool {
+        let next = if self.counters.drawn < self.plan.batch_groups {
+            self.plan.group_size as u64
+        } else {
+            self.plan.group_size as u64 + self.plan.commit_reserve as u64
+        };
         self.is_final
             || self.exhausted
             || self.counters.drawn >= self.plan.max_groups
-            || self.budget_prompts() == 0
+            || (self.plan.sample_budget != 0
+                && (self.plan.sample_budget as u64).saturating_sub(self.samples_used) < next)
     }
 
     /// Request `id` generated `tokens` tokens and its reward is known: `on_request_generated`

@@ -270,6 +270,9 @@ pub struct Scheduler<'a> {
     held_len: u32,
     /// Samples this step has created (drawn groups' and extensions'), for `sample_budget`.
     pub(crate) samples_used: u64,
+    /// Budget samples reserved for undecided groups' first extensions (the sum of their
+    /// `reserve`): `samples_used + reserved ≤ sample_budget` while a budget is set.
+    pub(crate) reserved: u64,
     draw_outstanding: u32,
     exhausted: bool,
     pub(crate) is_final: bool,
@@ -366,6 +369,7 @@ impl<'a> Scheduler<'a> {
             held_tail: NIL,
             held_len: 0,
             samples_used: 0,
+            reserved: 0,
             draw_outstanding: 0,
             exhausted: false,
             is_final: false,
@@ -422,6 +426,7 @@ impl<'a> Scheduler<'a> {
             held_tail: self.held_tail,
             held_len: self.held_len,
             samples_used: self.samples_used,
+            reserved: self.reserved,
             draw_outstanding: self.draw_outstanding,
             exhausted: self.exhausted,
             is_final: self.is_final,
@@ -908,6 +913,12 @@ impl<'a> Scheduler<'a> {
         self.held_len += 1;
     }
 
+    /// Gives group `g`'s budget reserve back (it was decided, extended or ended).
+    pub(crate) fn release_reserve(&mut self, g: u32) {
+        let r = core::mem::take(&mut self.groups[g as usize].reserve);
+        self.reserved -= r as u64;
+    }
+
     /// Takes group `g` off the held list (if it is on it).
     pub(crate) fn unhold(&mut self, g: u32) {
         if !self.groups[g as usize].held {
@@ -935,6 +946,7 @@ impl<'a> Scheduler<'a> {
     /// Aborted). A trainable group joins the trainer FIFO; the B-th one makes the batch final.
     pub(crate) fn end_group(&mut self, g: u32, end: GroupState, now: Tick) {
         self.unhold(g);
+        self.release_reserve(g);
         let s = self.groups[g as usize];
         for idx in s.first..s.first + s.target as u32 {
             match self.reqs[idx as usize].state {

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 
 // The C ABI's version: bumped whenever a signature, struct layout or code changes meaning.
-#define RP_ABI_VERSION 1
+#define RP_ABI_VERSION 2
 
 // `RpPlan::micro_batch_unit`: groups.
 #define RP_UNIT_GROUPS 0
@@ -166,6 +166,9 @@ typedef struct RpPlan {
   bool hold_scored;
   // Samples the step may create (0: unlimited).
   uint32_t sample_budget;
+  // Budget samples reserved for each drawn group's first extension until it is decided
+  // (Pilot-Commit's `n_commit`, set by `rp_plan_apply_policy`; 0: none).
+  uint16_t commit_reserve;
 } RpPlan;
 
 // The step's counters (see the core's `Counters`).
@@ -545,7 +548,8 @@ RpStatus rp_poll_allocation_with(struct RpScheduler *s,
 
 // Configures `plan` for `policy`, as the core's `configure` does: VIGOR sets the group size to
 // `n0`, the step's sample budget and holds scored groups; Pilot-Commit sets the group size to
-// `n_pilot` and holds scored groups; fixed G leaves the plan as it is. Bad parameters are
+// `n_pilot`, holds scored groups and reserves `n_commit` of the budget for each drawn prompt's
+// commit (`commit_reserve`); fixed G leaves the plan as it is. Bad parameters are
 // `RP_ERR_ALLOC_PARAM` and leave `plan` untouched.
 //
 // # Safety

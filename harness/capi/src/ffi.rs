@@ -51,7 +51,7 @@ pub const RP_ERR_PANIC: RpStatus = -10;
 pub const RP_ERR_ALLOC_PARAM: RpStatus = -11;
 
 /// The C ABI's version: bumped whenever a signature, struct layout or code changes meaning.
-pub const RP_ABI_VERSION: u32 = 1;
+pub const RP_ABI_VERSION: u32 = 2;
 
 /// An opaque scheduler handle: library-owned storage (`rp_scheduler_new`) or placed in caller
 /// memory (`rp_scheduler_new_in`; the second field says so).

@@ -236,7 +236,8 @@ pub unsafe extern "C" fn rp_poll_allocation_with(
 
 /// Configures `plan` for `policy`, as the core's `configure` does: VIGOR sets the group size to
 /// `n0`, the step's sample budget and holds scored groups; Pilot-Commit sets the group size to
-/// `n_pilot` and holds scored groups; fixed G leaves the plan as it is. Bad parameters are
+/// `n_pilot`, holds scored groups and reserves `n_commit` of the budget for each drawn prompt's
+/// commit (`commit_reserve`); fixed G leaves the plan as it is. Bad parameters are
 /// `RP_ERR_ALLOC_PARAM` and leave `plan` untouched.
 ///
 /// # Safety

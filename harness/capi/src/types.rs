@@ -110,6 +110,9 @@ pub struct RpPlan {
     pub hold_scored: bool,
     /// Samples the step may create (0: unlimited).
     pub sample_budget: u32,
+    /// Budget samples reserved for each drawn group's first extension until it is decided
+    /// (Pilot-Commit's `n_commit`, set by `rp_plan_apply_policy`; 0: none).
+    pub commit_reserve: u16,
 }
 
 /// One generation attempt of one sample of one group in one step.
@@ -331,6 +334,7 @@ pub(crate) fn plan_to_c(p: &Plan) -> RpPlan {
         },
         hold_scored: p.hold_scored,
         sample_budget: p.sample_budget,
+        commit_reserve: p.commit_reserve,
     }
 }
 
@@ -372,6 +376,7 @@ pub(crate) fn plan_from_c(c: &RpPlan) -> Result<Plan, String> {
     };
     p.hold_scored = c.hold_scored;
     p.sample_budget = c.sample_budget;
+    p.commit_reserve = c.commit_reserve;
     Ok(p)
 }
 

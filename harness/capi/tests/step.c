@@ -180,6 +180,14 @@ int main(void) {
     char msg[256];
     rp_last_error_message(msg, sizeof msg);
     if (!strstr(msg, "n0")) { fprintf(stderr, "message does not name n0: %s\n", msg); failures++; }
+    /* Pilot-Commit: n_pilot samples first, and each prompt's commit reserved in the budget. */
+    MUST(rp_plan_default(4, 8, &plan));
+    RpAllocPolicy pc = {0};
+    pc.kind = RP_POLICY_PILOT_COMMIT;
+    pc.n_pilot = 4; pc.n_commit = 4; pc.lower = 0.125f; pc.upper = 0.25f;
+    MUST(rp_plan_apply_policy(&pc, &plan));
+    CHECK_EQ("Pilot-Commit group_size", plan.group_size, 4);
+    CHECK_EQ("Pilot-Commit commit_reserve", plan.commit_reserve, 4);
 
     if (failures) {
         fprintf(stderr, "%d mismatches\n", failures);

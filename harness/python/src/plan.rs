@@ -51,6 +51,9 @@ pub struct Plan {
     pub hold_scored: bool,
     /// Samples the step may create (0: unlimited).
     pub sample_budget: u32,
+    /// Budget samples reserved for each drawn group's commit until it is decided
+    /// (Pilot-Commit's `n_commit`, set by `PilotCommit.configure`; 0: none).
+    pub commit_reserve: u16,
 }
 
 #[pymethods]
@@ -124,6 +127,7 @@ const FIELDS: &[&str] = &[
     "dispatch",
     "hold_scored",
     "sample_budget",
+    "commit_reserve",
 ];
 
 fn bad(field: &str, value: &str, choices: &str) -> PyErr {
@@ -173,6 +177,7 @@ impl Plan {
         };
         p.hold_scored = self.hold_scored;
         p.sample_budget = self.sample_budget;
+        p.commit_reserve = self.commit_reserve;
         Ok(p)
     }
 }
@@ -221,6 +226,7 @@ impl From<&rc::Plan> for Plan {
             .into(),
             hold_scored: p.hold_scored,
             sample_budget: p.sample_budget,
+            commit_reserve: p.commit_reserve,
         }
     }
 }
@@ -287,7 +293,7 @@ impl PilotCommit {
             .map(PilotCommit)
             .map_err(|e| raise::<AllocParamError>(py, e))
     }
-    /// Sets the plan fields the policy relies on (G = n_pilot, the hold).
+    /// Sets the plan fields the policy relies on (G = n_pilot, the hold, the commit reserve).
     fn configure(&self, plan: &mut Plan) -> PyResult<()> {
         let mut p = plan.to_core()?;
         self.0.configure(&mut p);

@@ -107,7 +107,7 @@ def test_pilot_commit_extends_in_band_and_skips_solved():
     pc = rp.PilotCommit(2, 2, 0.125, 0.25)
     plan = rp.Plan(1, 2, slots=8, max_groups=2)
     pc.configure(plan)
-    assert plan.hold_scored and plan.group_size == 2
+    assert plan.hold_scored and plan.group_size == 2 and plan.commit_reserve == 2
     s = rp.Scheduler(4, 16)
     s.begin_step(0, 0, 0, plan)
     s.on_prompts_drawn(0, 2)

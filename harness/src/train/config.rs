@@ -147,6 +147,15 @@ pub struct TaskSection {
     /// digit) or `uniform` (uniform in 0..10^digits, the independent test set's distribution).
     #[serde(default = "default_operands")]
     pub operands: String,
+    /// Generated training problems (ignored with `jsonl`): the RL stream cycles through this
+    /// pool in order, so a small pool makes the run multi-epoch (Pilot-Commit's eviction of
+    /// solved prompts then matters). 1..=1,048,576.
+    #[serde(default = "default_train_pool")]
+    pub train_pool: usize,
+}
+
+fn default_train_pool() -> usize {
+    8192
 }
 
 fn default_operands() -> String {
@@ -465,6 +474,11 @@ impl TrainConfig {
             "task.heldout_per_mille must be in 1..=999 (a held-out set and a training set are both needed)"
         );
         ensure!(r.eval_problems >= 1, "run.eval_problems must be at least 1");
+        ensure!(
+            (1..=1 << 20).contains(&self.task.train_pool),
+            "task.train_pool is {}, must be within 1..=1048576",
+            self.task.train_pool
+        );
         ensure!(
             matches!(self.task.operands.as_str(), "digits" | "uniform"),
             "task.operands {:?} is not one of digits, uniform",
@@ -809,6 +823,10 @@ mod tests {
             (vec!["sft.carry_drop=1.5"], "probability"),
             (vec!["sft.carry_drop=-0.1"], "probability"),
             (vec!["sft.carry_drop=0.5", "task.name=mul"], "add task only"),
+            (
+                vec!["task.train_pool=0"],
+                "task.train_pool is 0, must be within 1..=1048576",
+            ),
         ] {
             let set: Vec<String> = set.into_iter().map(Into::into).collect();
             let e = c.with_overrides(&set).unwrap().validate().unwrap_err();

@@ -86,10 +86,6 @@ pub struct Problems {
     pub test: Option<(Vec<Problem>, String)>,
 }
 
-/// Size of the generated training pool: large enough that a run never repeats a prompt often,
-/// small enough to generate in milliseconds.
-const POOL: usize = 8192;
-
 fn task_options(cfg: &TrainConfig) -> TaskOptions {
     let t = &cfg.task;
     TaskOptions {
@@ -131,7 +127,7 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
     let task = task(cfg)?;
     let seed = cfg.run.seed;
     let (train, heldout, sft) = if t.jsonl.as_os_str().is_empty() {
-        let train = generate(task.as_ref(), seed, Split::Train, POOL)?;
+        let train = generate(task.as_ref(), seed, Split::Train, t.train_pool)?;
         let held = generate(
             task.as_ref(),
             seed,
@@ -349,5 +345,21 @@ mod tests {
         assert!(end > 0.1 * peak && end < 0.11 * peak, "{end}");
         // Short runs still warm up over half of their steps.
         assert!((sft_lr(1, 4, peak) - peak).abs() < 1e-15);
+    }
+
+    /// `task.train_pool` is the number of training problems the RL stream cycles through.
+    #[test]
+    fn train_pool_sets_the_training_problems_and_the_stream_cycles_them() {
+        let cfg = TrainConfig::default_config()
+            .unwrap()
+            .with_overrides(&["task.train_pool=7".into(), "sft.steps=1".into()])
+            .unwrap();
+        cfg.validate().unwrap();
+        let mut p = problems(&cfg, &crate::tasks::CharTokenizer).unwrap();
+        assert_eq!(p.train.len(), 7);
+        let first: Vec<String> = (0..7).map(|_| p.train.draw().0.prompt.clone()).collect();
+        let again: Vec<String> = (0..7).map(|_| p.train.draw().0.prompt.clone()).collect();
+        assert_eq!(first, again);
+        assert_eq!(p.train.pos, 14);
     }
 }
