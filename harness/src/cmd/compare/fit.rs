@@ -28,10 +28,31 @@ pub fn simulate_measured(
         merge_measured(&mut all, &o.measured);
     }
     let first = &fitted[0].metrics;
-    let (acc0, acc1) = (
+    let (mut acc0, mut acc1) = (
         first.first().map(|m| m.train_accuracy).unwrap_or(0.5),
         first.last().map(|m| m.train_accuracy).unwrap_or(0.5),
     );
+    // The simulator draws pass/fail rewards from the profile's pass rate, and its timing
+    // depends on that rate only through how many groups have mixed rewards (trainable) or
+    // equal ones (filtered, replaced by new draws). A task's reward can vary where its pass rate
+    // does not (a format penalty tells malformed from wrong answers), so the rate given to the
+    // simulator is the one that reproduces the measured share of trainable groups.
+    let (trained, scored) = fitted
+        .iter()
+        .flat_map(|o| o.metrics.iter())
+        .fold((0u64, 0u64), |(t, n), m| {
+            (t + m.trained as u64, n + (m.trained + m.filtered) as u64)
+        });
+    if scored > 0 {
+        let share = trained as f64 / scored as f64;
+        let p = effective_pass_rate(
+            share,
+            u32::from(base.rl.group_size),
+            BETA_K,
+            (acc0 + acc1) / 2.0,
+        );
+        (acc0, acc1) = (p, p);
+    }
     let sim_toml = simulator_config(base, &all, acc0, acc1, modes)?;
     let sim_path = out.join("sim_measured.toml");
     std::fs::write(&sim_path, &sim_toml)?;
@@ -54,6 +75,7 @@ pub fn simulate_measured(
                 rollout_s: st.rollout(),
                 rollout_to_train_end_s: st.r2t(),
                 trainer_wait_ratio: st.wait_ratio(),
+                train_busy_s: st.trainer_busy,
                 ideal_s: st.rollout() + st.last_tail,
                 ..StepMetrics::default()
             })
@@ -75,6 +97,39 @@ fn merge_measured(a: &mut Measured, b: &Measured) {
     a.engines = b.engines;
 }
 
+/// The profile's Beta concentration (`beta_k`): not measured, the simulator's estimate.
+const BETA_K: f64 = 1.5;
+
+/// Share of groups of `g` samples whose pass/fail rewards are not all equal when each prompt's
+/// pass probability is drawn from Beta(p·k, (1 − p)·k), as the simulator's workload draws them:
+/// `1 − E[θ^g] − E[(1 − θ)^g]`.
+fn mixed_share(p: f64, g: u32, k: f64) -> f64 {
+    let (a, b) = (p * k, (1.0 - p) * k);
+    let moment = |x: f64| {
+        (0..g)
+            .map(|i| (x + i as f64) / (a + b + i as f64))
+            .product::<f64>()
+    };
+    1.0 - moment(a) - moment(b)
+}
+
+/// The pass rate whose [`mixed_share`] is `share`, on the side of 1/2 that `acc` (the measured
+/// accuracy) is on. The share grows with p up to p = 1/2, so bisection finds it; a share above
+/// what p = 1/2 gives is met as closely as possible, by 1/2.
+fn effective_pass_rate(share: f64, g: u32, k: f64, acc: f64) -> f64 {
+    let (mut lo, mut hi) = (0.0f64, 0.5f64);
+    for _ in 0..60 {
+        let mid = (lo + hi) / 2.0;
+        if mixed_share(mid, g, k) < share {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let p = (lo + hi) / 2.0;
+    if acc > 0.5 { 1.0 - p } else { p }
+}
+
 /// Least-squares line `y = a + b x`.
 fn fit(points: &[(f64, f64)]) -> (f64, f64) {
     let n = points.len() as f64;
@@ -87,6 +142,19 @@ fn fit(points: &[(f64, f64)]) -> (f64, f64) {
     let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
     let b = if sxx > 0.0 { sxy / sxx } else { 0.0 };
     (my - b * mx, b)
+}
+
+/// [`fit`] with the intercept held at zero or above: a cost line's fixed part cannot be
+/// negative, and clamping a negative intercept to zero afterwards would keep the slope that
+/// assumed it, overstating every cost (least squares through the origin instead).
+fn fit_nonneg(points: &[(f64, f64)]) -> (f64, f64) {
+    let (a, b) = fit(points);
+    if a >= 0.0 {
+        return (a, b);
+    }
+    let sxx: f64 = points.iter().map(|p| p.0 * p.0).sum();
+    let sxy: f64 = points.iter().map(|p| p.0 * p.1).sum();
+    (0.0, if sxx > 0.0 { sxy / sxx } else { 0.0 })
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -106,13 +174,13 @@ pub fn simulator_config(
     modes: &[Mode],
 ) -> anyhow::Result<String> {
     let decode: Vec<(f64, f64)> = m.decode.iter().map(|&(r, s)| (r as f64, s * 1e3)).collect();
-    let (base_ms, per_seq_ms) = fit(&decode);
+    let (base_ms, per_seq_ms) = fit_nonneg(&decode);
     let mbs: Vec<(f64, f64)> = m
         .micro_batches
         .iter()
         .map(|&(_, all, s)| (all as f64, s))
         .collect();
-    let (mb_overhead, per_tok) = fit(&mbs);
+    let (mb_overhead, per_tok) = fit_nonneg(&mbs);
     let lens: Vec<f64> = m.response_tokens.iter().map(|&t| t.max(1) as f64).collect();
     let mean_len = mean(&lens).max(1.0);
     let logs: Vec<f64> = lens.iter().map(|l| l.ln()).collect();
@@ -217,7 +285,7 @@ pub fn simulator_config(
     )?;
     writeln!(
         s,
-        "acc_start = {:.4}\nacc_late = {:.4}\nbeta_k = 1.5  # est. (not measured)\nwrong_length_factor = 1.0  # not measured\n",
+        "acc_start = {:.4}  # the pass rate that gives the measured share of trainable groups\nacc_late = {:.4}\nbeta_k = {BETA_K}  # est. (not measured)\nwrong_length_factor = 1.0  # not measured\n",
         clampacc(acc_start),
         clampacc(acc_late)
     )?;
@@ -233,4 +301,47 @@ pub fn simulator_config(
         cfg.rl.opt_steps
     )?;
     Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mixed_share_matches_the_beta_bernoulli_moments() {
+        // G = 2, p = 1/2, k = 1.5: a = b = 0.75, E[θ²] = 0.75·1.75 / (1.5·2.5) = 0.35,
+        // so 1 − 2·0.35 = 0.3 of the groups have mixed rewards.
+        assert!((mixed_share(0.5, 2, 1.5) - 0.3).abs() < 1e-12);
+        // A sure pass or fail never mixes; more samples mix more often.
+        assert!(mixed_share(1e-9, 8, 1.5) < 1e-6);
+        assert!(mixed_share(0.3, 8, 1.5) > mixed_share(0.3, 4, 1.5));
+    }
+
+    #[test]
+    fn effective_pass_rate_inverts_the_mixed_share_on_the_accuracy_side() {
+        for p in [0.02, 0.1, 0.3, 0.45] {
+            let share = mixed_share(p, 8, BETA_K);
+            assert!(
+                (effective_pass_rate(share, 8, BETA_K, 0.1) - p).abs() < 1e-9,
+                "{p}"
+            );
+            // the same share above 1/2 when the measured accuracy is there
+            assert!((effective_pass_rate(share, 8, BETA_K, 0.9) - (1.0 - p)).abs() < 1e-9);
+        }
+        // a share above what p = 1/2 can give is met by 1/2
+        assert!((effective_pass_rate(0.99, 8, BETA_K, 0.2) - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_negative_intercept_refits_through_the_origin() {
+        // y = 2x exactly: the free fit is exact; shifted data whose free intercept is negative
+        // gets the least-squares slope through the origin, Σxy/Σxx.
+        let exact = [(1.0, 2.0), (2.0, 4.0), (3.0, 6.0)];
+        assert_eq!(fit_nonneg(&exact), fit(&exact));
+        let pts = [(1.0, 0.5), (2.0, 2.5), (3.0, 4.5)]; // free fit: y = -1.5 + 2x
+        assert!(fit(&pts).0 < 0.0);
+        let (a, b) = fit_nonneg(&pts);
+        assert_eq!(a, 0.0);
+        assert!((b - (0.5 + 5.0 + 13.5) / 14.0).abs() < 1e-12);
+    }
 }
