@@ -410,7 +410,7 @@ mod avx {
     /// Fixed-order horizontal sum of 8 lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
+    pub(super) fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps::<1>(v);
         let s = _mm_add_ps(lo, hi);
@@ -538,13 +538,7 @@ mod avx512 {
     fn hsum(v: __m512) -> f32 {
         let lo = _mm512_castps512_ps256(v);
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-        let s = _mm256_add_ps(lo, hi);
-        let lo = _mm256_castps256_ps128(s);
-        let hi = _mm256_extractf128_ps::<1>(s);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-        _mm_cvtss_f32(s)
+        super::avx::hsum(_mm256_add_ps(lo, hi))
     }
 
     /// Sixteen f32 weights.

@@ -1017,16 +1017,7 @@ pub fn adamw_step(
     step: u64,
 ) {
     let c = AdamConsts::new(grad_scale, lr, beta1, beta2, eps, weight_decay, step);
-    // Elementwise, so splitting into chunks over the threads changes no bits.
-    use rayon::prelude::*;
-    p.par_chunks_mut(PAR_CHUNK)
-        .zip(grad.par_chunks(PAR_CHUNK))
-        .zip(m.par_chunks_mut(PAR_CHUNK).zip(v.par_chunks_mut(PAR_CHUNK)))
-        .for_each(|((p, grad), (m, v))| {
-            for i in 0..p.len() {
-                (m[i], v[i]) = c.apply(grad[i], &mut p[i], m[i], v[i]);
-            }
-        });
+    adamw_chunks::<false>(p, grad, m, v, &c);
 }
 
 /// [`adamw_step`] on moments that are all zero (the first step after they were allocated),
@@ -1049,13 +1040,26 @@ pub fn adamw_first_step(
     step: u64,
 ) {
     let c = AdamConsts::new(grad_scale, lr, beta1, beta2, eps, weight_decay, step);
+    adamw_chunks::<true>(p, grad, m, v, &c);
+}
+
+/// The elementwise update over chunks on the current thread pool (elementwise, so the
+/// split changes no bits); `FRESH` takes the old moments as zero instead of reading them.
+fn adamw_chunks<const FRESH: bool>(
+    p: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    c: &AdamConsts,
+) {
     use rayon::prelude::*;
     p.par_chunks_mut(PAR_CHUNK)
         .zip(grad.par_chunks(PAR_CHUNK))
         .zip(m.par_chunks_mut(PAR_CHUNK).zip(v.par_chunks_mut(PAR_CHUNK)))
         .for_each(|((p, grad), (m, v))| {
             for i in 0..p.len() {
-                (m[i], v[i]) = c.apply(grad[i], &mut p[i], 0.0, 0.0);
+                let (m0, v0) = if FRESH { (0.0, 0.0) } else { (m[i], v[i]) };
+                (m[i], v[i]) = c.apply(grad[i], &mut p[i], m0, v0);
             }
         });
 }
