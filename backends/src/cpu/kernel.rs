@@ -50,15 +50,18 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The best path this CPU has, decided once. `ROLLOUTPIPE_NO_AVX512=1` keeps the AVX2
-    /// kernels on an AVX-512 CPU, to reproduce an AVX2 machine's bits.
+    /// The path every product of this process takes, decided once: AVX2 where the CPU has it
+    /// (AVX-512 CPUs included), else the fallback. `ROLLOUTPIPE_AVX512=1` takes the AVX-512
+    /// kernels where the CPU has them. AVX2 is the default so that AVX2 and AVX-512 machines
+    /// compute the same bits: a rounding-level change to the forward products is enough to
+    /// send the default job's SFT warm start somewhere else (docs/performance.md).
     pub fn detected() -> Isa {
         static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *ISA.get_or_init(|| {
-            let all = Isa::available();
-            let no512 = std::env::var_os("ROLLOUTPIPE_NO_AVX512").is_some_and(|v| v == "1");
-            all.into_iter()
-                .find(|i| !(no512 && *i == Isa::Avx512))
+            let want512 = std::env::var_os("ROLLOUTPIPE_AVX512").is_some_and(|v| v == "1");
+            Isa::available()
+                .into_iter()
+                .find(|i| want512 || *i != Isa::Avx512)
                 .unwrap_or(Isa::Fallback)
         })
     }
