@@ -362,7 +362,13 @@ impl TrainConfig {
     }
 
     fn from_table(t: toml::Table) -> anyhow::Result<Self> {
-        Ok(toml::Value::Table(t).try_into()?)
+        // toml puts the offending key on a second line ("… expected u32\nin `run.steps`"):
+        // one line, as every error of the binary.
+        toml::Value::Table(t)
+            .try_into()
+            .map_err(|e: toml::de::Error| {
+                anyhow::anyhow!("{}", e.to_string().trim().replace('\n', " "))
+            })
     }
 
     /// Applies `section.key=value` overrides (the value is TOML; a bare word is a string).
@@ -714,6 +720,17 @@ fn merge(base: &mut toml::Table, over: toml::Table) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_mistyped_override_is_one_line_naming_the_key() {
+        let e = TrainConfig::default_config()
+            .unwrap()
+            .with_overrides(&["run.steps=-3".into()])
+            .unwrap_err();
+        let msg = format!("{e:#}");
+        assert_eq!(msg.lines().count(), 1, "{msg}");
+        assert!(msg.contains("run.steps"), "{msg}");
+    }
+
     use super::*;
 
     #[test]
