@@ -25,13 +25,13 @@ const TR: usize = 4;
 /// Rows per block of the threaded product: the block's `x` rows (256 KB at din = 1,024) stay in
 /// cache while every column block streams its weights past them.
 const RB: usize = 64;
-/// Output columns per block (one parallel task): `CB` weight rows (256 KB at din = 1,024) stay
+/// Output columns per block (one parallel task): `CB` weight rows (192 KB at din = 1,024) stay
 /// in cache while the tiles of all `RB` rows reuse them, so each weight is read from memory
 /// once per row block instead of once per 4-row tile. That matters most for decoding, where
 /// the whole product is one row block and weight traffic is the cost.
-const CB: usize = 64;
+const CB: usize = 48;
 /// Output columns per tile.
-const TC: usize = 2;
+const TC: usize = 3;
 /// Below this many multiply-adds a product runs on the calling thread (rayon's fork/join costs
 /// a few microseconds).
 const PAR_MIN_FMA: usize = 1 << 16;
@@ -43,7 +43,7 @@ const PAR_MIN_FMA: usize = 1 << 16;
 pub enum Isa {
     /// AVX-512F: 16-lane FMA accumulation, tiles of 4 rows × 4 columns.
     Avx512,
-    /// AVX2 + FMA (+ F16C for f16 weights): 8-lane FMA accumulation, tiles of 4 × 2.
+    /// AVX2 + FMA (+ F16C for f16 weights): 8-lane FMA accumulation, tiles of 4 × 3 (12 independent accumulators: two FMA units of 4-cycle latency need 8).
     Avx2,
     /// matrixmultiply's GEMM (weights widened to f32 first).
     Fallback,
@@ -356,13 +356,28 @@ macro_rules! dot_kernels {
                     }
                     c += $TC;
                 }
+                // Leftover columns: the tile's rows side by side, `TR` independent accumulators.
                 for c in c..c1 {
+                    let mut acc = [$zero(); TR];
+                    let xp: [*const f32; TR] = std::array::from_fn(|i| x[(r + i) * din..].as_ptr());
+                    let wr = &w[c * din..(c + 1) * din];
+                    let mut k = 0;
+                    while k < k8 {
+                        // SAFETY: each row holds `din` values and k + L <= din.
+                        let wv = unsafe { $load(wr.as_ptr().add(k)) };
+                        for i in 0..TR {
+                            // SAFETY: as above.
+                            acc[i] = $fma(unsafe { $loadx(xp[i].add(k)) }, wv, acc[i]);
+                        }
+                        k += $L;
+                    }
                     for i in 0..TR {
-                        out[(r + i) * width + (c - c0)] = $one(
-                            &x[(r + i) * din..(r + i + 1) * din],
-                            &w[c * din..(c + 1) * din],
-                            din,
-                        );
+                        let xr = &x[(r + i) * din..(r + i + 1) * din];
+                        let mut s = $hsum(acc[i]);
+                        for k in k8..din {
+                            s = xr[k].mul_add($get(wr[k]), s);
+                        }
+                        out[(r + i) * width + (c - c0)] = s;
                     }
                 }
                 r += TR;
