@@ -81,8 +81,8 @@ impl std::fmt::Debug for CpuBackend {
 
 impl CpuBackend {
     /// A backend for `cfg` with weights `w`, running attention, per-sequence work and decode
-    /// steps on `threads` threads (0 = one per core). GEMMs use matrixmultiply's own threads
-    /// (`MATMUL_NUM_THREADS`).
+    /// steps on `threads` threads (0 = one per core); the GEMMs run on the same threads, in row
+    /// bands.
     pub fn new(cfg: &ModelConfig, w: &Weights, threads: usize) -> Result<Self> {
         Self::from_model(Model::new(cfg, w)?, threads)
     }

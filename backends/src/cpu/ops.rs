@@ -1,7 +1,8 @@
 //! The plain reference ops: one `*_fwd` / `*_bwd` pair per operation, llm.c style.
 //!
 //! Slices in, slices out, row-major, no allocation, no threads (the model parallelises across
-//! sequences; matrix products go through `matrixmultiply`, which threads itself). Every op is
+//! sequences; matrix products go through `matrixmultiply`, split into row bands on the
+//! current rayon pool). Every op is
 //! generic over [`Float`] so that the very code the backend runs in f32 is checked against finite
 //! differences in f64. Backward ops **accumulate** (`+=`) into their gradient outputs, so that
 //! residual branches and tied weights add up without extra buffers; callers zero them.
@@ -287,26 +288,79 @@ fn gemm<T: Float>(
     if m == 0 || n == 0 {
         return;
     }
-    // SAFETY: the assert above keeps every accessed index inside each slice; `c` is a unique
-    // borrow, so it cannot alias the shared borrows `a` and `b`. Strides are below isize::MAX
-    // because they index into existing allocations.
-    unsafe {
-        T::gemm_raw(
-            m,
-            k,
-            n,
-            T::ONE,
-            a.as_ptr(),
-            rsa as isize,
-            csa as isize,
-            b.as_ptr(),
-            rsb as isize,
-            csb as isize,
-            beta,
-            c.as_mut_ptr(),
-            rsc as isize,
-            csc as isize,
-        )
+    // Row bands of C on the current rayon pool (the backend's threads): a band is the same
+    // GEMM on fewer rows, and matrixmultiply's per-element arithmetic (the k blocking and the
+    // micro-kernel's order) does not depend on the rows around it, so the bits are those of
+    // one call whatever the thread count.
+    let threads = rayon::current_num_threads();
+    // Bands need rows of C that do not overlap (a row-major C: every caller's).
+    let disjoint_rows = extent(1, n, rsc, csc) <= rsc;
+    let band = if threads > 1 && disjoint_rows && m * k * n >= GEMM_PAR_MIN_FMA {
+        m.div_ceil(2 * threads).next_multiple_of(16)
+    } else {
+        m
+    };
+    let (a, c) = (SendPtr(a.as_ptr()), SendMutPtr(c.as_mut_ptr()));
+    let run = |i0: usize| {
+        let rows = band.min(m - i0);
+        // SAFETY: the assert above keeps every index of rows i0..i0 + rows inside each slice;
+        // bands cover disjoint rows of `c` (checked above whenever there is more than one),
+        // which is a unique borrow and so aliases neither `a` nor `b`. Strides are below
+        // isize::MAX because they index into existing allocations.
+        unsafe {
+            T::gemm_raw(
+                rows,
+                k,
+                n,
+                T::ONE,
+                a.get().add(i0 * rsa),
+                rsa as isize,
+                csa as isize,
+                b.as_ptr(),
+                rsb as isize,
+                csb as isize,
+                beta,
+                c.get().add(i0 * rsc),
+                rsc as isize,
+                csc as isize,
+            )
+        }
+    };
+    if band >= m {
+        run(0);
+    } else {
+        use rayon::prelude::*;
+        (0..m).into_par_iter().step_by(band).for_each(run);
+    }
+}
+
+/// Below this many multiply-adds a GEMM runs on the calling thread.
+const GEMM_PAR_MIN_FMA: usize = 1 << 20;
+
+/// A shared operand pointer the GEMM bands read from (see [`gemm`]).
+#[derive(Clone, Copy)]
+struct SendPtr<T>(*const T);
+// SAFETY: only read through, by bands of one `gemm` call while its borrow is alive.
+unsafe impl<T: Sync> Send for SendPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T: Sync> Sync for SendPtr<T> {}
+impl<T> SendPtr<T> {
+    fn get(self) -> *const T {
+        self.0
+    }
+}
+
+/// The output pointer the GEMM bands write disjoint rows through (see [`gemm`]).
+#[derive(Clone, Copy)]
+struct SendMutPtr<T>(*mut T);
+// SAFETY: each band of one `gemm` call writes only its own rows, while the unique borrow of
+// the output is alive.
+unsafe impl<T: Send> Send for SendMutPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for SendMutPtr<T> {}
+impl<T> SendMutPtr<T> {
+    fn get(self) -> *mut T {
+        self.0
     }
 }
 
@@ -1661,6 +1715,46 @@ mod tests {
         assert_eq!(one.to_bits(), on(3).to_bits());
         let exact: f64 = g.iter().map(|x| (*x as f64).powi(2)).sum();
         assert!((one - exact).abs() <= 1e-12 * exact, "{one} vs {exact}");
+    }
+
+    /// The backward products split into row bands on the pool give one call's bits for any
+    /// thread count, including ragged last bands, and match the f64 product to rounding.
+    #[test]
+    fn matmul_bwd_bands_are_thread_count_independent() {
+        let (n, din, dout) = (83, 96, 170);
+        assert!(
+            n * din * dout >= GEMM_PAR_MIN_FMA,
+            "large enough to be split"
+        );
+        let mut rng = ChaCha8Rng::seed_from_u64(12);
+        let f = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect::<Vec<f32>>();
+        let dy = f(rand_vec(&mut rng, n * dout, 1.0));
+        let x = f(rand_vec(&mut rng, n * din, 1.0));
+        let w = f(rand_vec(&mut rng, dout * din, 1.0));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let on = |t: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap()
+                .install(|| {
+                    let (mut dx, mut dw) = (vec![0.5f32; n * din], vec![0.25f32; dout * din]);
+                    matmul_bwd(Some(&mut dx), &mut dw, &dy, &x, &w, n, din, dout);
+                    (bits(&dx), bits(&dw))
+                })
+        };
+        let one = on(1);
+        assert_eq!(one, on(2));
+        assert_eq!(one, on(3));
+        let dw = one.1.iter().map(|b| f32::from_bits(*b) as f64);
+        for (i, got) in dw.enumerate() {
+            let (o, j) = (i / din, i % din);
+            let e: f64 = 0.25
+                + (0..n)
+                    .map(|r| dy[r * dout + o] as f64 * x[r * din + j] as f64)
+                    .sum::<f64>();
+            assert!((got - e).abs() < 1e-4, "dw[{o},{j}] {got} vs {e}");
+        }
     }
 
     #[test]

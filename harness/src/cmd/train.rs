@@ -97,7 +97,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         print!("{}", cfg.to_toml()?);
         return Ok(());
     }
-    pin_gemm_threads();
     // Ctrl-C / SIGTERM now end the current step with a checkpoint instead of killing the run.
     crate::interrupt::install()?;
     let out = cfg.run.out.clone();
@@ -132,18 +131,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// Keeps matrixmultiply's GEMMs single-threaded unless the user chose otherwise: every engine
-/// and the trainer are already their own threads, and on a small machine extra GEMM threads
-/// only make the roles steal cores from each other.
-pub fn pin_gemm_threads() {
-    if std::env::var_os("MATMUL_NUM_THREADS").is_none() {
-        // SAFETY: called from the main thread before any worker thread of the run exists;
-        // nothing else in the process reads or writes the environment concurrently (logging
-        // is set up and does not touch it).
-        unsafe { std::env::set_var("MATMUL_NUM_THREADS", "1") };
-    }
 }
 
 #[cfg(test)]

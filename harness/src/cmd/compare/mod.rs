@@ -107,7 +107,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     crate::interrupt::install()?;
-    super::train::pin_gemm_threads();
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
 
