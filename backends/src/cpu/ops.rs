@@ -300,7 +300,7 @@ fn gemm<T: Float>(
     } else {
         m
     };
-    let (a, c) = (SendPtr(a.as_ptr()), SendMutPtr(c.as_mut_ptr()));
+    let (a, c) = (BandPtr(a.as_ptr()), BandPtr(c.as_mut_ptr()));
     let run = |i0: usize| {
         let rows = band.min(m - i0);
         // SAFETY: the assert above keeps every index of rows i0..i0 + rows inside each slice;
@@ -337,29 +337,16 @@ fn gemm<T: Float>(
 /// Below this many multiply-adds a GEMM runs on the calling thread.
 const GEMM_PAR_MIN_FMA: usize = 1 << 20;
 
-/// A shared operand pointer the GEMM bands read from (see [`gemm`]).
+/// A raw operand pointer the GEMM bands of one [`gemm`] call share across threads: `a` is
+/// only read, and each band writes only its own rows of `c`, while the call's borrows live.
 #[derive(Clone, Copy)]
-struct SendPtr<T>(*const T);
-// SAFETY: only read through, by bands of one `gemm` call while its borrow is alive.
-unsafe impl<T: Sync> Send for SendPtr<T> {}
+struct BandPtr<P>(P);
+// SAFETY: see the type's doc; the pointee types are `Float`s (Send + Sync).
+unsafe impl<P> Send for BandPtr<P> {}
 // SAFETY: as above.
-unsafe impl<T: Sync> Sync for SendPtr<T> {}
-impl<T> SendPtr<T> {
-    fn get(self) -> *const T {
-        self.0
-    }
-}
-
-/// The output pointer the GEMM bands write disjoint rows through (see [`gemm`]).
-#[derive(Clone, Copy)]
-struct SendMutPtr<T>(*mut T);
-// SAFETY: each band of one `gemm` call writes only its own rows, while the unique borrow of
-// the output is alive.
-unsafe impl<T: Send> Send for SendMutPtr<T> {}
-// SAFETY: as above.
-unsafe impl<T: Send> Sync for SendMutPtr<T> {}
-impl<T> SendMutPtr<T> {
-    fn get(self) -> *mut T {
+unsafe impl<P> Sync for BandPtr<P> {}
+impl<P: Copy> BandPtr<P> {
+    fn get(self) -> P {
         self.0
     }
 }
