@@ -34,10 +34,20 @@ pub(super) struct EngineHandle {
     pub(super) live: bool,
     /// Requests it holds.
     pub(super) running: u32,
-    /// Holding at least one request since (for the engines' busy time).
+    /// Busy (holding a request or computing a multiplexed reference pass) since (for the
+    /// engines' busy time).
     pub(super) busy_from: Option<Instant>,
     /// Computing a multiplexed reference pass (`rollout.multiplex`).
     pub(super) mux_busy: bool,
+    /// Asked to export a request (`rollout.migrate`), no answer yet.
+    pub(super) migrating: bool,
+}
+
+impl EngineHandle {
+    /// Whether it works: holds a request or computes a multiplexed pass.
+    fn busy(&self) -> bool {
+        self.running > 0 || self.mux_busy
+    }
 }
 
 /// The scheduler thread's state across steps: the workers' channels, the data, the trace and
@@ -218,15 +228,30 @@ impl Ctx<'_> {
 
     /// Engine `e` took (`delta` > 0) or released requests; its busy intervals follow.
     pub(super) fn engine_running(&mut self, e: usize, delta: i64) {
+        self.engine_change(e, |h| {
+            h.running = u32::try_from(i64::from(h.running) + delta).unwrap_or(0);
+        });
+    }
+
+    /// Engine `e` started (`true`) or finished a multiplexed reference pass: busy time too,
+    /// so `rollout_idle_s` does not count it as idle.
+    pub(super) fn engine_mux(&mut self, e: usize, busy: bool) {
+        self.engine_change(e, |h| h.mux_busy = busy);
+    }
+
+    /// Applies `f` to engine `e`, opening or closing its busy interval as it starts or stops
+    /// working.
+    fn engine_change(&mut self, e: usize, f: impl FnOnce(&mut EngineHandle)) {
         let Some(h) = self.engines.get_mut(e) else {
             return;
         };
-        let before = h.running;
-        h.running = u32::try_from(i64::from(h.running) + delta).unwrap_or(0);
+        let before = h.busy();
+        f(h);
         let now = Instant::now();
-        if before == 0 && h.running > 0 {
+        if !before && h.busy() {
             h.busy_from = Some(now);
-        } else if h.running == 0
+        } else if before
+            && !h.busy()
             && let Some(from) = h.busy_from.take()
         {
             self.engine_busy.push((from, now));
