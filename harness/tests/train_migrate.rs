@@ -58,11 +58,21 @@ fn migrated_requests_leave_samples_and_weights_bit_identical() {
         for i in 0..4 {
             let o = go(&on, &format!("{mode}-on-{i}"));
             let n = migrations(&o);
-            assert!(bits(&o.weights) == target, "{mode}: {n} migrations changed the weights");
-            assert_eq!(kl_loss_bits(&o), target_kl, "{mode}: {n} migrations, KL or loss");
+            assert!(
+                bits(&o.weights) == target,
+                "{mode}: {n} migrations changed the weights"
+            );
+            assert_eq!(
+                kl_loss_bits(&o),
+                target_kl,
+                "{mode}: {n} migrations, KL or loss"
+            );
             assert_eq!(trained(&o), trained(&plain), "{mode}: trained responses");
             let got: Vec<u64> = o.metrics.iter().map(|m| m.tokens).collect();
-            assert_eq!(got, tokens, "{mode}: {n} migrations changed the tokens generated");
+            assert_eq!(
+                got, tokens,
+                "{mode}: {n} migrations changed the tokens generated"
+            );
             if n > 0 {
                 moved = Some(o);
                 break;
@@ -75,7 +85,10 @@ fn migrated_requests_leave_samples_and_weights_bit_identical() {
         assert!(o.metrics.iter().map(|m| m.migrated_tokens).sum::<u64>() >= u64::from(n) * 2);
         assert!(o.metrics.iter().any(|m| m.reprefill_s > 0.0), "{mode}");
         // One instant per export and one span per re-prefill.
-        assert!(trace_count(&o, "migration") >= 2 * n as usize, "{mode}: trace");
+        assert!(
+            trace_count(&o, "migration") >= 2 * n as usize,
+            "{mode}: trace"
+        );
         let c = &o.counters;
         assert!(c.iter().map(|c| c.requests_requeued).sum::<u64>() >= u64::from(n));
         assert_eq!(c.iter().map(|c| c.requests_failed).sum::<u64>(), 0);
@@ -99,8 +112,14 @@ fn migration_refuses_what_it_cannot_do() {
             "rollout.engines >= 2",
         ),
         (vec!["rollout.migrate_min_generated=0"], "at least 1"),
-        (vec!["rollout.migrate_receiver_max=0"], "within 1..=rollout.slots"),
-        (vec!["rollout.migrate_receiver_max=17"], "within 1..=rollout.slots"),
+        (
+            vec!["rollout.migrate_receiver_max=0"],
+            "within 1..=rollout.slots",
+        ),
+        (
+            vec!["rollout.migrate_receiver_max=17"],
+            "within 1..=rollout.slots",
+        ),
     ] {
         let s: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         let c = base.clone().with_overrides(&s).unwrap();

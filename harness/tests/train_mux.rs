@@ -74,7 +74,10 @@ fn multiplexed_reference_passes_leave_the_weights_bit_identical() {
         let n = mux_groups(&mux);
         assert!(mux.metrics.iter().all(|m| m.mux_s >= 0.0));
         assert!(mux.metrics.iter().any(|m| m.mux_s > 0.0), "{mode}");
-        assert!(trace_count(&mux, "multiplexed") >= n as usize, "{mode}: trace");
+        assert!(
+            trace_count(&mux, "multiplexed") >= n as usize,
+            "{mode}: trace"
+        );
         let lines = std::fs::read_to_string(mux.dir.join("metrics.jsonl")).unwrap();
         assert!(lines.contains("\"mux_groups\"") && lines.contains("\"mux_s\""));
         if mode == Mode::Rolloutpipe {

@@ -169,7 +169,10 @@ fn not_started(id: RequestKey) -> BackendError {
 /// token, one log-prob per token, and neither a stop token nor the length cap reached yet.
 pub(crate) fn validate_resume(cfg: &ModelConfig, st: &ResumeState) -> Result<()> {
     validate_request(cfg, &st.request)?;
-    let (what, p) = (format!("resumed request {}", st.request.id), &st.request.params);
+    let (what, p) = (
+        format!("resumed request {}", st.request.id),
+        &st.request.params,
+    );
     check_tokens(cfg, &st.tokens, &format!("{what} tokens"))?;
     if st.tokens.is_empty() || st.tokens.len() >= p.max_new_tokens {
         return Err(BackendError::shape(

@@ -102,7 +102,10 @@ impl Phase<'_, '_> {
         let tokens = st.request.prompt.len() + st.tokens.len();
         let t = self.ctx.us(std::time::Instant::now());
         self.ctx.trace.instant(
-            &format!("migrate {}/s{} from e{engine} ({tokens} tokens)", rid.group, rid.sample),
+            &format!(
+                "migrate {}/s{} from e{engine} ({tokens} tokens)",
+                rid.group, rid.sample
+            ),
             "migration",
             PID_ENGINES,
             engine as u32,
@@ -130,7 +133,14 @@ impl Phase<'_, '_> {
 
     /// A resumed request's re-prefill ran on `engine` in an iteration of `secs` ending at `t1`
     /// (µs on the trace clock).
-    pub(super) fn on_resumed(&mut self, engine: u16, rid: RequestId, tokens: u32, secs: f64, t1: f64) {
+    pub(super) fn on_resumed(
+        &mut self,
+        engine: u16,
+        rid: RequestId,
+        tokens: u32,
+        secs: f64,
+        t1: f64,
+    ) {
         self.mig.reprefill_s += secs;
         self.ctx.trace.complete(
             &format!("re-prefill {}/s{}", rid.group, rid.sample),

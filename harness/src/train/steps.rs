@@ -237,7 +237,12 @@ impl EngineStep {
         min_generated: u32,
     ) -> anyhow::Result<Option<(RequestId, ResumeState)>> {
         let best = (self.active.keys())
-            .map(|k| (self.decodes - self.born.get(k).copied().unwrap_or(self.decodes), *k))
+            .map(|k| {
+                (
+                    self.decodes - self.born.get(k).copied().unwrap_or(self.decodes),
+                    *k,
+                )
+            })
             .max_by_key(|&(n, k)| (n, std::cmp::Reverse(k)));
         let Some((n, key)) = best else {
             return Ok(None);
