@@ -99,6 +99,15 @@ pub enum BackendError {
     /// A device (GPU) failure.
     #[error("device: {0}")]
     Device(String),
+    /// An optional capability this backend does not have (e.g. long-tail migration's
+    /// export and resume on the wgpu and CUDA engines).
+    #[error("{what} is not supported by the {backend} engine")]
+    Unsupported {
+        /// The call.
+        what: &'static str,
+        /// The backend's name.
+        backend: &'static str,
+    },
 }
 
 impl BackendError {

@@ -52,6 +52,19 @@ fn drain(be: &mut dyn RolloutEngine) -> BTreeMap<u64, GenOutput> {
     out
 }
 
+/// The same tokens and the same log-prob bits.
+fn assert_same_output(id: u64, got: &GenOutput, want: &GenOutput) {
+    assert_eq!(got.tokens, want.tokens, "request {id} tokens");
+    assert_eq!(got.finish, want.finish, "request {id} finish");
+    let bits = |o: &GenOutput| o.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(
+        bits(got) == bits(want),
+        "request {id} log-probs differ: {:?} vs {:?}",
+        got.logprobs,
+        want.logprobs
+    );
+}
+
 #[test]
 fn group_shares_its_prefill_and_matches_independent_requests_bit_for_bit() {
     let cfg = mini();
@@ -85,18 +98,7 @@ fn group_shares_its_prefill_and_matches_independent_requests_bit_for_bit() {
     let got = drain(&mut grouped);
     assert_eq!(got.len(), 4);
     for (id, o) in &want {
-        let g = &got[id];
-        assert_eq!(g.tokens, o.tokens, "sample {id} tokens");
-        let same_bits = g
-            .logprobs
-            .iter()
-            .zip(&o.logprobs)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(
-            same_bits,
-            "sample {id} log-probs differ: {:?} vs {:?}",
-            g.logprobs, o.logprobs
-        );
+        assert_same_output(*id, &got[id], o);
     }
     assert_eq!(grouped.load(), EngineLoad::default());
 }
@@ -312,4 +314,126 @@ fn optimizer_state_leaves_the_trainer_only_for_checkpoints_and_round_trips() {
         u.restore_optimizer(bad),
         Err(BackendError::Shape { .. })
     ));
+}
+
+/// Moves request 0 or else 3, whichever `from` holds, to `to`.
+fn move_one(from: &mut CpuBackend, to: &mut CpuBackend) {
+    for id in [0, 3] {
+        if let Ok(st) = from.export_request(RequestKey(id)) {
+            assert_eq!(st.tokens.len(), st.logprobs.len());
+            to.resume_request(st).unwrap();
+            return;
+        }
+    }
+}
+
+/// Long-tail migration: a request exported mid-generation and resumed on another engine (which
+/// runs requests of its own) re-prefills prompt + generated tokens and continues the same
+/// seeded stream, so its output is the uninterrupted run's bit for bit, however often it moves.
+#[test]
+fn an_exported_request_resumes_on_another_engine_bit_for_bit() {
+    let cfg = mini();
+    let w = weights(&cfg, 6);
+    let req = |id: u64, n| GenRequest {
+        id: RequestKey(id),
+        prompt: vec![5, 3, 1 + id as u32, 7],
+        params: SamplingParams {
+            stop_tokens: vec![31],
+            ..params(40 + id, n)
+        },
+    };
+    let mut alone = CpuBackend::new(&cfg, &w, 1).unwrap();
+    for id in 0..4 {
+        alone.add_request(req(id, 24)).unwrap();
+    }
+    let want = drain(&mut alone);
+    // Moved after 1, 3, 5 and 9 tokens; request 3 moves back and forth.
+    for hop in [1, 3, 5, 9] {
+        let mut a = CpuBackend::new(&cfg, &w, 1).unwrap();
+        let mut b = CpuBackend::new(&cfg, &w, 2).unwrap();
+        for id in 0..3 {
+            a.add_request(req(id, 24)).unwrap();
+        }
+        b.add_request(req(3, 24)).unwrap();
+        let mut got = BTreeMap::new();
+        let mut done = |o: GenOutput| assert!(got.insert(o.id.0, o).is_none());
+        for step in 1.. {
+            if a.active_requests() + b.active_requests() == 0 {
+                break;
+            }
+            a.decode_step().unwrap().into_iter().for_each(&mut done);
+            b.decode_step().unwrap().into_iter().for_each(&mut done);
+            if step % hop != 0 {
+                continue;
+            }
+            move_one(&mut a, &mut b);
+            move_one(&mut b, &mut a);
+        }
+        assert_eq!(got.len(), 4, "hop {hop}");
+        for (id, o) in &want {
+            assert_same_output(*id, &got[id], o);
+        }
+        assert_eq!(a.load(), EngineLoad::default());
+        assert_eq!(b.load(), EngineLoad::default());
+    }
+}
+
+#[test]
+fn export_and_resume_refuse_what_they_cannot_do() {
+    let cfg = mini();
+    let w = weights(&cfg, 7);
+    let req = |id: u64, n| GenRequest {
+        id: RequestKey(id),
+        prompt: vec![2, 4],
+        params: params(id, n),
+    };
+    let mut a = CpuBackend::new(&cfg, &w, 1).unwrap();
+    let one_line = |e: BackendError| {
+        let s = e.to_string();
+        assert_eq!(s.lines().count(), 1, "{s}");
+        s
+    };
+    assert!(matches!(
+        a.export_request(RequestKey(9)),
+        Err(BackendError::UnknownRequest(_))
+    ));
+    a.add_request(req(1, 10)).unwrap();
+    let e = one_line(a.export_request(RequestKey(1)).unwrap_err());
+    assert!(e.contains("has not generated a token"), "{e}");
+    a.decode_step().unwrap();
+    a.decode_step().unwrap();
+    let st = a.export_request(RequestKey(1)).unwrap();
+    assert_eq!((st.tokens.len(), a.active_requests()), (2, 0));
+    assert_eq!(st.request, req(1, 10));
+    let mut bad = st.clone();
+    bad.logprobs.pop();
+    assert!(one_line(a.resume_request(bad).unwrap_err()).contains("logprobs"));
+    let mut bad = st.clone();
+    bad.tokens.clear();
+    bad.logprobs.clear();
+    assert!(one_line(a.resume_request(bad).unwrap_err()).contains("tokens"));
+    let mut bad = st.clone();
+    bad.request.params.max_new_tokens = 2;
+    assert!(one_line(a.resume_request(bad).unwrap_err()).contains("max_new_tokens"));
+    let mut bad = st.clone();
+    bad.tokens[0] = 999;
+    assert!(one_line(a.resume_request(bad).unwrap_err()).contains("out of range"));
+    // A full engine hands the state back, progress included.
+    a.set_limits(EngineLimits {
+        max_requests: 1,
+        max_kv_tokens: 100,
+    })
+    .unwrap();
+    a.add_request(req(2, 3)).unwrap();
+    match a.resume_request(st.clone()).unwrap_err().into_rejected() {
+        Ok(Rejected::Resume(back)) => assert_eq!(*back, st),
+        other => panic!("expected the state back, got {other:?}"),
+    }
+    drain(&mut a);
+    a.resume_request(st.clone()).unwrap();
+    assert!(matches!(
+        a.resume_request(st),
+        Err(BackendError::DuplicateRequest(_))
+    ));
+    assert_eq!(a.active_requests(), 1);
 }

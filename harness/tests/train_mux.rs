@@ -1,99 +1,30 @@
 //! Tail multiplexing in `train` (`rollout.multiplex`): engines compute the KL reference
 //! log-probs of dispatched groups, and the run ends with the same weights, bit for bit, as
 //! the same run without it.
-use std::path::Path;
+mod support;
 
-use rolloutpipe_backends::Weights;
-use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig, run};
+use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig};
+use support::train::{bits, kl_loss_bits, tiny_cfg, trace_count};
 
 /// A tiny run whose schedule is deterministic, so that two runs can be compared bit for bit:
 /// one engine holding every request of the step (its continuous batch, and so the order
 /// groups complete and are dispatched in, does not depend on timing) and no over-sampling
 /// (nothing is drawn while the rollout runs).
 fn cfg(mode: Mode, extra: &[&str]) -> TrainConfig {
-    let base = format!(
-        r#"
-[run]
-seed = 5
-steps = 3
-mode = "{}"
-eval_every = 0
-eval_problems = 8
-test_problems = 0
-checkpoint_every = 0
-progress = false
-[task]
-name = "add"
-digits = 1
-# Malformed answers score below wrong ones, so that groups have mixed rewards.
-format_penalty = 0.5
-[model]
-hidden_size = 32
-intermediate_size = 64
-layers = 1
-heads = 2
-kv_heads = 1
-head_dim = 16
-[sft]
-steps = 100
-batch = 16
-lr = 1e-2
-carry_drop = 0.0
-[rl]
-batch_groups = 4
-group_size = 8
-micro_batch = 1
-max_new_tokens = 6
-lr = 1e-3
-beta = 0.1
-[rollout]
-engines = 1
-slots = 32
-max_groups_factor = 1.0
-"#,
-        mode.name()
-    );
-    let sets: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-    let c = TrainConfig::from_partial_toml(&base)
-        .unwrap()
-        .with_overrides(&sets)
-        .unwrap();
-    c.validate().unwrap();
-    c
+    tiny_cfg(
+        mode,
+        "micro_batch = 1\nmax_new_tokens = 6",
+        "engines = 1\nslots = 32",
+        extra,
+    )
 }
 
 fn go(c: &TrainConfig, name: &str) -> RunOutcome {
-    let d = std::env::temp_dir().join(format!("rp-mux-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    run(c, &d, false).unwrap()
-}
-
-fn bits(w: &Weights) -> Vec<(String, Vec<u32>)> {
-    let mut v: Vec<(String, Vec<u32>)> = w
-        .tensors
-        .iter()
-        .map(|(k, t)| (k.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
-        .collect();
-    v.sort();
-    v
-}
-
-/// Per step, the bits of the KL and loss sums: they take every reference log-prob in, so they
-/// see a change the weights can round away (one ulp of one log-prob).
-fn kl_loss_bits(o: &RunOutcome) -> Vec<(u64, u64)> {
-    o.metrics
-        .iter()
-        .map(|m| (m.kl.to_bits(), m.loss.to_bits()))
-        .collect()
+    support::train::go(c, "mux", name)
 }
 
 fn mux_groups(o: &RunOutcome) -> u32 {
     o.metrics.iter().map(|m| m.mux_groups).sum()
-}
-
-fn trace_mux_spans(dir: &Path) -> usize {
-    let t = std::fs::read_to_string(dir.join("trace.json")).unwrap();
-    t.matches("\"multiplexed\"").count()
 }
 
 /// Which groups an engine gets to depends on timing (the trainer may overtake a pass on a
@@ -143,7 +74,10 @@ fn multiplexed_reference_passes_leave_the_weights_bit_identical() {
         let n = mux_groups(&mux);
         assert!(mux.metrics.iter().all(|m| m.mux_s >= 0.0));
         assert!(mux.metrics.iter().any(|m| m.mux_s > 0.0), "{mode}");
-        assert!(trace_mux_spans(&mux.dir) >= n as usize, "{mode}: trace");
+        assert!(
+            trace_count(&mux, "multiplexed") >= n as usize,
+            "{mode}: trace"
+        );
         let lines = std::fs::read_to_string(mux.dir.join("metrics.jsonl")).unwrap();
         assert!(lines.contains("\"mux_groups\"") && lines.contains("\"mux_s\""));
         if mode == Mode::Rolloutpipe {

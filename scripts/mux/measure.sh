@@ -25,30 +25,21 @@ common=(--set run.eval_every=0 --set run.checkpoint_every=0 --set run.eval_probl
   --set "rollout.engines=${ENGINES:-1}"
   --set "rl.max_new_tokens=${MAXTOK:-192}" --set "rl.temperature=${TEMP:-8.0}" --set task.format_penalty=0.5)
 # SUMMARY_ONLY=1: only print the summary of the runs already in OUT.
-if [ -z "${SUMMARY_ONLY:-}" ]; then
-if [ ! -f "$out/sft/sft/model.safetensors" ]; then
-  nice -n 10 "$bin" train --out "$out/sft" --force --mode sync "${common[@]}" \
-    --set sft.steps=300 --set run.steps=1 >/dev/null 2>&1
-fi
-start=(--set sft.steps=0 --set "model.dir=$out/sft/sft")
-for r in $(seq 1 "$reps"); do
-  for v in sync plain mux; do
-    mode=rolloutpipe; extra=()
-    [ "$v" = sync ] && mode=sync
-    [ "$v" = mux ] && extra=(--set rollout.multiplex=true)
-    nice -n 10 "$bin" train --out "$out/$v/rep$r" --force --mode "$mode" "${common[@]}" \
-      "${start[@]}" "${extra[@]}" >/dev/null 2>&1
-    echo "done $v rep$r" >&2
-  done
-done
-fi
-python3 - "$out" "$reps" <<'PY'
-import json, statistics as st, sys
+source "$(dirname "$0")/../lib/interleave.sh"
+variant() {
+  [ "$1" = sync ] && mode=sync
+  [ "$1" = mux ] && extra=(--set rollout.multiplex=true)
+  return 0
+}
+[ -n "${SUMMARY_ONLY:-}" ] || interleave sync plain mux
+python3 - "$out" "$reps" "$(dirname "$0")/../lib" <<'PY'
+import statistics as st, sys
 out, reps = sys.argv[1], int(sys.argv[2])
+sys.path.insert(0, sys.argv[3])
+from runs import ci, run as run_keys
 keys = ["rollout_to_train_end_s", "train_busy_s", "rollout_s", "mux_groups", "mux_s", "trained"]
 def run(v, r):
-    ms = [json.loads(l) for l in open(f"{out}/{v}/rep{r}/metrics.jsonl")][1:]
-    return {k: st.median(m[k] for m in ms) for k in keys}
+    return run_keys(out, v, r, keys)
 rows = {v: [run(v, r) for r in range(1, reps + 1)] for v in ["sync", "plain", "mux"]}
 print("variant  rep  r2t_s  train_busy_s  rollout_s  mux_groups  mux_s  trained")
 for v, rs in rows.items():
@@ -65,11 +56,6 @@ busy = [m["train_busy_s"] / p["train_busy_s"] - 1 for p, m in zip(rows["plain"],
 print("mux vs plain rolloutpipe, paired per repeat: r2t " + ", ".join(f"{x:+.1%}" for x in pair)
       + f" (median {st.median(pair):+.1%}); trainer busy " + ", ".join(f"{x:+.1%}" for x in busy)
       + f" (median {st.median(busy):+.1%})")
-import random
-rng = random.Random(1)
-def ci(xs):
-    b = sorted(st.median(rng.choices(xs, k=len(xs))) for _ in range(10000))
-    return b[250], b[9749]
 for name, xs in [("r2t", pair), ("trainer busy", busy)]:
     lo, hi = ci(xs)
     print(f"{name}: 95% percentile-bootstrap interval of the paired median (10,000 resamples): "

@@ -16,13 +16,17 @@ use super::model::{Model, check_tokens, fit};
 use super::ops::*;
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
-use crate::seam::{FinishReason, GenOutput, GenRequest, RequestKey};
+use crate::seam::{FinishReason, GenOutput, GenRequest, RequestKey, ResumeState};
 
 /// One active request and its KV cache.
 #[derive(Debug)]
 struct Active {
     id: RequestKey,
+    /// What the request prefills: its prompt, followed by the tokens it had generated when it
+    /// was resumed on this engine (long-tail migration).
     prompt: Vec<u32>,
+    /// Length of its own prompt (`prompt.len()` unless resumed).
+    orig: usize,
     params: SamplingParams,
     rng: ChaCha8Rng,
     tokens: Vec<u32>,
@@ -37,6 +41,27 @@ struct Active {
     att: Vec<f32>,
     /// Samples of this request's group that wait for its prefill to copy the prompt's KV.
     followers: Vec<GenRequest>,
+}
+
+impl Active {
+    /// A request with its KV cache (`cap` positions per layer, the first `cached` filled).
+    fn new(req: GenRequest, (k, v): (Vec<f32>, Vec<f32>), cap: usize, cached: usize) -> Self {
+        Active {
+            id: req.id,
+            rng: ChaCha8Rng::seed_from_u64(req.params.seed),
+            tokens: Vec::with_capacity(req.params.max_new_tokens),
+            logprobs: Vec::with_capacity(req.params.max_new_tokens),
+            orig: req.prompt.len(),
+            prompt: req.prompt,
+            params: req.params,
+            k,
+            v,
+            cap,
+            cached,
+            att: Vec::new(),
+            followers: Vec::new(),
+        }
+    }
 }
 
 /// Grow-only buffers of a decode step.
@@ -133,6 +158,45 @@ pub(crate) fn validate_request(cfg: &ModelConfig, req: &GenRequest) -> Result<()
     Ok(())
 }
 
+fn not_started(id: RequestKey) -> BackendError {
+    BackendError::invalid(
+        "export_request",
+        format!("request {id} has not generated a token yet; cancel and re-add it instead"),
+    )
+}
+
+/// Checks an exported state before it is resumed: a valid request that generated at least one
+/// token, one log-prob per token, and neither a stop token nor the length cap reached yet.
+pub(crate) fn validate_resume(cfg: &ModelConfig, st: &ResumeState) -> Result<()> {
+    validate_request(cfg, &st.request)?;
+    let (what, p) = (
+        format!("resumed request {}", st.request.id),
+        &st.request.params,
+    );
+    check_tokens(cfg, &st.tokens, &format!("{what} tokens"))?;
+    if st.tokens.is_empty() || st.tokens.len() >= p.max_new_tokens {
+        return Err(BackendError::shape(
+            format!("{what} tokens"),
+            format!("1..{} (max_new_tokens)", p.max_new_tokens),
+            st.tokens.len(),
+        ));
+    }
+    if st.logprobs.len() != st.tokens.len() {
+        return Err(BackendError::shape(
+            format!("{what} logprobs"),
+            st.tokens.len(),
+            st.logprobs.len(),
+        ));
+    }
+    if st.tokens.iter().any(|t| p.stop_tokens.contains(t)) {
+        return Err(BackendError::invalid(
+            what,
+            "its tokens hold a stop token: it had finished",
+        ));
+    }
+    Ok(())
+}
+
 impl Generator {
     /// Requests added and not finished or cancelled.
     pub fn active(&self) -> usize {
@@ -145,26 +209,67 @@ impl Generator {
         if self.contains(req.id) {
             return Err(BackendError::DuplicateRequest(req.id));
         }
-        // The cache never holds the last sampled token (generation stops right after it).
+        let (kv, cap) = Self::cache(&mut self.free, cfg, &req);
+        self.active.push(Active::new(req, kv, cap, 0));
+        Ok(())
+    }
+
+    /// A recycled KV cache sized for `req`, and its capacity in positions. The cache never
+    /// holds the last sampled token (generation stops right after it).
+    fn cache(
+        free: &mut Vec<(Vec<f32>, Vec<f32>)>,
+        cfg: &ModelConfig,
+        req: &GenRequest,
+    ) -> ((Vec<f32>, Vec<f32>), usize) {
         let cap = req.prompt.len() + req.params.max_new_tokens;
         let size = cfg.num_hidden_layers * cap * cfg.kv_dim();
-        let (mut k, mut v) = self.free.pop().unwrap_or_default();
+        let (mut k, mut v) = free.pop().unwrap_or_default();
         fit(&mut k, size);
         fit(&mut v, size);
-        self.active.push(Active {
-            id: req.id,
-            rng: ChaCha8Rng::seed_from_u64(req.params.seed),
-            tokens: Vec::with_capacity(req.params.max_new_tokens),
-            logprobs: Vec::with_capacity(req.params.max_new_tokens),
-            prompt: req.prompt,
-            params: req.params,
-            k,
-            v,
-            cap,
-            cached: 0,
-            att: Vec::new(),
-            followers: Vec::new(),
-        });
+        ((k, v), cap)
+    }
+
+    /// Long-tail migration: removes a request that has generated tokens and returns its state
+    /// (see [`ResumeState`]); its cache is recycled.
+    pub fn export(&mut self, id: RequestKey) -> Result<ResumeState> {
+        let Some(i) = self.active.iter().position(|a| a.id == id) else {
+            return Err(match self.contains(id) {
+                true => not_started(id),
+                false => BackendError::UnknownRequest(id),
+            });
+        };
+        if self.active[i].tokens.is_empty() {
+            return Err(not_started(id));
+        }
+        let mut a = self.active.remove(i);
+        self.free.push((a.k, a.v));
+        a.prompt.truncate(a.orig);
+        Ok(ResumeState {
+            request: GenRequest {
+                id: a.id,
+                prompt: a.prompt,
+                params: a.params,
+            },
+            tokens: a.tokens,
+            logprobs: a.logprobs,
+            stream_words: a.rng.get_word_pos(),
+        })
+    }
+
+    /// Queues an exported request: the next step prefills its prompt and generated tokens in
+    /// one chunk and samples its next token from the restored stream position.
+    pub fn resume(&mut self, cfg: &ModelConfig, st: ResumeState) -> Result<()> {
+        validate_resume(cfg, &st)?;
+        if self.contains(st.request.id) {
+            return Err(BackendError::DuplicateRequest(st.request.id));
+        }
+        let (kv, cap) = Self::cache(&mut self.free, cfg, &st.request);
+        let mut a = Active::new(st.request, kv, cap, 0);
+        a.prompt.extend_from_slice(&st.tokens);
+        a.tokens = st.tokens;
+        a.logprobs = st.logprobs;
+        a.rng.set_word_pos(st.stream_words);
+        self.active.push(a);
         Ok(())
     }
 
@@ -221,29 +326,13 @@ impl Generator {
             }
             let shared = a.prompt.len() - 1;
             for req in std::mem::take(&mut a.followers) {
-                let cap = req.prompt.len() + req.params.max_new_tokens;
-                let (mut k, mut v) = free.pop().unwrap_or_default();
-                fit(&mut k, cfg.num_hidden_layers * cap * kd);
-                fit(&mut v, cfg.num_hidden_layers * cap * kd);
+                let ((mut k, mut v), cap) = Self::cache(free, cfg, &req);
                 for l in 0..cfg.num_hidden_layers {
                     let (src, dst) = (l * a.cap * kd, l * cap * kd);
                     k[dst..dst + shared * kd].copy_from_slice(&a.k[src..src + shared * kd]);
                     v[dst..dst + shared * kd].copy_from_slice(&a.v[src..src + shared * kd]);
                 }
-                out.push(Active {
-                    id: req.id,
-                    rng: ChaCha8Rng::seed_from_u64(req.params.seed),
-                    tokens: Vec::with_capacity(req.params.max_new_tokens),
-                    logprobs: Vec::with_capacity(req.params.max_new_tokens),
-                    prompt: req.prompt,
-                    params: req.params,
-                    k,
-                    v,
-                    cap,
-                    cached: shared,
-                    att: Vec::new(),
-                    followers: Vec::new(),
-                });
+                out.push(Active::new(req, (k, v), cap, shared));
             }
         }
         out

@@ -43,6 +43,7 @@ enum Pending {
     Add(GenRequest),
     Group(Vec<GenRequest>),
     Cancel(RequestKey),
+    Resume(Box<ResumeState>),
 }
 
 /// A same-device weight snapshot: the trainer's parameters copied flat, in the layout both
@@ -241,6 +242,7 @@ impl CpuBackend {
             Pending::Add(r) => gen_.add(cfg, r),
             Pending::Group(rs) => gen_.add_group(cfg, rs),
             Pending::Cancel(id) => gen_.cancel(cfg, id),
+            Pending::Resume(st) => gen_.resume(cfg, *st),
         }
     }
 
@@ -386,6 +388,29 @@ impl RolloutEngine for CpuBackend {
                 Ok(())
             }
         }
+    }
+
+    fn export_request(&mut self, id: RequestKey) -> Result<ResumeState> {
+        let g = self
+            .idle()
+            .ok_or(BackendError::StepInFlight("export_request"))?;
+        let st = g.export(id)?;
+        self.admitted.remove(&id);
+        Ok(st)
+    }
+
+    fn resume_request(&mut self, st: ResumeState) -> Result<()> {
+        generate::validate_resume(&self.model.cfg, &st)?;
+        let req = std::slice::from_ref(&st.request);
+        self.admit(req, || Rejected::Resume(Box::new(st.clone())))?;
+        let kv = (st.request.id, st.request.kv_tokens());
+        let cfg = self.model.cfg.clone();
+        match self.idle() {
+            Some(g) => g.resume(&cfg, st)?,
+            None => self.pending.push(Pending::Resume(Box::new(st))),
+        }
+        self.admitted.insert(kv.0, kv.1);
+        Ok(())
     }
 
     fn submit_step(&mut self) -> Result<()> {

@@ -4,7 +4,7 @@
 use super::BackendInfo;
 use super::sync::{SyncPath, SyncTarget, WeightSnapshot};
 use super::tensor::DType;
-use super::types::{GenOutput, GenRequest, GroupRequest, RequestKey};
+use super::types::{GenOutput, GenRequest, GroupRequest, RequestKey, ResumeState};
 use crate::error::{BackendError, Result};
 
 /// How much an engine accepts at once. A request or group that would exceed either limit is
@@ -98,6 +98,8 @@ pub enum Rejected {
     Request(GenRequest),
     /// A group.
     Group(GroupRequest),
+    /// An exported request being resumed ([`RolloutEngine::resume_request`]), progress included.
+    Resume(Box<ResumeState>),
 }
 
 /// A rollout engine: generates continuations of prompts under one weights version.
@@ -142,6 +144,30 @@ pub trait RolloutEngine: BackendInfo {
     /// Requests added and not yet finished or cancelled.
     fn active_requests(&self) -> usize {
         self.load().requests
+    }
+
+    /// Long-tail migration: removes running request `id`, freeing its KV cache, and hands back
+    /// its state for [`resume_request`](RolloutEngine::resume_request) on another engine.
+    /// Refused while a step is in flight and for a request that has not generated a token yet
+    /// (re-add it instead). Backends without it (wgpu, CUDA) answer
+    /// [`BackendError::Unsupported`].
+    fn export_request(&mut self, id: RequestKey) -> Result<ResumeState> {
+        let _ = id;
+        Err(BackendError::Unsupported {
+            what: "export_request",
+            backend: self.name(),
+        })
+    }
+    /// Queues an exported request for the next step: that step prefills its prompt and
+    /// generated tokens and samples its next token from the same stream position. Admission is
+    /// as [`add_request`](RolloutEngine::add_request)'s (a full engine hands the state back as
+    /// [`Rejected::Resume`]).
+    fn resume_request(&mut self, state: ResumeState) -> Result<()> {
+        let _ = state;
+        Err(BackendError::Unsupported {
+            what: "resume_request",
+            backend: self.name(),
+        })
     }
 
     /// Starts one engine step. Refused while the previous step has not been polled.

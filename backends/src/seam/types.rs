@@ -91,6 +91,23 @@ impl GenRequest {
     }
 }
 
+/// A running request's state, handed from one engine to another (long-tail migration): what
+/// it was asked, what it generated so far and where its random stream stands. An engine with
+/// the same weights that resumes it prefills prompt + generated tokens again and continues the
+/// same seeded stream, so on a batch-invariant backend (the CPU's f32 kernels) its output is
+/// bit-identical to the uninterrupted run's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResumeState {
+    /// The request as it was added (its id, prompt and sampling settings, seed included).
+    pub request: GenRequest,
+    /// Tokens generated so far (at least one; none reached a stop token or the length cap).
+    pub tokens: Vec<u32>,
+    /// Their log-probs.
+    pub logprobs: Vec<f32>,
+    /// Position of the request's ChaCha8 stream (seeded by `params.seed`), in 32-bit words.
+    pub stream_words: u128,
+}
+
 /// Why a request finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {

@@ -305,6 +305,29 @@ pub struct RolloutSection {
     /// directories written before it existed, which did not multiplex.
     #[serde(default)]
     pub multiplex: bool,
+    /// Long-tail migration (cpu backend, local transport, 2+ engines): when no request waits to
+    /// be admitted and an engine runs fewer than `migrate_receiver_max` requests, the engine
+    /// with the largest batch (more than twice the receiver's) hands over its request that has
+    /// generated the most tokens (at least `migrate_min_generated`); the receiver re-prefills
+    /// prompt + generated tokens and continues the same seeded stream, so samples are those of
+    /// a run without it. Absent from run directories written before it existed (off).
+    #[serde(default)]
+    pub migrate: bool,
+    /// Only requests that have generated at least this many tokens move (a long-running
+    /// request is the likeliest long tail).
+    #[serde(default = "default_migrate_min_generated")]
+    pub migrate_min_generated: u32,
+    /// An engine running fewer requests than this receives migrated ones.
+    #[serde(default = "default_migrate_receiver_max")]
+    pub migrate_receiver_max: u32,
+}
+
+fn default_migrate_min_generated() -> u32 {
+    8
+}
+
+fn default_migrate_receiver_max() -> u32 {
+    1
 }
 
 /// A `rollout.dtype` value (`f32`, `bf16`, `f16`) as the backends' [`DType`].
@@ -507,6 +530,27 @@ impl TrainConfig {
                  buffers each micro-batch at dispatch, so no dispatched group waits for the trainer"
             );
         }
+        if ro.migrate {
+            ensure!(
+                r.backend == "cpu",
+                "rollout.migrate needs run.backend = \"cpu\": the {} engine cannot export a running request's state",
+                r.backend
+            );
+            ensure!(
+                ro.engines >= 2,
+                "rollout.migrate needs rollout.engines >= 2: requests move between engines"
+            );
+        }
+        ensure!(
+            ro.migrate_min_generated >= 1,
+            "rollout.migrate_min_generated must be at least 1 (a request moves once it has generated a token)"
+        );
+        ensure!(
+            (1..=ro.slots).contains(&ro.migrate_receiver_max),
+            "rollout.migrate_receiver_max is {}, must be within 1..=rollout.slots ({})",
+            ro.migrate_receiver_max,
+            ro.slots
+        );
         ensure!(
             !self.fault.perturb_mux || ro.multiplex,
             "fault.perturb_mux needs rollout.multiplex = true"

@@ -34,10 +34,39 @@ pub(super) struct EngineHandle {
     pub(super) live: bool,
     /// Requests it holds.
     pub(super) running: u32,
-    /// Holding at least one request since (for the engines' busy time).
+    /// Busy (holding a request or computing a multiplexed reference pass) since (for the
+    /// engines' busy time).
     pub(super) busy_from: Option<Instant>,
     /// Computing a multiplexed reference pass (`rollout.multiplex`).
     pub(super) mux_busy: bool,
+    /// Asked to export a request (`rollout.migrate`), no answer yet.
+    pub(super) migrating: bool,
+}
+
+impl EngineHandle {
+    /// Whether it works: holds a request or computes a multiplexed pass.
+    fn busy(&self) -> bool {
+        self.running > 0 || self.mux_busy
+    }
+
+    /// Applies `f` at `now`: opens its busy interval when it starts working, and returns the
+    /// interval when it stops.
+    fn change(
+        &mut self,
+        now: Instant,
+        f: impl FnOnce(&mut EngineHandle),
+    ) -> Option<(Instant, Instant)> {
+        let before = self.busy();
+        f(self);
+        match (before, self.busy()) {
+            (false, true) => {
+                self.busy_from = Some(now);
+                None
+            }
+            (true, false) => self.busy_from.take().map(|from| (from, now)),
+            _ => None,
+        }
+    }
 }
 
 /// The scheduler thread's state across steps: the workers' channels, the data, the trace and
@@ -218,18 +247,24 @@ impl Ctx<'_> {
 
     /// Engine `e` took (`delta` > 0) or released requests; its busy intervals follow.
     pub(super) fn engine_running(&mut self, e: usize, delta: i64) {
-        let Some(h) = self.engines.get_mut(e) else {
-            return;
-        };
-        let before = h.running;
-        h.running = u32::try_from(i64::from(h.running) + delta).unwrap_or(0);
-        let now = Instant::now();
-        if before == 0 && h.running > 0 {
-            h.busy_from = Some(now);
-        } else if h.running == 0
-            && let Some(from) = h.busy_from.take()
+        self.engine_change(e, |h| {
+            h.running = u32::try_from(i64::from(h.running) + delta).unwrap_or(0);
+        });
+    }
+
+    /// Engine `e` started (`true`) or finished a multiplexed reference pass: busy time too,
+    /// so `rollout_idle_s` does not count it as idle.
+    pub(super) fn engine_mux(&mut self, e: usize, busy: bool) {
+        self.engine_change(e, |h| h.mux_busy = busy);
+    }
+
+    /// Applies `f` to engine `e`, opening or closing its busy interval as it starts or stops
+    /// working.
+    fn engine_change(&mut self, e: usize, f: impl FnOnce(&mut EngineHandle)) {
+        if let Some(h) = self.engines.get_mut(e)
+            && let Some(span) = h.change(Instant::now(), f)
         {
-            self.engine_busy.push((from, now));
+            self.engine_busy.push(span);
         }
     }
 
@@ -272,4 +307,35 @@ pub(super) fn mix(parts: &[u64]) -> u64 {
         h ^= h >> 31;
     }
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A multiplexed pass is busy time: an engine that finishes its requests and then computes
+    /// a pass stays busy until the pass ends (`rollout_idle_s` once counted the pass as idle).
+    #[test]
+    fn a_multiplexed_pass_is_busy_time() {
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let mut h = EngineHandle {
+            target: None,
+            tx,
+            live: true,
+            running: 0,
+            busy_from: None,
+            mux_busy: false,
+            migrating: false,
+        };
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        assert_eq!(h.change(at(0), |h| h.running = 2), None);
+        assert_eq!(h.change(at(1), |h| h.running = 0), Some((at(0), at(1))));
+        assert_eq!(h.change(at(2), |h| h.mux_busy = true), None);
+        // A request admitted during the pass does not split the interval.
+        assert_eq!(h.change(at(3), |h| h.running = 1), None);
+        assert_eq!(h.change(at(4), |h| h.mux_busy = false), None);
+        assert_eq!(h.change(at(6), |h| h.running = 0), Some((at(2), at(6))));
+        assert_eq!(h.busy_from, None);
+    }
 }

@@ -107,6 +107,7 @@ impl Phase<'_, '_> {
                 started,
             } => {
                 self.released(engine as usize);
+                self.mig.declined = false;
                 let ro = &mut self.ro;
                 ro.inflight.remove(&rid);
                 ro.tokens += tokens.len() as u64;
@@ -172,6 +173,7 @@ impl Phase<'_, '_> {
                 if let Some((e, _)) = self.ro.inflight.remove(&rid) {
                     self.released(e as usize);
                 }
+                self.mig.declined = false;
                 reports.push(Report::AbortAcked { id: rid });
             }
             Event::EngineFailed {
@@ -220,6 +222,17 @@ impl Phase<'_, '_> {
             } => {
                 let span = (self.ctx.us(started), self.ctx.us(ended));
                 self.on_ref_logprobs(engine, step, index, logprobs, span);
+            }
+            Event::Migrated { engine, moved } => self.on_migrated(engine, moved, reports),
+            Event::Resumed {
+                engine,
+                rid,
+                tokens,
+                secs,
+                ended,
+            } => {
+                let t1 = self.ctx.us(ended);
+                self.on_resumed(engine, rid, tokens, secs, t1);
             }
             Event::Synced { .. } => bail!("an engine synced in the middle of a step"),
             Event::Trainer(_) | Event::Fatal(_) => bail!("unexpected worker event"),

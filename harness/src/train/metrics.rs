@@ -67,8 +67,9 @@ pub struct StepMetrics {
     /// `engines x slots`.
     #[serde(default)]
     pub slot_occupancy: f64,
-    /// Rollout engines' idle time (no request held) inside the rollout-to-train-end window,
-    /// s per engine.
+    /// Rollout engines' idle time inside the rollout-to-train-end window, s per engine: time
+    /// holding no request and computing no multiplexed reference pass (a multiplexing engine
+    /// is busy).
     #[serde(default)]
     pub rollout_idle_s: f64,
     /// Trainer busy time on this step's batch, s.
@@ -80,6 +81,16 @@ pub struct StepMetrics {
     /// Engine seconds spent on multiplexed reference passes, late (dropped) ones included.
     #[serde(default)]
     pub mux_s: f64,
+    /// Long-tail migration (`rollout.migrate`): requests moved between engines.
+    #[serde(default)]
+    pub migrations: u32,
+    /// Their prompt + generated tokens, re-prefilled on the target engines.
+    #[serde(default)]
+    pub migrated_tokens: u64,
+    /// Seconds of the target engines' iterations that ran those re-prefills (each shared
+    /// with whatever else the engine decoded in it).
+    #[serde(default)]
+    pub reprefill_s: f64,
     /// Weight sync after the step, s.
     pub sync_s: f64,
     /// Response tokens generated (aborted and discarded included).

@@ -13,6 +13,7 @@ pub mod data;
 mod events;
 pub mod guard;
 pub mod metrics;
+mod migrate;
 mod mux;
 mod phase;
 mod plots;

@@ -34,7 +34,11 @@ impl Phase<'_, '_> {
     /// while dispatched groups the trainer has not started remain. The caller knows that no
     /// request is waiting to be admitted.
     pub(super) fn multiplex(&mut self) -> anyhow::Result<()> {
-        if !self.ctx.cfg.rollout.multiplex || self.one_off || !self.rollout_this {
+        if !self.ctx.cfg.rollout.multiplex
+            || self.one_off
+            || !self.rollout_this
+            || self.migration_pending()
+        {
             return Ok(());
         }
         for e in 0..self.ctx.engines.len() {
@@ -66,7 +70,7 @@ impl Phase<'_, '_> {
             if self.ctx.engines[e].tx.send(cmd).is_err() {
                 return Err(self.ctx.worker_stopped(&format!("rollout engine {e}")));
             }
-            self.ctx.engines[e].mux_busy = true;
+            self.ctx.engine_mux(e, true);
             self.mux[i] = MuxPass::Sent;
         }
         Ok(())
@@ -82,9 +86,7 @@ impl Phase<'_, '_> {
         logprobs: Vec<Vec<f32>>,
         (t0, t1): (f64, f64),
     ) {
-        if let Some(h) = self.ctx.engines.get_mut(engine as usize) {
-            h.mux_busy = false;
-        }
+        self.ctx.engine_mux(engine as usize, false);
         self.mux_s += (t1 - t0) * 1e-6;
         let used = step == self.k
             && index >= self.started_upto

@@ -130,6 +130,8 @@ pub(super) struct Phase<'a, 'c> {
     pub(super) mux_groups: u32,
     /// Engine seconds spent on multiplexed reference passes (used or late).
     pub(super) mux_s: f64,
+    /// Long-tail migration: exported states and counts.
+    pub(super) mig: super::migrate::Migration,
 }
 
 impl<'a, 'c> Phase<'a, 'c> {
@@ -174,6 +176,7 @@ impl<'a, 'c> Phase<'a, 'c> {
             started_upto: 0,
             mux_groups: 0,
             mux_s: 0.0,
+            mig: Default::default(),
         }
     }
 
@@ -293,13 +296,20 @@ impl Workers for Phase<'_, '_> {
     }
 
     fn submit(&mut self, _step: u64, e: usize, a: Admission) -> anyhow::Result<()> {
+        let resume = self.take_resume(a.request);
         let Some(g) = self.ro.groups.get(&a.request.group) else {
             bail!("the core admitted {} of an undrawn group", a.request);
         };
-        let cmd = EngineCmd::Add {
-            rid: a.request,
-            prompt: g.prompt.clone(),
-            params: self.ctx.sampling(a.request),
+        let cmd = match resume {
+            Some(state) => EngineCmd::Resume {
+                rid: a.request,
+                state,
+            },
+            None => EngineCmd::Add {
+                rid: a.request,
+                prompt: g.prompt.clone(),
+                params: self.ctx.sampling(a.request),
+            },
         };
         if self.ctx.engines[e].tx.send(cmd).is_err() {
             return Err(self.ctx.worker_stopped(&format!("rollout engine {e}")));
@@ -313,6 +323,7 @@ impl Workers for Phase<'_, '_> {
     }
 
     fn rollout_polled(&mut self, sched: &Scheduler<'_>, _step: u64) -> anyhow::Result<()> {
+        self.prune_migrations(sched);
         if sched.is_batch_final() && !self.occupancy.stopped() {
             // Slot occupancy is over the rollout: from its start to the batch being final.
             self.occupancy.stop(self.ctx.now().0);
@@ -393,9 +404,11 @@ impl Workers for Phase<'_, '_> {
     }
 
     /// One-step-off: the trainer worker takes the previous step's buffered micro-batches.
-    /// Multiplexing: idle engines take reference passes.
+    /// Migration: a long request moves to a light engine. Multiplexing: idle engines take
+    /// reference passes.
     fn polled(&mut self, admissible: bool) -> anyhow::Result<()> {
         if !admissible {
+            self.migrate()?;
             self.multiplex()?;
         }
         if self.one_off
@@ -420,7 +433,7 @@ impl Workers for Phase<'_, '_> {
         (!self.rollout_this || self.core_done)
             && self.busy == Busy::Idle
             && self.pending.is_empty()
-            && !self.ctx.engines.iter().any(|e| e.mux_busy)
+            && !self.ctx.engines.iter().any(|e| e.mux_busy || e.migrating)
     }
 
     fn wait(&mut self, reports: &mut Vec<Report>) -> anyhow::Result<bool> {

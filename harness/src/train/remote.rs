@@ -470,6 +470,10 @@ impl Transport for Forwarding {
             "rollout.multiplex is not carried over the wire yet: remote engines have no reference \
              model; run with the local transport or set rollout.multiplex = false"
         );
+        anyhow::ensure!(
+            !cfg.rollout.migrate,
+            "rollout.migrate is not carried over the wire: run with the local transport or set rollout.migrate = false"
+        );
         let link = self.link.clone();
         let publisher = Arc::new(Publisher {
             link: link.clone(),
@@ -624,6 +628,14 @@ impl EngineProxy {
                         if !self.dead {
                             cancels.push(rid);
                         }
+                    }
+                    EngineCmd::Migrate { .. } | EngineCmd::Resume { .. } => {
+                        // `Forwarding::start` refuses `rollout.migrate`, so this is a bug.
+                        self.emit(Event::Fatal(format!(
+                            "remote engine {}: long-tail migration does not cross the wire",
+                            self.engine
+                        )));
+                        return;
                     }
                     EngineCmd::RefLogprobs { .. } => {
                         // `Forwarding::start` refuses `rollout.multiplex`, so this is a bug.

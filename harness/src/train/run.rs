@@ -229,6 +229,7 @@ pub fn run_with_transport(
             running: 0,
             busy_from: None,
             mux_busy: false,
+            migrating: false,
         })
         .collect();
     let (vtx, ttx) = (workers.verify, workers.trainer);

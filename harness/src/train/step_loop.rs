@@ -130,6 +130,7 @@ impl Ctx<'_> {
                 mut occupancy,
                 mux_groups,
                 mux_s,
+                mig,
                 ..
             } = phase;
             // Step boundary: weight sync, then metrics, evaluation and checkpoint.
@@ -192,6 +193,9 @@ impl Ctx<'_> {
                     skipped: c.filtered_skipped,
                     mux_groups,
                     mux_s,
+                    migrations: mig.moves,
+                    migrated_tokens: mig.tokens,
+                    reprefill_s: mig.reprefill_s,
                     ..Default::default()
                 };
                 occupancy.stop(final_at);

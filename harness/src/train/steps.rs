@@ -12,9 +12,9 @@ use std::time::Instant;
 use anyhow::anyhow;
 use rolloutpipe_backends::optim::AdamState;
 use rolloutpipe_backends::{
-    AccumStats, AdamW, GenRequest, ModelConfig, Objective, OptStats, RequestKey, SamplingParams,
-    Sequence, SyncTarget, TrainBatch, TrainSequence, WeightSnapshot, Weights, advantages,
-    normalizer,
+    AccumStats, AdamW, GenRequest, ModelConfig, Objective, OptStats, RequestKey, ResumeState,
+    SamplingParams, Sequence, SyncTarget, TrainBatch, TrainSequence, WeightSnapshot, Weights,
+    advantages, normalizer,
 };
 use rolloutpipe_core::{PolicyVersion, RequestId};
 
@@ -58,6 +58,15 @@ pub struct EngineStep {
     added: u64,
     dead: bool,
     fail_at_request: Option<u64>,
+    /// Decode iterations so far, and per running request the iteration count at which it
+    /// would have been added had it run here from its start: every iteration gives every
+    /// running request one token, so the difference is the tokens it generated.
+    decodes: i64,
+    born: HashMap<RequestKey, i64>,
+    /// Requests resumed since the last iteration (long-tail migration) and their tokens.
+    resumed: Vec<(RequestId, u32)>,
+    /// Requests whose re-prefill the last iteration ran: (request, tokens, seconds).
+    reprefilled: Vec<(RequestId, u32, f64)>,
 }
 
 impl EngineStep {
@@ -73,6 +82,10 @@ impl EngineStep {
             added: 0,
             dead: false,
             fail_at_request,
+            decodes: 0,
+            born: HashMap::new(),
+            resumed: Vec::new(),
+            reprefilled: Vec::new(),
         }
     }
 
@@ -113,10 +126,12 @@ impl EngineStep {
         })
         .map_err(|e| anyhow!("engine {engine}: {e}"))?;
         self.active.insert(key, rid);
+        self.born.insert(key, self.decodes);
         if self.fail_at_request == Some(self.added) {
             // Injected failure: every running request is lost and the engine stops generating
             // (its backend state is gone with it).
             self.dead = true;
+            self.born.clear();
             let lost: Vec<RequestId> = self.active.drain().map(|(_, r)| r).collect();
             for r in &lost {
                 let _ = be.cancel_request(key_of(*r));
@@ -134,6 +149,8 @@ impl EngineStep {
         if self.active.remove(&key).is_none() {
             return Ok(None);
         }
+        self.born.remove(&key);
+        self.resumed.retain(|(r, _)| *r != rid);
         let engine = self.engine;
         self.backend
             .as_dyn()
@@ -190,8 +207,14 @@ impl EngineStep {
             .decode_step()
             .map_err(|e| anyhow!("engine {engine} decode: {e}"))?;
         self.decode.push((running, t.elapsed().as_secs_f64()));
+        let secs = t.elapsed().as_secs_f64();
+        self.decodes += 1;
+        self.reprefilled = (self.resumed.drain(..))
+            .map(|(r, n)| (r, n, secs))
+            .collect();
         let mut done = Vec::with_capacity(out.len());
         for o in out {
+            self.born.remove(&o.id);
             if let Some(rid) = self.active.remove(&o.id) {
                 done.push(EngineOut::Generated {
                     rid,
@@ -202,6 +225,58 @@ impl EngineStep {
             }
         }
         Ok(done)
+    }
+}
+
+impl EngineStep {
+    /// Long-tail migration, source side: exports the running request that has generated the
+    /// most tokens (the lowest key among equals), when it has generated at least
+    /// `min_generated`; `None` when none has (or the engine failed).
+    pub fn migrate_out(
+        &mut self,
+        min_generated: u32,
+    ) -> anyhow::Result<Option<(RequestId, ResumeState)>> {
+        let best = (self.active.keys())
+            .map(|k| {
+                (
+                    self.decodes - self.born.get(k).copied().unwrap_or(self.decodes),
+                    *k,
+                )
+            })
+            .max_by_key(|&(n, k)| (n, std::cmp::Reverse(k)));
+        let Some((n, key)) = best else {
+            return Ok(None);
+        };
+        if self.dead || n < i64::from(min_generated.max(1)) {
+            return Ok(None);
+        }
+        let engine = self.engine;
+        let st = (self.backend.as_dyn().export_request(key))
+            .map_err(|e| anyhow!("engine {engine} migration: {e}"))?;
+        self.born.remove(&key);
+        Ok(self.active.remove(&key).map(|rid| (rid, st)))
+    }
+
+    /// Long-tail migration, target side: resumes an exported request; its next iteration
+    /// re-prefills prompt + generated tokens (timed, see [`EngineStep::take_reprefilled`]). A
+    /// failed engine loses it (`Lost`).
+    pub fn resume(&mut self, rid: RequestId, st: ResumeState) -> anyhow::Result<Option<EngineOut>> {
+        if self.dead {
+            return Ok(Some(EngineOut::Lost(vec![rid])));
+        }
+        let (engine, key, n) = (self.engine, st.request.id, st.tokens.len());
+        (self.backend.as_dyn().resume_request(st))
+            .map_err(|e| anyhow!("engine {engine} resume: {e}"))?;
+        self.active.insert(key, rid);
+        self.born.insert(key, self.decodes - n as i64);
+        self.resumed.push((rid, n as u32));
+        Ok(None)
+    }
+
+    /// The requests whose re-prefill the last iteration ran: (request, tokens generated
+    /// before the move, the iteration's seconds).
+    pub fn take_reprefilled(&mut self) -> Vec<(RequestId, u32, f64)> {
+        std::mem::take(&mut self.reprefilled)
     }
 }
 

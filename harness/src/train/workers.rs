@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use rolloutpipe_backends::optim::AdamState;
 use rolloutpipe_backends::{
     AccumStats, AdamW, Aggregation, CpuBackend, DType, ModelConfig, Objective, OptStats, Policy,
-    RolloutEngine, SamplingParams, Sequence, StdMode, SyncTarget, Trainer, WeightSnapshot, Weights,
+    ResumeState, RolloutEngine, SamplingParams, Sequence, StdMode, SyncTarget, Trainer,
+    WeightSnapshot, Weights,
 };
 use rolloutpipe_core::{GroupId, PolicyVersion, RequestId};
 
@@ -253,6 +254,19 @@ pub enum EngineCmd {
         /// The sampling temperature the log-probs are taken at.
         temperature: f32,
     },
+    /// Long-tail migration (`rollout.migrate`): export the running request that has generated
+    /// the most tokens, if at least `min_generated` ([`Event::Migrated`] answers either way).
+    Migrate {
+        /// The fewest tokens a request must have generated to move.
+        min_generated: u32,
+    },
+    /// Continue an exported request here: re-prefill, then the same seeded stream.
+    Resume {
+        /// The core's request id.
+        rid: RequestId,
+        /// What the source engine exported.
+        state: Box<ResumeState>,
+    },
     /// Stop the thread.
     Shutdown,
 }
@@ -337,6 +351,27 @@ pub enum Event {
         /// Start.
         started: Instant,
         /// End.
+        ended: Instant,
+    },
+    /// The answer to [`EngineCmd::Migrate`]: the exported request, or `None` when no running
+    /// request had generated enough.
+    Migrated {
+        /// The source engine.
+        engine: u16,
+        /// The request and its state.
+        moved: Option<(RequestId, Box<ResumeState>)>,
+    },
+    /// A resumed request's re-prefill ran (in the engine iteration that took `secs`).
+    Resumed {
+        /// The target engine.
+        engine: u16,
+        /// Request.
+        rid: RequestId,
+        /// Tokens it had generated before the move (re-prefilled with its prompt).
+        tokens: u32,
+        /// The iteration's seconds.
+        secs: f64,
+        /// When the iteration ended.
         ended: Instant,
     },
     /// The trainer finished a command.
@@ -445,6 +480,21 @@ pub fn engine_thread(
                     step.add(rid, prompt.as_ref().clone(), params)
                 }
                 EngineCmd::Cancel(rid) => step.cancel(rid),
+                EngineCmd::Migrate { min_generated } => match step.migrate_out(min_generated) {
+                    Ok(moved) => {
+                        let moved = moved.map(|(rid, st)| {
+                            started.remove(&rid);
+                            (rid, Box::new(st))
+                        });
+                        let _ = events.send(Event::Migrated { engine, moved });
+                        continue;
+                    }
+                    Err(e) => return fatal(e),
+                },
+                EngineCmd::Resume { rid, state } => {
+                    started.insert(rid, Instant::now());
+                    step.resume(rid, *state)
+                }
                 EngineCmd::RefLogprobs {
                     step: s,
                     index,
@@ -500,6 +550,16 @@ pub fn engine_thread(
         }
         match step.decode() {
             Ok(outs) => {
+                let ended = Instant::now();
+                for (rid, tokens, secs) in step.take_reprefilled() {
+                    let _ = events.send(Event::Resumed {
+                        engine,
+                        rid,
+                        tokens,
+                        secs,
+                        ended,
+                    });
+                }
                 for o in outs {
                     report(engine, o, &mut started, &events);
                 }

@@ -1,2 +1,3 @@
 //! Shared helpers of the harness's integration tests.
 pub mod cli;
+pub mod train;
