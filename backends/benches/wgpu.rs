@@ -383,7 +383,8 @@ fn generate_group(be: &mut dyn Policy, samples: usize, next: &mut u64) {
         })
         .collect::<Vec<_>>();
     let want = samples.len() * 32;
-    be.add_group(GroupRequest { prompt, samples }).expect("add_group");
+    be.add_group(GroupRequest { prompt, samples })
+        .expect("add_group");
     let mut tokens = 0;
     while be.active_requests() > 0 {
         for o in be.decode_step().expect("step") {

@@ -165,7 +165,10 @@ fn the_pool_is_the_capacity_and_a_full_engine_hands_the_request_back() {
     }
     assert_eq!(be.active_requests(), 1);
     be.add_request(req(11, 8)).expect("3 more pages fit");
-    match be.add_request(req(12, 1)).map_err(BackendError::into_rejected) {
+    match be
+        .add_request(req(12, 1))
+        .map_err(BackendError::into_rejected)
+    {
         Err(Ok(Rejected::Request(r))) => assert_eq!(r, req(12, 1)),
         other => panic!("expected the request handed back, got {other:?}"),
     }

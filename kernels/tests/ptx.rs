@@ -33,7 +33,9 @@ fn header(src: &str) -> String {
 
 /// The kernels with a PTX twin and their source.
 fn ptx_kernels() -> impl Iterator<Item = (Kernel, &'static str)> {
-    Kernel::CUDA.iter().filter_map(|&k| k.ptx().map(|src| (k, src)))
+    Kernel::CUDA
+        .iter()
+        .filter_map(|&k| k.ptx().map(|src| (k, src)))
 }
 
 #[test]
@@ -117,11 +119,7 @@ fn headers_document_algorithm_layout_twin_and_arguments() {
 #[test]
 fn every_file_targets_ptx_8_0_for_sm_80() {
     for (k, src) in ptx_kernels() {
-        let directives: Vec<&str> = src
-            .lines()
-            .filter(|l| l.starts_with('.'))
-            .take(3)
-            .collect();
+        let directives: Vec<&str> = src.lines().filter(|l| l.starts_with('.')).take(3).collect();
         assert_eq!(
             directives,
             [".version 8.0", ".target sm_80", ".address_size 64"],

@@ -38,10 +38,9 @@ use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
 use crate::seam::{GenOutput, GenRequest, Rejected, RequestKey, SamplingParams};
 
-// The CPU reference's draw and request checks, shared so both backends sample the same
-// stream and refuse the same requests with the same errors.
+// The CPU reference's draw and finish rule, shared so both backends sample the same stream
+// and end requests alike (requests are checked by the backend, with the CPU's checks).
 use crate::cpu::generate::{finish_reason, uniform};
-
 
 /// Positions of a group's prompt stored once for all samples: the whole pages before the
 /// prompt's last position (whose logits each sample needs, so each computes it).

@@ -174,7 +174,14 @@ pub struct StepRows<'a> {
 }
 
 impl StepRows<'_> {
-    fn launch(&self, ex: &mut Exec, pool: &KvPool, l: usize, c: &ModelConfig, entry: usize) -> Result<()> {
+    fn launch(
+        &self,
+        ex: &mut Exec,
+        pool: &KvPool,
+        l: usize,
+        c: &ModelConfig,
+        entry: usize,
+    ) -> Result<()> {
         let (kp, vp) = pool.layer(l)?;
         let p = Params::new()
             .u(self.n)
@@ -192,7 +199,9 @@ impl StepRows<'_> {
         ex.dispatch(
             Kernel::AttentionDecode,
             entry,
-            &[self.q, self.k, self.v, self.meta, self.pages, kp, vp, self.out],
+            &[
+                self.q, self.k, self.v, self.meta, self.pages, kp, vp, self.out,
+            ],
             p,
             grid,
         );

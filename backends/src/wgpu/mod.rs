@@ -394,10 +394,9 @@ impl RolloutEngine for WgpuBackend {
     fn add_request(&mut self, req: GenRequest) -> Result<()> {
         generate_check(&self.model.cfg, std::slice::from_ref(&req), &self.admitted)?;
         let id = req.id;
-        self.load()
-            .admit(&self.limits, 1, req.kv_tokens(), || {
-                Rejected::Request(req.clone())
-            })?;
+        self.load().admit(&self.limits, 1, req.kv_tokens(), || {
+            Rejected::Request(req.clone())
+        })?;
         self.generator
             .add(&self.gpu, &self.model.cfg, vec![req], false, |mut back| {
                 Rejected::Request(back.swap_remove(0))
@@ -419,11 +418,14 @@ impl RolloutEngine for WgpuBackend {
             0
         };
         let kv = shared + reqs.iter().map(|r| r.kv_tokens() - shared).sum::<usize>();
-        self.load()
-            .admit(&self.limits, reqs.len(), kv, || Rejected::Group(group.clone()))?;
+        self.load().admit(&self.limits, reqs.len(), kv, || {
+            Rejected::Group(group.clone())
+        })?;
         let ids: Vec<RequestKey> = reqs.iter().map(|r| r.id).collect();
         self.generator
-            .add(&self.gpu, &self.model.cfg, reqs, true, |_| Rejected::Group(group))?;
+            .add(&self.gpu, &self.model.cfg, reqs, true, |_| {
+                Rejected::Group(group)
+            })?;
         self.admitted.extend(ids);
         Ok(())
     }
