@@ -7,15 +7,24 @@
 
 #[path = "support/device.rs"]
 mod device;
+#[path = "support/check.rs"]
+#[allow(dead_code)]
+mod check;
+#[path = "support/engine.rs"]
+mod engine;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use rolloutpipe_backends::wgpu::{Gpu, WgpuBackend, kv::PAGE};
+use check::{assert_close, rand_vec, tol};
+use engine::{drain, params, peaked_weights};
+use rand_chacha::ChaCha8Rng;
+use rand_chacha::rand_core::SeedableRng;
+use rolloutpipe_backends::wgpu::kv::{KvPool, PAGE, StepRows};
+use rolloutpipe_backends::wgpu::{Exec, Gpu, WgpuBackend};
 use rolloutpipe_backends::*;
 
-/// GQA 2:1 with 32-wide heads, two layers; matrices ×4 so that sampling is peaked and any
-/// numerical difference changes tokens.
+/// GQA 2:1 with 32-wide heads, two layers, peaked weights.
 fn setup(seed: u64) -> Option<(ModelConfig, Weights, Arc<Gpu>)> {
     let g = device::gpu()?;
     let cfg = ModelConfig {
@@ -29,37 +38,12 @@ fn setup(seed: u64) -> Option<(ModelConfig, Weights, Arc<Gpu>)> {
         max_position_embeddings: 256,
         ..ModelConfig::tiny()
     };
-    let mut w = Weights::random(&cfg, seed).expect("weights");
-    for (name, t) in w.tensors.iter_mut() {
-        if !name.ends_with("norm.weight") {
-            t.data.iter_mut().for_each(|x| *x *= 4.0);
-        }
-    }
+    let w = peaked_weights(&cfg, seed);
     Some((cfg, w, g))
 }
 
 fn engine(cfg: &ModelConfig, w: &Weights, g: &Arc<Gpu>) -> WgpuBackend {
     WgpuBackend::with_gpu(Arc::clone(g), cfg, w).expect("wgpu backend")
-}
-
-fn params(seed: u64, max_new: usize) -> SamplingParams {
-    SamplingParams {
-        temperature: 0.9,
-        top_k: 12,
-        max_new_tokens: max_new,
-        seed,
-        ..Default::default()
-    }
-}
-
-fn drain(be: &mut dyn RolloutEngine) -> BTreeMap<u64, GenOutput> {
-    let mut out = BTreeMap::new();
-    while be.active_requests() > 0 {
-        for o in be.decode_step().expect("step") {
-            assert!(out.insert(o.id.0, o).is_none(), "a request finished twice");
-        }
-    }
-    out
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -249,4 +233,95 @@ fn submit_returns_with_the_step_queued_and_poll_collects_it() {
     }
     assert_same(&got, &want);
     assert_eq!(be.poll_step(false).unwrap(), Some(vec![]));
+}
+
+/// The kernel itself against the CPU's `attention_fwd` on contiguous keys: a 150-position
+/// prefill (three 64-key chunks) scattered over pages out of order, and in the same step a
+/// second sequence of 20 rows at positions 64..84 whose table starts with the first one's
+/// four pages (a shared prefix, written by the same step's KV-append). GQA 4:1, head_dim 64.
+#[test]
+fn attention_decode_over_pages_matches_cpu_attention() {
+    let Some(g) = device::gpu() else { return };
+    let cfg = ModelConfig {
+        num_attention_heads: 8,
+        num_key_value_heads: 2,
+        head_dim: 64,
+        max_position_embeddings: 256,
+        ..ModelConfig::tiny()
+    };
+    let (h, kvh, hd) = (8, 2, 64);
+    let (qd, kd) = (h * hd, kvh * hd);
+    let (na, nb, b0) = (150usize, 20usize, 64usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let q = rand_vec(&mut rng, (na + nb) * qd, 1.0);
+    let k = rand_vec(&mut rng, (na + nb) * kd, 1.0);
+    let v = rand_vec(&mut rng, (na + nb) * kd, 1.0);
+    let mut ex = Exec::new(Arc::clone(&g));
+    let mut pool = KvPool::new(&g, &cfg).expect("pool");
+    let all = pool.alloc(16).expect("pages");
+    pool.ensure_built(&g, &mut ex, &cfg);
+    // A: pages 15, 13, .., 1 then 14, 12: positions land out of order. B: A's first four
+    // pages, then two of its own.
+    let table_a: Vec<u32> = [15, 13, 11, 9, 7, 5, 3, 1, 14, 12].map(|i| all[i]).to_vec();
+    let table_b: Vec<u32> = table_a[..4].iter().copied().chain([all[0], all[2]]).collect();
+    let pages: Vec<u32> = table_a.iter().chain(&table_b).copied().collect();
+    let mut meta = Vec::new();
+    for t in 0..na {
+        meta.extend([0u32, t as u32]);
+    }
+    for t in b0..b0 + nb {
+        meta.extend([table_a.len() as u32, t as u32]);
+    }
+    let n = na + nb;
+    let (qb, kb, vb) = (g.upload("q", &q), g.upload("k", &k), g.upload("v", &v));
+    let (mb, pb) = (g.upload("meta", &meta), g.upload("pages", &pages));
+    let out = g.buffer("out", n * qd);
+    let rows = StepRows {
+        q: &qb,
+        out: &out,
+        k: &kb,
+        v: &vb,
+        meta: &mb,
+        pages: &pb,
+        n,
+        pages_len: pages.len(),
+    };
+    rows.kv_append(&mut ex, &pool, 0, &cfg).expect("append");
+    rows.attention_decode(&mut ex, &pool, 0, &cfg).expect("attention");
+    ex.submit().expect("submit");
+    let got = g.read::<f32>(&out, n * qd).expect("read");
+
+    let mut want_a = vec![0.0; na * qd];
+    let mut att = vec![0.0; h * na * na];
+    rolloutpipe_backends::cpu::ops::attention_fwd(
+        &mut want_a,
+        &mut att,
+        &q[..na * qd],
+        &k[..na * kd],
+        &v[..na * kd],
+        na,
+        na,
+        h,
+        kvh,
+        hd,
+    );
+    assert_close("sequence A", &got[..na * qd], &want_a, tol::ATTENTION);
+    // B's keys: A's first 64 positions, then its own rows.
+    let kb_cat: Vec<f32> = k[..b0 * kd].iter().chain(&k[na * kd..]).copied().collect();
+    let vb_cat: Vec<f32> = v[..b0 * kd].iter().chain(&v[na * kd..]).copied().collect();
+    let mut want_b = vec![0.0; nb * qd];
+    let mut att = vec![0.0; h * nb * (b0 + nb)];
+    rolloutpipe_backends::cpu::ops::attention_fwd(
+        &mut want_b,
+        &mut att,
+        &q[na * qd..],
+        &kb_cat,
+        &vb_cat,
+        nb,
+        b0 + nb,
+        h,
+        kvh,
+        hd,
+    );
+    assert_close("sequence B on the shared pages", &got[na * qd..], &want_b, tol::ATTENTION);
 }
