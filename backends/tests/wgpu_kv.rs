@@ -5,11 +5,11 @@
 //! `poll_step` collects it, with the same outcome as blocking steps.
 #![cfg(feature = "wgpu")]
 
-#[path = "support/device.rs"]
-mod device;
 #[path = "support/check.rs"]
 #[allow(dead_code)]
 mod check;
+#[path = "support/device.rs"]
+mod device;
 #[path = "support/engine.rs"]
 mod engine;
 
@@ -263,7 +263,11 @@ fn attention_decode_over_pages_matches_cpu_attention() {
     // A: pages 15, 13, .., 1 then 14, 12: positions land out of order. B: A's first four
     // pages, then two of its own.
     let table_a: Vec<u32> = [15, 13, 11, 9, 7, 5, 3, 1, 14, 12].map(|i| all[i]).to_vec();
-    let table_b: Vec<u32> = table_a[..4].iter().copied().chain([all[0], all[2]]).collect();
+    let table_b: Vec<u32> = table_a[..4]
+        .iter()
+        .copied()
+        .chain([all[0], all[2]])
+        .collect();
     let pages: Vec<u32> = table_a.iter().chain(&table_b).copied().collect();
     let mut meta = Vec::new();
     for t in 0..na {
@@ -287,7 +291,8 @@ fn attention_decode_over_pages_matches_cpu_attention() {
         pages_len: pages.len(),
     };
     rows.kv_append(&mut ex, &pool, 0, &cfg).expect("append");
-    rows.attention_decode(&mut ex, &pool, 0, &cfg).expect("attention");
+    rows.attention_decode(&mut ex, &pool, 0, &cfg)
+        .expect("attention");
     ex.submit().expect("submit");
     let got = g.read::<f32>(&out, n * qd).expect("read");
 
@@ -323,5 +328,10 @@ fn attention_decode_over_pages_matches_cpu_attention() {
         kvh,
         hd,
     );
-    assert_close("sequence B on the shared pages", &got[na * qd..], &want_b, tol::ATTENTION);
+    assert_close(
+        "sequence B on the shared pages",
+        &got[na * qd..],
+        &want_b,
+        tol::ATTENTION,
+    );
 }

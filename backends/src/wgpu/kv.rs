@@ -38,7 +38,9 @@ fn device_pages(gpu: &Gpu, cfg: &ModelConfig) -> Result<usize> {
         ));
     }
     let limits = gpu.device().limits();
-    let bind = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size);
+    let bind = limits
+        .max_storage_buffer_binding_size
+        .min(limits.max_buffer_size);
     let page_bytes = (PAGE * cfg.kv_dim() * 4) as u64;
     Ok((bind / page_bytes).min(u32::MAX as u64) as usize)
 }
