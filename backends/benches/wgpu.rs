@@ -8,7 +8,9 @@
 //! - `wgpu_generate/{wgpu,cpu}/N`: generated tokens/s of the default small model with N
 //!   concurrent requests (16-token prompts, 32 new tokens, prefill included), the same
 //!   workload as `cpu_generate`, with the CPU backend measured in the same run;
-//!   `wgpu_generate/wgpu_bf16/N` is the same model as a bf16-storage wgpu engine.
+//!   `wgpu_generate/wgpu_bf16/N` is the same model as a bf16-storage wgpu engine;
+//!   `wgpu_generate/wgpu_group/8` is one group of 8 samples of a 64-token prompt
+//!   (`add_group`: the samples share the prompt's KV pages), 32 new tokens each.
 //! - `wgpu_train/{wgpu,cpu}`: tokens/s (prompt + response) of one GRPO optimizer step on
 //!   8 sequences of 16 + 48 tokens (forward, backward, AdamW), as `cpu_train`.
 //!
@@ -366,6 +368,32 @@ fn generate(be: &mut dyn Policy, conc: usize, next: &mut u64) {
     assert_eq!(tokens, conc * new);
 }
 
+/// One group of `samples` samples of a 64-token prompt, 32 new tokens each.
+fn generate_group(be: &mut dyn Policy, samples: usize, next: &mut u64) {
+    let prompt = (0..64).map(|t| ((t * 5 + 3) % 64) as u32).collect();
+    let samples = (0..samples)
+        .map(|_| {
+            *next += 1;
+            let params = SamplingParams {
+                max_new_tokens: 32,
+                seed: *next,
+                ..Default::default()
+            };
+            (RequestKey(*next), params)
+        })
+        .collect::<Vec<_>>();
+    let want = samples.len() * 32;
+    be.add_group(GroupRequest { prompt, samples })
+        .expect("add_group");
+    let mut tokens = 0;
+    while be.active_requests() > 0 {
+        for o in be.decode_step().expect("step") {
+            tokens += o.tokens.len();
+        }
+    }
+    assert_eq!(tokens, want);
+}
+
 fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
     let (mut gpu, mut cpu) = small(g);
     // The same model as a bf16-storage engine (`WgpuBackend::with_dtype`).
@@ -377,6 +405,11 @@ fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(4));
+    grp.throughput(Throughput::Elements(8 * 32));
+    let mut next = 1 << 40;
+    grp.bench_function(BenchmarkId::new("wgpu_group", 8), |b| {
+        b.iter(|| generate_group(gpu.as_mut(), 8, &mut next))
+    });
     for conc in [1usize, 16, 64] {
         grp.throughput(Throughput::Elements((conc * 32) as u64));
         let mut next = 0;

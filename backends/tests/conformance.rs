@@ -440,9 +440,9 @@ macro_rules! backend_suite {
                             },
                         })
                         .collect();
-                    // Continuous batching: 6 join, 2 steps run, 14 more join and one leaves. The
-                    // 17th request doubles the KV cache's slots and the long last prompt
-                    // lengthens every slot while requests are mid-generation (cache re-layout).
+                    // Continuous batching: 6 join, 2 steps run, 14 more join and one leaves. On
+                    // wgpu the joins grow the paged KV pool (16 pages at first, doubled while
+                    // requests are mid-generation, the pool copied) and the cancel frees pages.
                     let run = |b: &mut dyn Policy| {
                         let mut done = Vec::new();
                         for r in &reqs[..6] {

@@ -3,8 +3,12 @@
 //! lets the host add requests while a step runs, weight sync takes the same-device path and
 //! equals the host path, and optimizer state round-trips for checkpoints.
 
+#[path = "support/engine.rs"]
+mod engine;
+
 use std::collections::BTreeMap;
 
+use engine::{drain, params, peaked_weights as weights};
 use rolloutpipe_backends::*;
 
 fn mini() -> ModelConfig {
@@ -19,37 +23,6 @@ fn mini() -> ModelConfig {
         max_position_embeddings: 128,
         ..ModelConfig::tiny()
     }
-}
-
-/// Matrices ×4 so that sampling is peaked and any numerical difference changes tokens.
-fn weights(cfg: &ModelConfig, seed: u64) -> Weights {
-    let mut w = Weights::random(cfg, seed).unwrap();
-    for (name, t) in w.tensors.iter_mut() {
-        if !name.ends_with("norm.weight") {
-            t.data.iter_mut().for_each(|x| *x *= 4.0);
-        }
-    }
-    w
-}
-
-fn params(seed: u64, max_new: usize) -> SamplingParams {
-    SamplingParams {
-        temperature: 0.9,
-        top_k: 12,
-        max_new_tokens: max_new,
-        seed,
-        ..Default::default()
-    }
-}
-
-fn drain(be: &mut dyn RolloutEngine) -> BTreeMap<u64, GenOutput> {
-    let mut out = BTreeMap::new();
-    while be.active_requests() > 0 {
-        for o in be.decode_step().unwrap() {
-            assert!(out.insert(o.id.0, o).is_none(), "a request finished twice");
-        }
-    }
-    out
 }
 
 /// The same tokens and the same log-prob bits.

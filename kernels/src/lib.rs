@@ -50,7 +50,14 @@ pub const PARAMS_BYTES: u64 = 64;
 pub const MAX_STORAGE_BINDINGS: u32 = 10;
 
 macro_rules! kernels {
-    ($( $(#[$doc:meta])* $variant:ident => $name:literal $(+ $pre:literal)*, [$($entry:literal),+], $storage:literal, ro [$($ro:literal),*], $wg:expr, [$($ptx_entry:literal),+]; )+) => {
+    // A kernel's PTX file, or `None` for one without a CUDA twin (an empty entry list).
+    (@ptx $name:literal []) => { None };
+    (@count []) => { 0usize };
+    (@count [$($ptx_entry:literal),+]) => { 1usize };
+    (@ptx $name:literal [$($ptx_entry:literal),+]) => {
+        Some(include_str!(concat!("../ptx/", $name, ".ptx")))
+    };
+    ($( $(#[$doc:meta])* $variant:ident => $name:literal $(+ $pre:literal)*, [$($entry:literal),+], $storage:literal, ro [$($ro:literal),*], $wg:expr, [$($ptx_entry:literal),*]; )+) => {
         /// One kernel source file: one op of the model, named as the CPU reference names it.
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub enum Kernel {
@@ -60,6 +67,23 @@ macro_rules! kernels {
         impl Kernel {
             /// Every kernel, in a fixed order.
             pub const ALL: &'static [Kernel] = &[$(Kernel::$variant),+];
+
+            /// The kernels with a PTX twin (`kernels/ptx/<name>.ptx`), in the same order.
+            pub const CUDA: &'static [Kernel] = &{
+                const N: usize = 0 $(+ kernels!(@count [$($ptx_entry),*]))+;
+                let all = [$(Kernel::$variant),+];
+                let has = [$(kernels!(@count [$($ptx_entry),*]) == 1),+];
+                let mut out = [Kernel::EmbeddingFwd; N];
+                let (mut i, mut n) = (0, 0);
+                while i < all.len() {
+                    if has[i] {
+                        out[n] = all[i];
+                        n += 1;
+                    }
+                    i += 1;
+                }
+                out
+            };
 
             /// The op's name: the WGSL file stem and the CPU reference's function name.
             pub const fn name(self) -> &'static str {
@@ -107,10 +131,11 @@ macro_rules! kernels {
 
             /// The PTX source of the op (`kernels/ptx/<name>.ptx`, PTX ISA 8.0, sm_80; it
             /// also assembles for sm_90). Its header comment documents the launch layout
-            /// and the arguments, which the CUDA host side follows.
-            pub const fn ptx(self) -> &'static str {
+            /// and the arguments, which the CUDA host side follows. `None` for a kernel only
+            /// the wgpu backend runs (see [`Kernel::CUDA`]).
+            pub const fn ptx(self) -> Option<&'static str> {
                 match self {
-                    $(Kernel::$variant => include_str!(concat!("../ptx/", $name, ".ptx")),)+
+                    $(Kernel::$variant => kernels!(@ptx $name [$($ptx_entry),*]),)+
                 }
             }
 
@@ -119,7 +144,7 @@ macro_rules! kernels {
             /// splits an op differently (an f32 fallback beside a tensor-core product, a
             /// separate weight-gradient pass).
             pub const fn ptx_entry_points(self) -> &'static [&'static str] {
-                match self { $(Kernel::$variant => &[$($ptx_entry),+],)+ }
+                match self { $(Kernel::$variant => &[$($ptx_entry),*],)+ }
             }
         }
     };
@@ -145,6 +170,10 @@ kernels! {
     RopeFwd => "rope_fwd", ["rope_fwd"], 4, ro [2, 3, 4], [256, 1, 1], ["rope_fwd"];
     /// Transposed rotation of a gradient, in place.
     RopeBwd => "rope_bwd", ["rope_bwd"], 4, ro [2, 3, 4], [256, 1, 1], ["rope_bwd"];
+    /// Generation attention against the paged KV pool, one workgroup per (row, kv head) for
+    /// every head of its GQA group, and the KV-append that writes a step's rows in place.
+    /// wgpu only: no PTX twin.
+    AttentionDecode => "attention_decode", ["attention_decode", "attention_decode_append"], 8, ro [1, 2, 3, 4, 5], [64, 1, 1], [];
     /// Causal GQA attention with online softmax, per (query, head); saves log-sum-exp.
     AttentionFwd => "attention_fwd", ["attention_fwd"], 6, ro [1, 2, 3, 4], [64, 1, 1], ["attention_fwd"];
     /// Attention backward: `dq` per (query, head), then `dk, dv` per (key, kv head).
@@ -256,7 +285,7 @@ mod tests {
     use super::*;
 
     /// The op list fixed by the backend interface (STYLE.md: one name everywhere).
-    const OPS: [&str; 20] = [
+    const OPS: [&str; 21] = [
         "embedding_fwd",
         "embedding_bwd",
         "rmsnorm_fwd",
@@ -265,6 +294,9 @@ mod tests {
         "matmul_bwd",
         "rope_fwd",
         "rope_bwd",
+        // Generation's attention over the paged KV pool (the CPU runs `attention_fwd` on
+        // each request's own cache).
+        "attention_decode",
         "attention_fwd",
         "attention_bwd",
         "swiglu_fwd",

@@ -192,8 +192,8 @@ mod tests {
     #[test]
     fn table_matches_every_ptx_declaration() {
         let mut seen = 0;
-        for k in Kernel::ALL {
-            let parsed = parse_entries(k.ptx());
+        for k in Kernel::CUDA {
+            let parsed = parse_entries(k.ptx().unwrap_or_default());
             let names: Vec<&str> = parsed.iter().map(|(n, _)| n.as_str()).collect();
             assert_eq!(names, k.ptx_entry_points(), "{}", k.name());
             for (name, kinds) in parsed {

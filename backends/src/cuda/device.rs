@@ -162,9 +162,12 @@ impl Cuda {
             match mods.get(&kernel) {
                 Some(m) => Arc::clone(m),
                 None => {
+                    let src = kernel.ptx().ok_or_else(|| {
+                        BackendError::Device(format!("{} has no PTX twin", kernel.name()))
+                    })?;
                     let m = self
                         .ctx
-                        .load_module(Ptx::from_src(kernel.ptx()))
+                        .load_module(Ptx::from_src(src))
                         .map_err(|e| dev(&format!("loading {}.ptx", kernel.name()), e))?;
                     mods.insert(kernel, Arc::clone(&m));
                     m

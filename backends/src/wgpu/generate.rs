@@ -1,12 +1,22 @@
-//! Continuous-batching generation on the device: a KV cache of fixed-size slots, one
-//! submission per decode step, and sampling on the device.
+//! Continuous-batching generation on the device: the paged KV pool ([`super::kv`]), one
+//! non-blocking submission per decode step, and sampling on the device.
 //!
 //! Each step packs, per active request, the tokens not yet in its cache (its prompt when it
 //! just joined, else its last token), exactly as the CPU reference's `cpu::generate`. The
-//! projections are single matmuls over all rows; each request's new keys and values are
-//! copied into its cache slot; attention reads the slot (`qmeta` = slot base, position).
-//! Only the last row of each request reaches the final norm, `lm_head` and `sample`, and only
-//! the sampled tokens and their log-probs come back (8 bytes per request).
+//! projections are single matmuls over all rows; per layer one KV-append dispatch writes
+//! every row's new keys and values into its request's pages, and the decode attention reads
+//! each row's positions through its page table. Only the last row of each request reaches
+//! the final norm, `lm_head` and `sample`, and only the sampled tokens and their log-probs
+//! come back (8 bytes per request). [`Generator::submit`] queues the step and returns;
+//! [`Generator::poll`] collects it, so the host is free while the device runs.
+//!
+//! A group's samples share the pages of their prompt's first [`shared_prefix`] positions
+//! (whole pages). In the group's first step one sample (the first still active) prefills the
+//! whole prompt, writing the shared pages; every other sample computes only the prompt
+//! positions past the shared pages (fewer than a page plus one), against the shared pages
+//! written by the same step's KV-append. Every row's result depends only on its own inputs
+//! (batch invariance), so a sample's keys, values and tokens equal those it would have
+//! generated alone, bit for bit.
 //!
 //! Sampling uses the same per-request stream as the CPU: a ChaCha8 generator seeded with the
 //! request's seed, one 53-bit uniform per token, so that tokens depend only on the seed and
@@ -17,16 +27,26 @@ use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::SeedableRng;
 use wgpu::Buffer;
 
-use super::gpu::{Exec, Gpu};
+use std::collections::HashMap;
+
+use super::gpu::{Exec, Gpu, Ticket};
+use super::inflight::InFlight;
+use super::kv::{KvPool, PAGE, StepRows, pages_for};
 use super::model::DeviceModel;
 use super::ops;
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
-use crate::seam::{GenOutput, GenRequest, RequestKey, SamplingParams};
+use crate::seam::{GenOutput, GenRequest, Rejected, RequestKey, SamplingParams};
 
-// The CPU reference's draw and request checks, shared so both backends sample the same
-// stream and refuse the same requests with the same errors.
-use crate::cpu::generate::{finish_reason, uniform, validate_request};
+// The CPU reference's draw and finish rule, shared so both backends sample the same stream
+// and end requests alike (requests are checked by the backend, with the CPU's checks).
+use crate::cpu::generate::{finish_reason, uniform};
+
+/// Positions of a group's prompt stored once for all samples: the whole pages before the
+/// prompt's last position (whose logits each sample needs, so each computes it).
+pub fn shared_prefix(prompt_len: usize) -> usize {
+    (prompt_len.saturating_sub(1) / PAGE) * PAGE
+}
 
 #[derive(Debug)]
 struct Active {
@@ -36,18 +56,35 @@ struct Active {
     rng: ChaCha8Rng,
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
-    slot: usize,
+    /// The group prefix whose pages hold positions `0..prefix.len` (`None`: none).
+    prefix: Option<u64>,
+    /// Pages of the positions past the prefix.
+    own: Vec<u32>,
+    /// Positions whose keys and values are in the pool.
     cached: usize,
 }
 
-/// Per-step buffers for up to `cap_n` rows and `cap_r` requests.
+/// A group's shared prompt pages.
+#[derive(Debug)]
+struct Prefix {
+    pages: Vec<u32>,
+    len: usize,
+    /// Samples still holding it.
+    refs: usize,
+    /// Whether a step has written its pages (a sample was chosen to prefill the prompt).
+    filled: bool,
+}
+
+/// Per-step buffers for up to `cap_n` rows, `cap_r` requests and `cap_p` page-table entries.
 #[derive(Debug)]
 struct StepBufs {
     cap_n: usize,
     cap_r: usize,
+    cap_p: usize,
     ids: Buffer,
     pos: Buffer,
-    qmeta: Buffer,
+    meta: Buffer,
+    pages: Buffer,
     last: Buffer,
     rowp: Buffer,
     x: Buffer,
@@ -60,7 +97,6 @@ struct StepBufs {
     k: Buffer,
     v: Buffer,
     att_out: Buffer,
-    att_stats: Buffer,
     tmp: Buffer,
     gate: Buffer,
     up: Buffer,
@@ -73,16 +109,18 @@ struct StepBufs {
 }
 
 impl StepBufs {
-    fn new(gpu: &Gpu, c: &ModelConfig, n: usize, r: usize) -> Self {
+    fn new(gpu: &Gpu, c: &ModelConfig, n: usize, r: usize, pages: usize) -> Self {
         let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let (qd, kd, h) = (c.q_dim(), c.kv_dim(), c.num_attention_heads);
         let b = |name: &str, len: usize| gpu.buffer(&format!("decode {name}"), len);
         Self {
             cap_n: n,
             cap_r: r,
+            cap_p: pages,
             ids: b("ids", n),
             pos: b("pos", n),
-            qmeta: b("qmeta", 2 * n),
+            meta: b("row meta", 2 * n),
+            pages: b("page tables", pages),
             last: b("last rows", r),
             rowp: b("sampling rows", 4 * r),
             x: b("x", n * d),
@@ -95,7 +133,6 @@ impl StepBufs {
             k: b("k", n * kd),
             v: b("v", n * kd),
             att_out: b("att_out", n * qd),
-            att_stats: b("att_stats", n * h),
             tmp: b("tmp", n * d),
             gate: b("gate", n * f),
             up: b("up", n * f),
@@ -109,24 +146,31 @@ impl StepBufs {
     }
 }
 
-/// The engine state: active requests, the KV cache and the step buffers.
+/// A submitted step: the requests of its rows (with their new positions) and where their
+/// tokens come back.
+#[derive(Debug)]
+struct Stepped {
+    run: InFlight,
+    rows: Vec<(RequestKey, usize)>,
+    tokens: Ticket,
+    logp: Ticket,
+}
+
+/// The engine state: active requests, the KV pool and the step buffers.
 #[derive(Debug, Default)]
 pub struct Generator {
     active: Vec<Active>,
-    free_slots: Vec<usize>,
-    slots: usize,
-    /// Positions per slot (the longest request so far, rounded up).
-    slot_rows: usize,
-    /// Per layer `[slots·slot_rows, kv_dim]`.
-    kcache: Vec<Buffer>,
-    vcache: Vec<Buffer>,
+    prefixes: HashMap<u64, Prefix>,
+    next_prefix: u64,
+    pool: Option<KvPool>,
     bufs: Option<StepBufs>,
+    stepped: Option<Stepped>,
     ids: Vec<u32>,
     pos: Vec<u32>,
-    qmeta: Vec<u32>,
+    meta: Vec<u32>,
+    pages: Vec<u32>,
     last: Vec<u32>,
     rowp: Vec<[f32; 4]>,
-    chunks: Vec<(usize, usize)>,
 }
 
 impl Generator {
@@ -135,109 +179,147 @@ impl Generator {
         self.active.len()
     }
 
-    /// Queues a request (prefilled at the next step).
+    /// KV positions reserved: every request's own positions and each shared prefix once.
+    pub fn kv_positions(&self) -> usize {
+        let own: usize = self
+            .active
+            .iter()
+            .map(|a| a.prompt.len() + a.params.max_new_tokens - self.prefix_len(a))
+            .sum();
+        own + self.prefixes.values().map(|p| p.len).sum::<usize>()
+    }
+
+    /// Whether a step is submitted and not yet collected.
+    pub fn in_flight(&self) -> bool {
+        self.stepped.is_some()
+    }
+
+    fn prefix_len(&self, a: &Active) -> usize {
+        a.prefix
+            .and_then(|p| self.prefixes.get(&p))
+            .map_or(0, |p| p.len)
+    }
+
+    /// Caps the KV pool at `pages` pages of [`PAGE`] positions (see [`KvPool::set_max_pages`]).
+    pub fn set_kv_pages(&mut self, gpu: &Gpu, c: &ModelConfig, pages: usize) -> Result<()> {
+        self.pool(gpu, c)?.set_max_pages(gpu, c, pages)
+    }
+
+    /// The KV pool's capacity in pages.
+    pub fn kv_pages(&mut self, gpu: &Gpu, c: &ModelConfig) -> Result<usize> {
+        Ok(self.pool(gpu, c)?.max_pages())
+    }
+
+    fn pool(&mut self, gpu: &Gpu, c: &ModelConfig) -> Result<&mut KvPool> {
+        if self.pool.is_none() {
+            self.pool = Some(KvPool::new(gpu, c)?);
+        }
+        self.pool
+            .as_mut()
+            .ok_or_else(|| BackendError::Device("KV pool missing".into()))
+    }
+
+    /// Queues requests for the next step: one alone (`group` false), or a group's samples
+    /// (same prompt) sharing the prompt's [`shared_prefix`]. All or nothing: when the pool
+    /// has too few free pages the requests come back as [`BackendError::EngineFull`]
+    /// carrying `rejected(requests)`. Requests are validated by the caller.
     pub fn add(
         &mut self,
         gpu: &Gpu,
-        ex: &mut Exec,
         c: &ModelConfig,
-        req: GenRequest,
+        reqs: Vec<GenRequest>,
+        group: bool,
+        rejected: impl FnOnce(Vec<GenRequest>) -> Rejected,
     ) -> Result<()> {
-        validate_request(c, &req)?;
-        if self.active.iter().any(|a| a.id == req.id) {
-            return Err(BackendError::DuplicateRequest(req.id));
-        }
-        // The cache never holds a request's last sampled token.
-        let need = req.prompt.len() + req.params.max_new_tokens;
-        let rows = if need > self.slot_rows {
-            need.next_power_of_two()
-                .clamp(64, c.max_position_embeddings.max(need))
-        } else {
-            self.slot_rows
+        let Some(first) = reqs.first() else {
+            return Err(BackendError::EmptyBatch("no request".into()));
         };
-        let slots = if self.free_slots.is_empty() {
-            (self.slots * 2).max(16)
+        let shared = if group && reqs.len() > 1 {
+            shared_prefix(first.prompt.len())
         } else {
-            self.slots
+            0
         };
-        if rows != self.slot_rows || slots != self.slots {
-            self.resize(gpu, ex, c, slots, rows)?;
+        let own: Vec<usize> = reqs
+            .iter()
+            .map(|r| pages_for(r.prompt.len() + r.params.max_new_tokens - shared))
+            .collect();
+        let need = pages_for(shared) + own.iter().sum::<usize>();
+        self.pool(gpu, c)?;
+        let Some(pool) = self.pool.as_mut() else {
+            return Err(BackendError::Device("KV pool missing".into()));
+        };
+        if need > pool.free_pages() {
+            return Err(BackendError::EngineFull {
+                reason: format!(
+                    "{} request(s) need {need} KV pages of {PAGE} positions, {} of the pool's {} are free",
+                    reqs.len(),
+                    pool.free_pages(),
+                    pool.max_pages()
+                ),
+                rejected: Box::new(rejected(reqs)),
+            });
         }
-        let slot = self
-            .free_slots
-            .pop()
-            .ok_or_else(|| BackendError::Device("no KV cache slot after growing".into()))?;
-        self.active.push(Active {
-            id: req.id,
-            rng: ChaCha8Rng::seed_from_u64(req.params.seed),
-            tokens: Vec::with_capacity(req.params.max_new_tokens),
-            logprobs: Vec::with_capacity(req.params.max_new_tokens),
-            prompt: req.prompt,
-            params: req.params,
-            slot,
-            cached: 0,
-        });
+        let mut alloc = |n| {
+            pool.alloc(n)
+                .ok_or_else(|| BackendError::Device("KV pool lost free pages".into()))
+        };
+        let prefix = if shared > 0 {
+            let pages = alloc(pages_for(shared))?;
+            let id = self.next_prefix;
+            self.next_prefix += 1;
+            self.prefixes.insert(
+                id,
+                Prefix {
+                    pages,
+                    len: shared,
+                    refs: reqs.len(),
+                    filled: false,
+                },
+            );
+            Some(id)
+        } else {
+            None
+        };
+        let mut tables = Vec::with_capacity(reqs.len());
+        for n in own {
+            tables.push(alloc(n)?);
+        }
+        for (req, own) in reqs.into_iter().zip(tables) {
+            self.active.push(Active {
+                id: req.id,
+                rng: ChaCha8Rng::seed_from_u64(req.params.seed),
+                tokens: Vec::with_capacity(req.params.max_new_tokens),
+                logprobs: Vec::with_capacity(req.params.max_new_tokens),
+                prompt: req.prompt,
+                params: req.params,
+                prefix,
+                own,
+                cached: shared,
+            });
+        }
         Ok(())
     }
 
-    /// Re-lays the KV cache out as `slots` slots of `rows` positions each (both at least
-    /// the current ones), copying every active request's cached rows to its slot's new place.
-    /// Slots start sized for the longest request seen (not the model's position limit, which
-    /// can be 40k), and grow when a longer one arrives.
-    fn resize(
-        &mut self,
-        gpu: &Gpu,
-        ex: &mut Exec,
-        c: &ModelConfig,
-        slots: usize,
-        rows: usize,
-    ) -> Result<()> {
-        let kd = c.kv_dim();
-        let len = slots * rows * kd;
-        let max = gpu.device().limits().max_storage_buffer_binding_size as usize / 4;
-        if len > max {
-            return Err(BackendError::Device(format!(
-                "KV cache of {slots} slots × {rows} positions needs {len} values per layer, the device binds at most {max}"
-            )));
-        }
-        let mk = |name: &str, l: usize| gpu.buffer(&format!("layer {l} {name} cache"), len);
-        let kc: Vec<Buffer> = (0..c.num_hidden_layers).map(|l| mk("k", l)).collect();
-        let vc: Vec<Buffer> = (0..c.num_hidden_layers).map(|l| mk("v", l)).collect();
-        let row_bytes = (kd * 4) as u64;
-        for a in &self.active {
-            let (src, dst) = (
-                (a.slot * self.slot_rows) as u64 * row_bytes,
-                (a.slot * rows) as u64 * row_bytes,
-            );
-            for l in 0..self.kcache.len() {
-                ex.copy(
-                    &self.kcache[l],
-                    src,
-                    &kc[l],
-                    dst,
-                    a.cached as u64 * row_bytes,
-                );
-                ex.copy(
-                    &self.vcache[l],
-                    src,
-                    &vc[l],
-                    dst,
-                    a.cached as u64 * row_bytes,
-                );
+    /// Frees a request's pages, and its group prefix's once no sample holds it.
+    fn release(&mut self, a: &Active) {
+        let Some(pool) = self.pool.as_mut() else {
+            return;
+        };
+        pool.release(&a.own);
+        if let Some(id) = a.prefix
+            && let Some(p) = self.prefixes.get_mut(&id)
+        {
+            p.refs -= 1;
+            if p.refs == 0
+                && let Some(p) = self.prefixes.remove(&id)
+            {
+                pool.release(&p.pages);
             }
         }
-        ex.submit()?;
-        self.kcache = kc;
-        self.vcache = vc;
-        ex.forget_bind_groups();
-        // Lower slots are handed out first (pop from the end).
-        self.free_slots.extend((self.slots..slots).rev());
-        self.slots = slots;
-        self.slot_rows = rows;
-        Ok(())
     }
 
-    /// Aborts a request, freeing its slot.
+    /// Aborts a request, freeing its pages. During a step its output is dropped; the pages
+    /// can be handed out again at once, since a later step is queued after the running one.
     pub fn cancel(&mut self, id: RequestKey) -> Result<()> {
         let i = self
             .active
@@ -245,43 +327,46 @@ impl Generator {
             .position(|a| a.id == id)
             .ok_or(BackendError::UnknownRequest(id))?;
         let a = self.active.remove(i);
-        self.free_slots.push(a.slot);
+        self.release(&a);
         Ok(())
     }
 
-    /// One engine step; returns the requests that finished.
-    pub fn step(&mut self, gpu: &Gpu, ex: &mut Exec, md: &DeviceModel) -> Result<Vec<GenOutput>> {
-        if self.active.is_empty() {
-            return Ok(Vec::new());
-        }
-        let c = &md.cfg;
-        let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
-        let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let (qd, kd) = (c.q_dim(), c.kv_dim());
-        let eps = c.rms_norm_eps;
-        let maxp = c.max_position_embeddings;
+    /// Lays the step's rows out on the host: ids, positions, per-row page-table offsets and
+    /// the sampling rows; chooses each unfilled group prefix's writer. Returns the rows'
+    /// requests and lengths.
+    fn pack(&mut self) -> Vec<(RequestKey, usize)> {
         self.ids.clear();
         self.pos.clear();
-        self.qmeta.clear();
+        self.meta.clear();
+        self.pages.clear();
         self.last.clear();
         self.rowp.clear();
-        self.chunks.clear();
+        let mut rows = Vec::with_capacity(self.active.len());
         for a in &mut self.active {
+            let table_start = self.pages.len() as u32;
+            if let Some(p) = a.prefix.and_then(|id| self.prefixes.get_mut(&id)) {
+                if !p.filled && a.cached == p.len {
+                    // This sample prefills the whole prompt, the shared pages included.
+                    p.filled = true;
+                    a.cached = 0;
+                }
+                self.pages.extend_from_slice(&p.pages);
+            }
+            self.pages.extend_from_slice(&a.own);
             let start = self.ids.len();
-            if a.cached == 0 {
-                self.ids.extend_from_slice(&a.prompt);
+            if a.cached < a.prompt.len() {
+                self.ids.extend_from_slice(&a.prompt[a.cached..]);
             } else {
                 self.ids
                     .push(*a.tokens.last().unwrap_or(&a.prompt[a.prompt.len() - 1]));
             }
             let len = self.ids.len() - start;
-            let base = (a.slot * self.slot_rows) as u32;
             for t in a.cached..a.cached + len {
                 self.pos.push(t as u32);
-                self.qmeta.extend([base, t as u32]);
+                self.meta.extend([table_start, t as u32]);
             }
             self.last.push((start + len - 1) as u32);
-            self.chunks.push((start, len));
+            rows.push((a.id, len));
             // One draw per token per request, as the CPU reference (which draws after the
             // forward; the stream is the request's own, so the order across requests is moot).
             let u = uniform(&mut a.rng);
@@ -289,103 +374,158 @@ impl Generator {
             self.rowp
                 .push(ops::sample_row(p.temperature, p.top_k, p.top_p, u));
         }
-        let (n, r) = (self.ids.len(), self.active.len());
+        rows
+    }
+
+    /// Encodes and submits one engine step (see the module docs) without waiting for it.
+    /// Refused while the previous step has not been collected.
+    pub fn submit(&mut self, gpu: &Gpu, ex: &mut Exec, md: &DeviceModel) -> Result<()> {
+        if self.stepped.is_some() {
+            return Err(BackendError::StepInFlight("submit_step"));
+        }
+        if self.active.is_empty() {
+            return Ok(());
+        }
+        let c = &md.cfg;
+        if self.pool(gpu, c)?.ensure_built(gpu, ex, c) {
+            ex.forget_bind_groups();
+        }
+        let rows = self.pack();
+        let (n, r, np) = (self.ids.len(), self.active.len(), self.pages.len());
         if self
             .bufs
             .as_ref()
-            .is_none_or(|b| b.cap_n < n || b.cap_r < r)
+            .is_none_or(|b| b.cap_n < n || b.cap_r < r || b.cap_p < np)
         {
             let cap_n = n.next_power_of_two().max(64);
             let cap_r = r.next_power_of_two().max(16);
+            let cap_p = np.next_power_of_two().max(64);
             self.bufs = None;
             ex.forget_bind_groups();
-            self.bufs = Some(StepBufs::new(gpu, c, cap_n, cap_r));
+            self.bufs = Some(StepBufs::new(gpu, c, cap_n, cap_r, cap_p));
         }
-        let Some(s) = self.bufs.as_ref() else {
+        let (Some(s), Some(pool)) = (self.bufs.as_ref(), self.pool.as_ref()) else {
             return Err(BackendError::Device("decode buffers missing".into()));
         };
         gpu.write(&s.ids, &self.ids);
         gpu.write(&s.pos, &self.pos);
-        gpu.write(&s.qmeta, &self.qmeta);
+        gpu.write(&s.meta, &self.meta);
+        gpu.write(&s.pages, &self.pages);
         gpu.write(&s.last, &self.last);
         gpu.write(&s.rowp, &self.rowp);
-        let p = &md.params;
-        let n_k = self.slots * self.slot_rows;
-        let wf = md.weights;
-        ops::embedding_fwd_as(ex, &s.x, &s.ids, &p[md.embed], wf, n, d, v);
-        for (l, li) in md.layers.iter().enumerate() {
-            ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x, &p[li.input_norm], n, d, eps);
-            ops::matmul_fwd_as(ex, &s.q_pre, &s.ln, &p[li.q], wf, n, d, qd, false);
-            ops::matmul_fwd_as(ex, &s.k_pre, &s.ln, &p[li.k], wf, n, d, kd, false);
-            ops::matmul_fwd_as(ex, &s.v, &s.ln, &p[li.v], wf, n, d, kd, false);
-            ops::rmsnorm_fwd(ex, &s.q, &s.rstd, &s.q_pre, &p[li.q_norm], n * h, hd, eps);
-            ops::rmsnorm_fwd(ex, &s.k, &s.rstd, &s.k_pre, &p[li.k_norm], n * kvh, hd, eps);
-            ops::rope_fwd(ex, &s.q, &s.pos, &md.cos, &md.sin, n, h, hd, maxp);
-            ops::rope_fwd(ex, &s.k, &s.pos, &md.cos, &md.sin, n, kvh, hd, maxp);
-            let row_bytes = (kd * 4) as u64;
-            for (a, &(start, len)) in self.active.iter().zip(&self.chunks) {
-                let dst = (a.slot * self.slot_rows + a.cached) as u64 * row_bytes;
-                let (src, size) = (start as u64 * row_bytes, len as u64 * row_bytes);
-                ex.copy(&s.k, src, &self.kcache[l], dst, size);
-                ex.copy(&s.v, src, &self.vcache[l], dst, size);
+        encode_step(ex, md, s, pool, n, r, np)?;
+        let tokens = ex.read_back(&s.tokens, 0, r * 4);
+        let logp = ex.read_back(&s.logp, 0, r * 4);
+        let run = ex.submit_async()?;
+        self.stepped = Some(Stepped {
+            run,
+            rows,
+            tokens,
+            logp,
+        });
+        Ok(())
+    }
+
+    /// Collects the submitted step: the requests that finished in it, `None` while it runs
+    /// and `wait` is false, `Some(vec![])` with no step in flight.
+    pub fn poll(&mut self, ex: &mut Exec, wait: bool) -> Result<Option<Vec<GenOutput>>> {
+        let Some(st) = self.stepped.as_mut() else {
+            return Ok(Some(Vec::new()));
+        };
+        let polled = st.run.poll(wait);
+        let back = match polled {
+            Ok(None) => return Ok(None),
+            Ok(Some(back)) => back,
+            Err(e) => {
+                // The step is lost; its requests stay and can be cancelled.
+                self.stepped = None;
+                return Err(e);
             }
-            ops::attention_fwd(
-                ex,
-                &s.att_out,
-                &s.att_stats,
-                &s.q,
-                &self.kcache[l],
-                &self.vcache[l],
-                &s.qmeta,
-                n,
-                n_k,
-                h,
-                kvh,
-                hd,
-            );
-            ops::matmul_fwd_as(ex, &s.tmp, &s.att_out, &p[li.o], wf, n, qd, d, false);
-            ops::residual_fwd(ex, &s.x_mid, &s.x, &s.tmp, n * d);
-            ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x_mid, &p[li.post_norm], n, d, eps);
-            ops::matmul_fwd_as(ex, &s.gate, &s.ln, &p[li.gate], wf, n, d, f, false);
-            ops::matmul_fwd_as(ex, &s.up, &s.ln, &p[li.up], wf, n, d, f, false);
-            ops::swiglu_fwd(ex, &s.h, &s.gate, &s.up, n * f);
-            ops::matmul_fwd_as(ex, &s.tmp, &s.h, &p[li.down], wf, n, f, d, false);
-            ops::residual_fwd(ex, &s.x, &s.x_mid, &s.tmp, n * d);
-        }
-        ops::embedding_fwd(ex, &s.hsel, &s.last, &s.x, r, d, n);
-        ops::rmsnorm_fwd(ex, &s.hnorm, &s.rstd, &s.hsel, &p[md.final_norm], r, d, eps);
-        ops::matmul_fwd_as(ex, &s.logits, &s.hnorm, &p[md.lm_head], wf, r, d, v, false);
-        ops::sample(ex, &s.tokens, &s.logp, &s.logits, &s.rowp, r, v);
-        let tt = ex.read_back(&s.tokens, 0, r * 4);
-        let tl = ex.read_back(&s.logp, 0, r * 4);
-        let back = ex.submit()?;
-        let (toks, lps) = (back.get::<u32>(tt), back.get::<f32>(tl));
+        };
+        let Some(mut st) = self.stepped.take() else {
+            return Ok(Some(Vec::new()));
+        };
+        ex.recycle(&mut st.run);
+        let (toks, lps) = (back.get::<u32>(st.tokens), back.get::<f32>(st.logp));
         let mut finished = Vec::new();
-        let mut i = 0;
-        let mut row = 0;
-        while i < self.active.len() {
-            let len = self.chunks[row].1;
+        for (row, &(id, len)) in st.rows.iter().enumerate() {
+            // Cancelled while the step ran: dropped.
+            let Some(i) = self.active.iter().position(|a| a.id == id) else {
+                continue;
+            };
             let (tok, lp) = (toks[row], lps[row]);
-            row += 1;
             let a = &mut self.active[i];
             a.cached += len;
             a.tokens.push(tok);
             a.logprobs.push(lp);
-            let finish = finish_reason(&a.params, tok, a.tokens.len());
-            match finish {
-                Some(finish) => {
-                    let a = self.active.remove(i);
-                    self.free_slots.push(a.slot);
-                    finished.push(GenOutput {
-                        id: a.id,
-                        tokens: a.tokens,
-                        logprobs: a.logprobs,
-                        finish,
-                    });
-                }
-                None => i += 1,
+            if let Some(finish) = finish_reason(&a.params, tok, a.tokens.len()) {
+                let a = self.active.remove(i);
+                self.release(&a);
+                finished.push(GenOutput {
+                    id: a.id,
+                    tokens: a.tokens,
+                    logprobs: a.logprobs,
+                    finish,
+                });
             }
         }
-        Ok(finished)
+        Ok(Some(finished))
     }
+}
+
+/// Records the model's forward over the step's `n` rows and the sampling of its `r`
+/// requests' last rows (`np` page-table entries).
+fn encode_step(
+    ex: &mut Exec,
+    md: &DeviceModel,
+    s: &StepBufs,
+    pool: &KvPool,
+    n: usize,
+    r: usize,
+    np: usize,
+) -> Result<()> {
+    let c = &md.cfg;
+    let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let (qd, kd) = (c.q_dim(), c.kv_dim());
+    let eps = c.rms_norm_eps;
+    let maxp = c.max_position_embeddings;
+    let p = &md.params;
+    let wf = md.weights;
+    let rows = StepRows {
+        q: &s.q,
+        out: &s.att_out,
+        k: &s.k,
+        v: &s.v,
+        meta: &s.meta,
+        pages: &s.pages,
+        n,
+        pages_len: np,
+    };
+    ops::embedding_fwd_as(ex, &s.x, &s.ids, &p[md.embed], wf, n, d, v);
+    for (l, li) in md.layers.iter().enumerate() {
+        ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x, &p[li.input_norm], n, d, eps);
+        ops::matmul_fwd_as(ex, &s.q_pre, &s.ln, &p[li.q], wf, n, d, qd, false);
+        ops::matmul_fwd_as(ex, &s.k_pre, &s.ln, &p[li.k], wf, n, d, kd, false);
+        ops::matmul_fwd_as(ex, &s.v, &s.ln, &p[li.v], wf, n, d, kd, false);
+        ops::rmsnorm_fwd(ex, &s.q, &s.rstd, &s.q_pre, &p[li.q_norm], n * h, hd, eps);
+        ops::rmsnorm_fwd(ex, &s.k, &s.rstd, &s.k_pre, &p[li.k_norm], n * kvh, hd, eps);
+        ops::rope_fwd(ex, &s.q, &s.pos, &md.cos, &md.sin, n, h, hd, maxp);
+        ops::rope_fwd(ex, &s.k, &s.pos, &md.cos, &md.sin, n, kvh, hd, maxp);
+        rows.kv_append(ex, pool, l, c)?;
+        rows.attention_decode(ex, pool, l, c)?;
+        ops::matmul_fwd_as(ex, &s.tmp, &s.att_out, &p[li.o], wf, n, qd, d, false);
+        ops::residual_fwd(ex, &s.x_mid, &s.x, &s.tmp, n * d);
+        ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x_mid, &p[li.post_norm], n, d, eps);
+        ops::matmul_fwd_as(ex, &s.gate, &s.ln, &p[li.gate], wf, n, d, f, false);
+        ops::matmul_fwd_as(ex, &s.up, &s.ln, &p[li.up], wf, n, d, f, false);
+        ops::swiglu_fwd(ex, &s.h, &s.gate, &s.up, n * f);
+        ops::matmul_fwd_as(ex, &s.tmp, &s.h, &p[li.down], wf, n, f, d, false);
+        ops::residual_fwd(ex, &s.x, &s.x_mid, &s.tmp, n * d);
+    }
+    ops::embedding_fwd(ex, &s.hsel, &s.last, &s.x, r, d, n);
+    ops::rmsnorm_fwd(ex, &s.hnorm, &s.rstd, &s.hsel, &p[md.final_norm], r, d, eps);
+    ops::matmul_fwd_as(ex, &s.logits, &s.hnorm, &p[md.lm_head], wf, r, d, v, false);
+    ops::sample(ex, &s.tokens, &s.logp, &s.logits, &s.rowp, r, v);
+    Ok(())
 }

@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use rolloutpipe_kernels::{Kernel, MAX_STORAGE_BINDINGS, PARAMS_BYTES, WeightFormat};
 
+use super::inflight::InFlight;
 use crate::error::{BackendError, Result};
 
 /// Bytes between two dispatches' parameters in the arena (WebGPU's largest required
@@ -27,7 +28,7 @@ const SLOT: u64 = 256;
 /// Largest workgroup count of one dispatch dimension (WebGPU's default limit).
 pub const MAX_GROUPS: u32 = 65_535;
 
-fn dev_err(what: impl std::fmt::Display) -> BackendError {
+pub(super) fn dev_err(what: impl std::fmt::Display) -> BackendError {
     BackendError::Device(what.to_string())
 }
 
@@ -356,6 +357,11 @@ pub struct Readback {
 }
 
 impl Readback {
+    /// The bytes of a collected submission.
+    pub(super) fn from_bytes(bytes: Vec<u8>) -> Self {
+        Self { bytes }
+    }
+
     /// The values of one ticket.
     pub fn get<T: bytemuck::Pod>(&self, t: Ticket) -> Vec<T> {
         let b = &self.bytes[t.offset..t.offset + t.len];
@@ -514,8 +520,9 @@ impl Exec {
         t
     }
 
-    /// Encodes everything recorded, submits it, waits, and returns the bytes asked for.
-    pub fn submit(&mut self) -> Result<Readback> {
+    /// Encodes everything recorded and submits it without waiting: the returned
+    /// [`InFlight`] is polled for the bytes asked for, while the host records the next call.
+    pub fn submit_async(&mut self) -> Result<InFlight> {
         let gpu = Arc::clone(&self.gpu);
         let cmds = std::mem::take(&mut self.cmds);
         let params = std::mem::take(&mut self.params);
@@ -632,35 +639,35 @@ impl Exec {
                 enc.copy_buffer_to_buffer(src, *off, staging, t.offset as u64, *size);
             }
         }
-        gpu.queue.submit([enc.finish()]);
-        let mut out = Readback::default();
-        if read_bytes > 0
-            && let Some(staging) = &self.staging
-        {
-            let slice = staging.slice(..read_bytes as u64);
-            let (tx, rx) = std::sync::mpsc::channel();
-            slice.map_async(wgpu::MapMode::Read, move |r| {
-                let _ = tx.send(r);
-            });
-            gpu.device
-                .poll(wgpu::PollType::wait_indefinitely())
-                .map_err(|e| dev_err(format!("poll: {e}")))?;
-            rx.recv()
-                .map_err(|_| dev_err("readback callback dropped"))?
-                .map_err(|e| dev_err(format!("map: {e}")))?;
-            {
-                let view = slice
-                    .get_mapped_range()
-                    .map_err(|e| dev_err(format!("mapped range: {e}")))?;
-                out.bytes = view.to_vec();
-            }
-            staging.unmap();
+        // The staging buffer travels with the submission until it is collected, so that
+        // another call can submit meanwhile (it gets a staging buffer of its own).
+        let staging = if read_bytes > 0 {
+            self.staging.take()
         } else {
-            gpu.device
-                .poll(wgpu::PollType::wait_indefinitely())
-                .map_err(|e| dev_err(format!("poll: {e}")))?;
+            None
+        };
+        gpu.queue.submit([enc.finish()]);
+        Ok(InFlight::start(gpu, staging, read_bytes))
+    }
+
+    /// Encodes everything recorded, submits it, waits, and returns the bytes asked for.
+    pub fn submit(&mut self) -> Result<Readback> {
+        let mut run = self.submit_async()?;
+        match run.poll(true)? {
+            Some(out) => {
+                self.recycle(&mut run);
+                Ok(out)
+            }
+            None => Err(dev_err("a waited-for submission did not complete")),
         }
-        gpu.check()?;
-        Ok(out)
+    }
+
+    /// Takes back the staging buffer of a collected submission for later read-backs.
+    pub fn recycle(&mut self, run: &mut InFlight) {
+        if let Some(s) = run.take_staging()
+            && self.staging.as_ref().is_none_or(|o| o.size() < s.size())
+        {
+            self.staging = Some(s);
+        }
     }
 }

@@ -7,7 +7,8 @@
 //! - [`ops`]: one launcher per kernel, named and shaped like `cpu::ops`;
 //! - `model`: parameters, gradients and activations on the device; the forward and
 //!   backward encoders;
-//! - `generate`: continuous batching with a slot KV cache and on-device sampling.
+//! - `generate`: continuous batching over the paged KV pool (`kv`) with on-device sampling,
+//!   submitted without blocking (`inflight`).
 //!
 //! What crosses back to the host per call: sampled tokens and their log-probs
 //! (`decode_step`), per-token log-probs (`logprobs`), four loss sums plus one gradient
@@ -21,10 +22,11 @@
 //! tensors are stored in 16 bits.
 //!
 //! Seam v2 on this backend: weight sync between two backends on one [`Gpu`] is a
-//! buffer-to-buffer copy on the device ([`SyncPath::SameDevice`]); groups are run as
-//! independent requests (each sample prefills; the paged KV pool that references a shared
-//! prefix is issue 13's); `submit_step` runs the step to completion and `poll_step` returns it
-//! (non-blocking submission is issue 13's as well).
+//! buffer-to-buffer copy on the device ([`SyncPath::SameDevice`]); the KV cache is a paged
+//! pool ([`kv`]) whose free pages are the engine's capacity (a request that does not fit is
+//! handed back); a group's samples reference its prompt's shared pages instead of each
+//! prefilling the prompt; `submit_step` queues the step and returns, `poll_step` collects it
+//! ([`inflight`]).
 //!
 //! ```no_run
 //! use rolloutpipe_backends::wgpu::WgpuBackend;
@@ -37,10 +39,12 @@
 
 pub mod generate;
 pub mod gpu;
+pub mod inflight;
+pub mod kv;
 pub mod model;
 pub mod ops;
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::Arc;
 
 pub use gpu::{Exec, Gpu};
@@ -78,11 +82,9 @@ pub struct WgpuBackend {
     opt_step: u64,
     partials: wgpu::Buffer,
     norm_total: wgpu::Buffer,
-    /// Admitted requests and the KV positions each reserves.
-    admitted: HashMap<RequestKey, usize>,
+    /// Admitted requests (not finished or cancelled).
+    admitted: HashSet<RequestKey>,
     limits: EngineLimits,
-    /// The outcome of the submitted step, until polled.
-    stepped: Option<Result<Vec<GenOutput>>>,
 }
 
 /// A same-device weight snapshot: parameter buffers copied on the device.
@@ -182,10 +184,22 @@ impl WgpuBackend {
             opt_step: 0,
             partials,
             norm_total,
-            admitted: HashMap::new(),
+            admitted: HashSet::new(),
             limits: EngineLimits::default(),
-            stepped: None,
         })
+    }
+
+    /// Caps the generation KV pool at `pages` pages of [`kv::PAGE`] positions (by default
+    /// as many as one storage binding holds): a request or group whose positions do not fit
+    /// in the free pages is handed back ([`BackendError::EngineFull`]).
+    pub fn set_kv_pages(&mut self, pages: usize) -> Result<()> {
+        self.generator
+            .set_kv_pages(&self.gpu, &self.model.cfg, pages)
+    }
+
+    /// The generation KV pool's capacity in pages of [`kv::PAGE`] positions.
+    pub fn kv_pages(&mut self) -> Result<usize> {
+        self.generator.kv_pages(&self.gpu, &self.model.cfg)
     }
 
     /// The device this backend runs on.
@@ -327,10 +341,10 @@ impl RolloutEngine for WgpuBackend {
     }
 
     fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
-        crate::cpu::refuse_while_generating(self.admitted.len())?;
-        if self.stepped.is_some() {
+        if self.generator.in_flight() {
             return Err(BackendError::StepInFlight("load_weights"));
         }
+        crate::cpu::refuse_while_generating(self.admitted.len())?;
         snap.check_config(&self.model.cfg)?;
         if let SnapshotPayload::Device(d) = &snap.payload
             && let Some(src) = d.handle.downcast_ref::<WgpuSnapshot>()
@@ -372,19 +386,22 @@ impl RolloutEngine for WgpuBackend {
 
     fn load(&self) -> EngineLoad {
         EngineLoad {
-            requests: self.admitted.len(),
-            kv_tokens: self.admitted.values().sum(),
+            requests: self.generator.active(),
+            kv_tokens: self.generator.kv_positions(),
         }
     }
 
     fn add_request(&mut self, req: GenRequest) -> Result<()> {
         generate_check(&self.model.cfg, std::slice::from_ref(&req), &self.admitted)?;
-        let (id, kv) = (req.id, req.kv_tokens());
-        self.load()
-            .admit(&self.limits, 1, kv, || Rejected::Request(req.clone()))?;
+        let id = req.id;
+        self.load().admit(&self.limits, 1, req.kv_tokens(), || {
+            Rejected::Request(req.clone())
+        })?;
         self.generator
-            .add(&self.gpu, &mut self.ex, &self.model.cfg, req)?;
-        self.admitted.insert(id, kv);
+            .add(&self.gpu, &self.model.cfg, vec![req], false, |mut back| {
+                Rejected::Request(back.swap_remove(0))
+            })?;
+        self.admitted.insert(id);
         Ok(())
     }
 
@@ -394,16 +411,22 @@ impl RolloutEngine for WgpuBackend {
         }
         let reqs = group.clone().into_requests();
         generate_check(&self.model.cfg, &reqs, &self.admitted)?;
-        // Each sample holds its own prompt rows until issue 13's paged KV pool.
-        let kv: usize = reqs.iter().map(GenRequest::kv_tokens).sum();
-        self.load()
-            .admit(&self.limits, reqs.len(), kv, || Rejected::Group(group))?;
-        for r in reqs {
-            let (id, kv) = (r.id, r.kv_tokens());
-            self.generator
-                .add(&self.gpu, &mut self.ex, &self.model.cfg, r)?;
-            self.admitted.insert(id, kv);
-        }
+        // The shared prefix is reserved once, each sample's other positions on their own.
+        let shared = if reqs.len() > 1 {
+            generate::shared_prefix(group.prompt.len())
+        } else {
+            0
+        };
+        let kv = shared + reqs.iter().map(|r| r.kv_tokens() - shared).sum::<usize>();
+        self.load().admit(&self.limits, reqs.len(), kv, || {
+            Rejected::Group(group.clone())
+        })?;
+        let ids: Vec<RequestKey> = reqs.iter().map(|r| r.id).collect();
+        self.generator
+            .add(&self.gpu, &self.model.cfg, reqs, true, |_| {
+                Rejected::Group(group)
+            })?;
+        self.admitted.extend(ids);
         Ok(())
     }
 
@@ -414,19 +437,15 @@ impl RolloutEngine for WgpuBackend {
     }
 
     fn submit_step(&mut self) -> Result<()> {
-        if self.stepped.is_some() {
-            return Err(BackendError::StepInFlight("submit_step"));
-        }
-        self.stepped = Some(self.generator.step(&self.gpu, &mut self.ex, &self.model));
-        Ok(())
+        self.generator.submit(&self.gpu, &mut self.ex, &self.model)
     }
 
-    fn poll_step(&mut self, _wait: bool) -> Result<Option<Vec<GenOutput>>> {
-        let out = self.stepped.take().unwrap_or_else(|| Ok(Vec::new()))?;
-        for o in &out {
+    fn poll_step(&mut self, wait: bool) -> Result<Option<Vec<GenOutput>>> {
+        let out = self.generator.poll(&mut self.ex, wait)?;
+        for o in out.iter().flatten() {
             self.admitted.remove(&o.id);
         }
-        Ok(Some(out))
+        Ok(out)
     }
 }
 
@@ -434,11 +453,11 @@ impl RolloutEngine for WgpuBackend {
 fn generate_check(
     cfg: &ModelConfig,
     reqs: &[GenRequest],
-    admitted: &HashMap<RequestKey, usize>,
+    admitted: &HashSet<RequestKey>,
 ) -> Result<()> {
     for (i, r) in reqs.iter().enumerate() {
         crate::cpu::generate::validate_request(cfg, r)?;
-        if admitted.contains_key(&r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
+        if admitted.contains(&r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
             return Err(BackendError::DuplicateRequest(r.id));
         }
     }

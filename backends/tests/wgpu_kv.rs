@@ -1,0 +1,337 @@
+//! The wgpu engine's paged KV pool and non-blocking steps: a group's samples reference the
+//! shared prompt pages and still generate what they would alone, bit for bit; the pool's
+//! free pages are the engine's capacity (a request that does not fit comes back); and
+//! `submit_step` returns with the step queued, so the host adds and cancels requests before
+//! `poll_step` collects it, with the same outcome as blocking steps.
+#![cfg(feature = "wgpu")]
+
+#[path = "support/check.rs"]
+#[allow(dead_code)]
+mod check;
+#[path = "support/device.rs"]
+mod device;
+#[path = "support/engine.rs"]
+mod engine;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use check::{assert_close, rand_vec, tol};
+use engine::{drain, params, peaked_weights};
+use rand_chacha::ChaCha8Rng;
+use rand_chacha::rand_core::SeedableRng;
+use rolloutpipe_backends::wgpu::kv::{KvPool, PAGE, StepRows};
+use rolloutpipe_backends::wgpu::{Exec, Gpu, WgpuBackend};
+use rolloutpipe_backends::*;
+
+/// GQA 2:1 with 32-wide heads, two layers, peaked weights.
+fn setup(seed: u64) -> Option<(ModelConfig, Weights, Arc<Gpu>)> {
+    let g = device::gpu()?;
+    let cfg = ModelConfig {
+        vocab_size: 96,
+        hidden_size: 64,
+        intermediate_size: 96,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 32,
+        max_position_embeddings: 256,
+        ..ModelConfig::tiny()
+    };
+    let w = peaked_weights(&cfg, seed);
+    Some((cfg, w, g))
+}
+
+fn engine(cfg: &ModelConfig, w: &Weights, g: &Arc<Gpu>) -> WgpuBackend {
+    WgpuBackend::with_gpu(Arc::clone(g), cfg, w).expect("wgpu backend")
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn assert_same(got: &BTreeMap<u64, GenOutput>, want: &BTreeMap<u64, GenOutput>) {
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (id, o) in want {
+        assert_eq!(got[id].tokens, o.tokens, "sample {id} tokens");
+        assert_eq!(
+            bits(&got[id].logprobs),
+            bits(&o.logprobs),
+            "sample {id} log-probs bit for bit"
+        );
+        assert_eq!(got[id].finish, o.finish, "sample {id} finish");
+    }
+}
+
+/// A prompt of two whole pages and 5 positions: 32 positions are shared.
+fn prompt() -> Vec<u32> {
+    (0..2 * PAGE as u32 + 5).map(|t| (t * 7 + 3) % 96).collect()
+}
+
+#[test]
+fn group_references_the_shared_prefix_and_matches_independent_requests_bit_for_bit() {
+    let Some((cfg, w, g)) = setup(1) else { return };
+    let prompt = prompt();
+    // Different lengths and a one-token sample (it finishes in the prefill step).
+    let samples: Vec<(RequestKey, SamplingParams)> = [(0, 7), (1, 1), (2, 12), (3, 5)]
+        .iter()
+        .map(|&(i, n)| (RequestKey(i), params(100 + i, n)))
+        .collect();
+    let group = GroupRequest {
+        prompt: prompt.clone(),
+        samples: samples.clone(),
+    };
+    let mut alone = engine(&cfg, &w, &g);
+    for r in group.clone().into_requests() {
+        alone.add_request(r).expect("add");
+    }
+    let independent_kv = alone.load().kv_tokens;
+    let want = drain(&mut alone);
+    // The CPU reference generates the same tokens.
+    let mut cpu = CpuBackend::new(&cfg, &w, 1).expect("cpu");
+    for r in group.clone().into_requests() {
+        cpu.add_request(r).expect("cpu add");
+    }
+    let cpu_out = drain(&mut cpu);
+    for (id, o) in &want {
+        assert_eq!(cpu_out[id].tokens, o.tokens, "sample {id} against the CPU");
+    }
+
+    let mut grouped = engine(&cfg, &w, &g);
+    grouped.add_group(group.clone()).expect("add_group");
+    assert_eq!(grouped.active_requests(), 4);
+    // The 32 shared positions are reserved once, not four times.
+    assert_eq!(grouped.load().kv_tokens, independent_kv - 3 * 2 * PAGE);
+    let got = drain(&mut grouped);
+    assert_same(&got, &want);
+    assert_eq!(grouped.load(), EngineLoad::default());
+
+    // The sample that would prefill the prompt is cancelled before any step: another one
+    // writes the shared pages, and the rest still match.
+    let mut be = engine(&cfg, &w, &g);
+    be.add_group(group).expect("add_group");
+    be.cancel_request(RequestKey(0)).expect("cancel");
+    let got = drain(&mut be);
+    let mut rest = want.clone();
+    rest.remove(&0);
+    assert_same(&got, &rest);
+}
+
+#[test]
+fn the_pool_is_the_capacity_and_a_full_engine_hands_the_request_back() {
+    let Some((cfg, w, g)) = setup(2) else { return };
+    let mut be = engine(&cfg, &w, &g);
+    assert!(be.kv_pages().expect("pages") > 1000, "default: one binding");
+    assert!(be.set_kv_pages(0).is_err());
+    // Six pages: a group of four samples of 37 + 8 positions needs 2 shared pages and one
+    // page each (6); as independent requests it would need 3 pages each (12).
+    be.set_kv_pages(6).expect("pages");
+    let prompt = prompt();
+    let group = GroupRequest {
+        prompt: prompt.clone(),
+        samples: (0..4).map(|i| (RequestKey(i), params(i, 8))).collect(),
+    };
+    let req = |id: u64, n: usize| GenRequest {
+        id: RequestKey(id),
+        prompt: prompt.clone(),
+        params: params(id, n),
+    };
+    be.add_request(req(10, 8)).expect("3 pages fit");
+    // The group needs 6 pages, 3 are free: handed back whole, nothing admitted.
+    let e = be.add_group(group.clone()).unwrap_err();
+    assert!(e.to_string().starts_with("engine full:"), "{e}");
+    match e.into_rejected() {
+        Ok(Rejected::Group(back)) => assert_eq!(back, group),
+        other => panic!("expected the group back, got {other:?}"),
+    }
+    assert_eq!(be.active_requests(), 1);
+    be.add_request(req(11, 8)).expect("3 more pages fit");
+    match be
+        .add_request(req(12, 1))
+        .map_err(BackendError::into_rejected)
+    {
+        Err(Ok(Rejected::Request(r))) => assert_eq!(r, req(12, 1)),
+        other => panic!("expected the request handed back, got {other:?}"),
+    }
+    // The cap cannot drop below the pages in use.
+    assert!(be.set_kv_pages(2).is_err());
+    let two = drain(&mut be);
+    assert_eq!(two.len(), 2);
+    // Freed pages are reused: the whole group now fits.
+    be.add_group(group).expect("group fits in the freed pages");
+    assert_eq!(drain(&mut be).len(), 4);
+}
+
+#[test]
+fn submit_returns_with_the_step_queued_and_poll_collects_it() {
+    let Some((cfg, w, g)) = setup(4) else { return };
+    let req = |id: u64| GenRequest {
+        id: RequestKey(id),
+        prompt: vec![1 + id as u32, 2, 3],
+        params: params(id, 6),
+    };
+    // Reference with blocking steps: request 1 joins before the second step, request 2 is
+    // cancelled then.
+    let mut sync = engine(&cfg, &w, &g);
+    sync.add_request(req(0)).unwrap();
+    sync.add_request(req(2)).unwrap();
+    let mut want = BTreeMap::new();
+    for o in sync.decode_step().unwrap() {
+        want.insert(o.id.0, o);
+    }
+    sync.add_request(req(1)).unwrap();
+    sync.cancel_request(RequestKey(2)).unwrap();
+    want.extend(drain(&mut sync));
+
+    let mut be = engine(&cfg, &w, &g);
+    be.add_request(req(0)).unwrap();
+    be.add_request(req(2)).unwrap();
+    be.submit_step().unwrap();
+    // While the step runs: add and cancel for the next one; what needs the engine idle is
+    // refused.
+    be.add_request(req(1)).unwrap();
+    be.cancel_request(RequestKey(2)).unwrap();
+    assert!(matches!(
+        be.submit_step(),
+        Err(BackendError::StepInFlight(_))
+    ));
+    let snap = be
+        .snapshot_weights(SyncTarget {
+            device: DeviceId::Host,
+            dtype: DType::F32,
+        })
+        .unwrap();
+    assert!(matches!(
+        be.load_weights(&snap),
+        Err(BackendError::StepInFlight(_))
+    ));
+    let mut got = BTreeMap::new();
+    let first = loop {
+        if let Some(o) = be.poll_step(false).unwrap() {
+            break o;
+        }
+        std::thread::yield_now();
+    };
+    for o in first {
+        got.insert(o.id.0, o);
+    }
+    // Every later step the same way: submit, host work, poll without blocking.
+    while be.active_requests() > 0 {
+        be.submit_step().unwrap();
+        loop {
+            if let Some(out) = be.poll_step(false).unwrap() {
+                for o in out {
+                    got.insert(o.id.0, o);
+                }
+                break;
+            }
+            std::thread::yield_now();
+        }
+    }
+    assert_same(&got, &want);
+    assert_eq!(be.poll_step(false).unwrap(), Some(vec![]));
+}
+
+/// The kernel itself against the CPU's `attention_fwd` on contiguous keys: a 150-position
+/// prefill (three 64-key chunks) scattered over pages out of order, and in the same step a
+/// second sequence of 20 rows at positions 64..84 whose table starts with the first one's
+/// four pages (a shared prefix, written by the same step's KV-append). GQA 4:1, head_dim 64.
+#[test]
+fn attention_decode_over_pages_matches_cpu_attention() {
+    let Some(g) = device::gpu() else { return };
+    let cfg = ModelConfig {
+        num_attention_heads: 8,
+        num_key_value_heads: 2,
+        head_dim: 64,
+        max_position_embeddings: 256,
+        ..ModelConfig::tiny()
+    };
+    let (h, kvh, hd) = (8, 2, 64);
+    let (qd, kd) = (h * hd, kvh * hd);
+    let (na, nb, b0) = (150usize, 20usize, 64usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let q = rand_vec(&mut rng, (na + nb) * qd, 1.0);
+    let k = rand_vec(&mut rng, (na + nb) * kd, 1.0);
+    let v = rand_vec(&mut rng, (na + nb) * kd, 1.0);
+    let mut ex = Exec::new(Arc::clone(&g));
+    let mut pool = KvPool::new(&g, &cfg).expect("pool");
+    let all = pool.alloc(16).expect("pages");
+    pool.ensure_built(&g, &mut ex, &cfg);
+    // A: pages 15, 13, .., 1 then 14, 12: positions land out of order. B: A's first four
+    // pages, then two of its own.
+    let table_a: Vec<u32> = [15, 13, 11, 9, 7, 5, 3, 1, 14, 12].map(|i| all[i]).to_vec();
+    let table_b: Vec<u32> = table_a[..4]
+        .iter()
+        .copied()
+        .chain([all[0], all[2]])
+        .collect();
+    let pages: Vec<u32> = table_a.iter().chain(&table_b).copied().collect();
+    let mut meta = Vec::new();
+    for t in 0..na {
+        meta.extend([0u32, t as u32]);
+    }
+    for t in b0..b0 + nb {
+        meta.extend([table_a.len() as u32, t as u32]);
+    }
+    let n = na + nb;
+    let (qb, kb, vb) = (g.upload("q", &q), g.upload("k", &k), g.upload("v", &v));
+    let (mb, pb) = (g.upload("meta", &meta), g.upload("pages", &pages));
+    let out = g.buffer("out", n * qd);
+    let rows = StepRows {
+        q: &qb,
+        out: &out,
+        k: &kb,
+        v: &vb,
+        meta: &mb,
+        pages: &pb,
+        n,
+        pages_len: pages.len(),
+    };
+    rows.kv_append(&mut ex, &pool, 0, &cfg).expect("append");
+    rows.attention_decode(&mut ex, &pool, 0, &cfg)
+        .expect("attention");
+    ex.submit().expect("submit");
+    let got = g.read::<f32>(&out, n * qd).expect("read");
+
+    let mut want_a = vec![0.0; na * qd];
+    let mut att = vec![0.0; h * na * na];
+    rolloutpipe_backends::cpu::ops::attention_fwd(
+        &mut want_a,
+        &mut att,
+        &q[..na * qd],
+        &k[..na * kd],
+        &v[..na * kd],
+        na,
+        na,
+        h,
+        kvh,
+        hd,
+    );
+    assert_close("sequence A", &got[..na * qd], &want_a, tol::ATTENTION);
+    // B's keys: A's first 64 positions, then its own rows.
+    let kb_cat: Vec<f32> = k[..b0 * kd].iter().chain(&k[na * kd..]).copied().collect();
+    let vb_cat: Vec<f32> = v[..b0 * kd].iter().chain(&v[na * kd..]).copied().collect();
+    let mut want_b = vec![0.0; nb * qd];
+    let mut att = vec![0.0; h * nb * (b0 + nb)];
+    rolloutpipe_backends::cpu::ops::attention_fwd(
+        &mut want_b,
+        &mut att,
+        &q[na * qd..],
+        &kb_cat,
+        &vb_cat,
+        nb,
+        b0 + nb,
+        h,
+        kvh,
+        hd,
+    );
+    assert_close(
+        "sequence B on the shared pages",
+        &got[na * qd..],
+        &want_b,
+        tol::ATTENTION,
+    );
+}
