@@ -8,7 +8,10 @@ mod engine;
 
 use std::collections::BTreeMap;
 
-use engine::{drain, params, peaked_weights as weights};
+use engine::{
+    assert_same_output, drain, overlap_reference, overlap_start, params, peaked_weights as weights,
+    poll_until_done,
+};
 use rolloutpipe_backends::*;
 
 fn mini() -> ModelConfig {
@@ -23,19 +26,6 @@ fn mini() -> ModelConfig {
         max_position_embeddings: 128,
         ..ModelConfig::tiny()
     }
-}
-
-/// The same tokens and the same log-prob bits.
-fn assert_same_output(id: u64, got: &GenOutput, want: &GenOutput) {
-    assert_eq!(got.tokens, want.tokens, "request {id} tokens");
-    assert_eq!(got.finish, want.finish, "request {id} finish");
-    let bits = |o: &GenOutput| o.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert!(
-        bits(got) == bits(want),
-        "request {id} log-probs differ: {:?} vs {:?}",
-        got.logprobs,
-        want.logprobs
-    );
 }
 
 #[test]
@@ -163,45 +153,14 @@ fn a_full_engine_hands_the_submission_back() {
 fn submit_poll_overlaps_host_work_and_matches_decode_step() {
     let cfg = mini();
     let w = weights(&cfg, 4);
-    let req = |id: u64| GenRequest {
-        id: RequestKey(id),
-        prompt: vec![1 + id as u32, 2, 3],
-        params: params(id, 6),
-    };
-    // Reference: request 1 joins before the second step, request 2 is cancelled then.
-    let mut sync = CpuBackend::new(&cfg, &w, 2).unwrap();
-    sync.add_request(req(0)).unwrap();
-    sync.add_request(req(2)).unwrap();
-    let mut want = BTreeMap::new();
-    for o in sync.decode_step().unwrap() {
-        want.insert(o.id.0, o);
-    }
-    sync.add_request(req(1)).unwrap();
-    sync.cancel_request(RequestKey(2)).unwrap();
-    want.extend(drain(&mut sync));
-
+    let want = overlap_reference(&mut CpuBackend::new(&cfg, &w, 2).unwrap());
     let mut be = CpuBackend::new(&cfg, &w, 2).unwrap();
-    be.add_request(req(0)).unwrap();
-    be.add_request(req(2)).unwrap();
-    be.submit_step().unwrap();
     // While the step runs: add and cancel for the next one; the engine refuses what needs
     // it idle.
-    be.add_request(req(1)).unwrap();
-    be.cancel_request(RequestKey(2)).unwrap();
-    assert!(matches!(
-        be.submit_step(),
-        Err(BackendError::StepInFlight(_))
-    ));
-    let mut got = BTreeMap::new();
-    let first = loop {
-        if let Some(o) = be.poll_step(false).unwrap() {
-            break o;
-        }
-        std::thread::yield_now();
-    };
-    for o in first {
-        got.insert(o.id.0, o);
-    }
+    overlap_start(&mut be);
+    let mut got: BTreeMap<u64, GenOutput> = (poll_until_done(&mut be).into_iter())
+        .map(|o| (o.id.0, o))
+        .collect();
     got.extend(drain(&mut be));
     assert_eq!(got, want);
     assert_eq!(be.poll_step(false).unwrap(), Some(vec![]));

@@ -17,7 +17,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use check::{assert_close, rand_vec, tol};
-use engine::{drain, params, peaked_weights};
+use engine::{
+    assert_same_outputs as assert_same, drain, overlap_reference, overlap_start, params,
+    peaked_weights, poll_until_done,
+};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::SeedableRng;
 use rolloutpipe_backends::wgpu::kv::{KvPool, PAGE, StepRows};
@@ -44,26 +47,6 @@ fn setup(seed: u64) -> Option<(ModelConfig, Weights, Arc<Gpu>)> {
 
 fn engine(cfg: &ModelConfig, w: &Weights, g: &Arc<Gpu>) -> WgpuBackend {
     WgpuBackend::with_gpu(Arc::clone(g), cfg, w).expect("wgpu backend")
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn assert_same(got: &BTreeMap<u64, GenOutput>, want: &BTreeMap<u64, GenOutput>) {
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>()
-    );
-    for (id, o) in want {
-        assert_eq!(got[id].tokens, o.tokens, "sample {id} tokens");
-        assert_eq!(
-            bits(&got[id].logprobs),
-            bits(&o.logprobs),
-            "sample {id} log-probs bit for bit"
-        );
-        assert_eq!(got[id].finish, o.finish, "sample {id} finish");
-    }
 }
 
 /// A prompt of two whole pages and 5 positions: 32 positions are shared.
@@ -168,36 +151,12 @@ fn the_pool_is_the_capacity_and_a_full_engine_hands_the_request_back() {
 #[test]
 fn submit_returns_with_the_step_queued_and_poll_collects_it() {
     let Some((cfg, w, g)) = setup(4) else { return };
-    let req = |id: u64| GenRequest {
-        id: RequestKey(id),
-        prompt: vec![1 + id as u32, 2, 3],
-        params: params(id, 6),
-    };
-    // Reference with blocking steps: request 1 joins before the second step, request 2 is
-    // cancelled then.
-    let mut sync = engine(&cfg, &w, &g);
-    sync.add_request(req(0)).unwrap();
-    sync.add_request(req(2)).unwrap();
-    let mut want = BTreeMap::new();
-    for o in sync.decode_step().unwrap() {
-        want.insert(o.id.0, o);
-    }
-    sync.add_request(req(1)).unwrap();
-    sync.cancel_request(RequestKey(2)).unwrap();
-    want.extend(drain(&mut sync));
-
+    // Reference with blocking steps.
+    let want = overlap_reference(&mut engine(&cfg, &w, &g));
     let mut be = engine(&cfg, &w, &g);
-    be.add_request(req(0)).unwrap();
-    be.add_request(req(2)).unwrap();
-    be.submit_step().unwrap();
     // While the step runs: add and cancel for the next one; what needs the engine idle is
     // refused.
-    be.add_request(req(1)).unwrap();
-    be.cancel_request(RequestKey(2)).unwrap();
-    assert!(matches!(
-        be.submit_step(),
-        Err(BackendError::StepInFlight(_))
-    ));
+    overlap_start(&mut be);
     let snap = be
         .snapshot_weights(SyncTarget {
             device: DeviceId::Host,
@@ -208,28 +167,13 @@ fn submit_returns_with_the_step_queued_and_poll_collects_it() {
         be.load_weights(&snap),
         Err(BackendError::StepInFlight(_))
     ));
-    let mut got = BTreeMap::new();
-    let first = loop {
-        if let Some(o) = be.poll_step(false).unwrap() {
-            break o;
-        }
-        std::thread::yield_now();
-    };
-    for o in first {
-        got.insert(o.id.0, o);
-    }
+    let mut got: BTreeMap<u64, GenOutput> = (poll_until_done(&mut be).into_iter())
+        .map(|o| (o.id.0, o))
+        .collect();
     // Every later step the same way: submit, host work, poll without blocking.
     while be.active_requests() > 0 {
         be.submit_step().unwrap();
-        loop {
-            if let Some(out) = be.poll_step(false).unwrap() {
-                for o in out {
-                    got.insert(o.id.0, o);
-                }
-                break;
-            }
-            std::thread::yield_now();
-        }
+        got.extend(poll_until_done(&mut be).into_iter().map(|o| (o.id.0, o)));
     }
     assert_same(&got, &want);
     assert_eq!(be.poll_step(false).unwrap(), Some(vec![]));

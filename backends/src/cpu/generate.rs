@@ -233,9 +233,10 @@ impl Generator {
     /// (see [`ResumeState`]); its cache is recycled.
     pub fn export(&mut self, id: RequestKey) -> Result<ResumeState> {
         let Some(i) = self.active.iter().position(|a| a.id == id) else {
-            return Err(match self.contains(id) {
-                true => not_started(id),
-                false => BackendError::UnknownRequest(id),
+            return Err(if self.contains(id) {
+                not_started(id)
+            } else {
+                BackendError::UnknownRequest(id)
             });
         };
         if self.active[i].tokens.is_empty() {

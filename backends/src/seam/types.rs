@@ -108,6 +108,13 @@ pub struct ResumeState {
     pub stream_words: u128,
 }
 
+impl ResumeState {
+    /// Tokens the resuming engine prefills: the prompt and the tokens generated so far.
+    pub fn reprefill_tokens(&self) -> usize {
+        self.request.prompt.len() + self.tokens.len()
+    }
+}
+
 /// Why a request finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {

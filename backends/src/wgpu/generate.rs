@@ -48,6 +48,24 @@ pub fn shared_prefix(prompt_len: usize) -> usize {
     (prompt_len.saturating_sub(1) / PAGE) * PAGE
 }
 
+/// Positions `reqs` store once: a group (`group`) of two or more samples shares its prompt's
+/// [`shared_prefix`]; a lone request shares nothing.
+pub fn shared_positions(reqs: &[GenRequest], group: bool) -> usize {
+    match reqs {
+        [first, _, ..] if group => shared_prefix(first.prompt.len()),
+        _ => 0,
+    }
+}
+
+/// The pool in `slot`, made for `c` on `gpu` the first time.
+fn pool_in<'p>(slot: &'p mut Option<KvPool>, gpu: &Gpu, c: &ModelConfig) -> Result<&'p mut KvPool> {
+    let pool = match slot.take() {
+        Some(p) => p,
+        None => KvPool::new(gpu, c)?,
+    };
+    Ok(slot.insert(pool))
+}
+
 #[derive(Debug)]
 struct Active {
     id: RequestKey,
@@ -189,6 +207,11 @@ impl Generator {
         own + self.prefixes.values().map(|p| p.len).sum::<usize>()
     }
 
+    /// Whether request `id` is active (added, not finished or cancelled).
+    pub fn contains(&self, id: RequestKey) -> bool {
+        self.active.iter().any(|a| a.id == id)
+    }
+
     /// Whether a step is submitted and not yet collected.
     pub fn in_flight(&self) -> bool {
         self.stepped.is_some()
@@ -202,21 +225,12 @@ impl Generator {
 
     /// Caps the KV pool at `pages` pages of [`PAGE`] positions (see [`KvPool::set_max_pages`]).
     pub fn set_kv_pages(&mut self, gpu: &Gpu, c: &ModelConfig, pages: usize) -> Result<()> {
-        self.pool(gpu, c)?.set_max_pages(gpu, c, pages)
+        pool_in(&mut self.pool, gpu, c)?.set_max_pages(gpu, c, pages)
     }
 
     /// The KV pool's capacity in pages.
     pub fn kv_pages(&mut self, gpu: &Gpu, c: &ModelConfig) -> Result<usize> {
-        Ok(self.pool(gpu, c)?.max_pages())
-    }
-
-    fn pool(&mut self, gpu: &Gpu, c: &ModelConfig) -> Result<&mut KvPool> {
-        if self.pool.is_none() {
-            self.pool = Some(KvPool::new(gpu, c)?);
-        }
-        self.pool
-            .as_mut()
-            .ok_or_else(|| BackendError::Device("KV pool missing".into()))
+        Ok(pool_in(&mut self.pool, gpu, c)?.max_pages())
     }
 
     /// Queues requests for the next step: one alone (`group` false), or a group's samples
@@ -231,23 +245,16 @@ impl Generator {
         group: bool,
         rejected: impl FnOnce(Vec<GenRequest>) -> Rejected,
     ) -> Result<()> {
-        let Some(first) = reqs.first() else {
+        if reqs.is_empty() {
             return Err(BackendError::EmptyBatch("no request".into()));
-        };
-        let shared = if group && reqs.len() > 1 {
-            shared_prefix(first.prompt.len())
-        } else {
-            0
-        };
+        }
+        let shared = shared_positions(&reqs, group);
         let own: Vec<usize> = reqs
             .iter()
             .map(|r| pages_for(r.prompt.len() + r.params.max_new_tokens - shared))
             .collect();
         let need = pages_for(shared) + own.iter().sum::<usize>();
-        self.pool(gpu, c)?;
-        let Some(pool) = self.pool.as_mut() else {
-            return Err(BackendError::Device("KV pool missing".into()));
-        };
+        let pool = pool_in(&mut self.pool, gpu, c)?;
         if need > pool.free_pages() {
             return Err(BackendError::EngineFull {
                 reason: format!(
@@ -387,7 +394,7 @@ impl Generator {
             return Ok(());
         }
         let c = &md.cfg;
-        if self.pool(gpu, c)?.ensure_built(gpu, ex, c) {
+        if pool_in(&mut self.pool, gpu, c)?.ensure_built(gpu, ex, c) {
             ex.forget_bind_groups();
         }
         let rows = self.pack();
@@ -429,21 +436,13 @@ impl Generator {
     /// Collects the submitted step: the requests that finished in it, `None` while it runs
     /// and `wait` is false, `Some(vec![])` with no step in flight.
     pub fn poll(&mut self, ex: &mut Exec, wait: bool) -> Result<Option<Vec<GenOutput>>> {
-        let Some(st) = self.stepped.as_mut() else {
-            return Ok(Some(Vec::new()));
-        };
-        let polled = st.run.poll(wait);
-        let back = match polled {
-            Ok(None) => return Ok(None),
-            Ok(Some(back)) => back,
-            Err(e) => {
-                // The step is lost; its requests stay and can be cancelled.
-                self.stepped = None;
-                return Err(e);
-            }
-        };
         let Some(mut st) = self.stepped.take() else {
             return Ok(Some(Vec::new()));
+        };
+        // On an error the step is lost; its requests stay and can be cancelled.
+        let Some(back) = st.run.poll(wait)? else {
+            self.stepped = Some(st);
+            return Ok(None);
         };
         ex.recycle(&mut st.run);
         let (toks, lps) = (back.get::<u32>(st.tokens), back.get::<f32>(st.logp));

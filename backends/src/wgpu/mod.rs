@@ -44,7 +44,6 @@ pub mod kv;
 pub mod model;
 pub mod ops;
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 pub use gpu::{Exec, Gpu};
@@ -82,8 +81,6 @@ pub struct WgpuBackend {
     opt_step: u64,
     partials: wgpu::Buffer,
     norm_total: wgpu::Buffer,
-    /// Admitted requests (not finished or cancelled).
-    admitted: HashSet<RequestKey>,
     limits: EngineLimits,
 }
 
@@ -184,7 +181,6 @@ impl WgpuBackend {
             opt_step: 0,
             partials,
             norm_total,
-            admitted: HashSet::new(),
             limits: EngineLimits::default(),
         })
     }
@@ -344,7 +340,7 @@ impl RolloutEngine for WgpuBackend {
         if self.generator.in_flight() {
             return Err(BackendError::StepInFlight("load_weights"));
         }
-        crate::cpu::refuse_while_generating(self.admitted.len())?;
+        crate::cpu::refuse_while_generating(self.generator.active())?;
         snap.check_config(&self.model.cfg)?;
         if let SnapshotPayload::Device(d) = &snap.payload
             && let Some(src) = d.handle.downcast_ref::<WgpuSnapshot>()
@@ -392,17 +388,14 @@ impl RolloutEngine for WgpuBackend {
     }
 
     fn add_request(&mut self, req: GenRequest) -> Result<()> {
-        generate_check(&self.model.cfg, std::slice::from_ref(&req), &self.admitted)?;
-        let id = req.id;
+        generate_check(&self.model.cfg, std::slice::from_ref(&req), &self.generator)?;
         self.load().admit(&self.limits, 1, req.kv_tokens(), || {
             Rejected::Request(req.clone())
         })?;
         self.generator
             .add(&self.gpu, &self.model.cfg, vec![req], false, |mut back| {
                 Rejected::Request(back.swap_remove(0))
-            })?;
-        self.admitted.insert(id);
-        Ok(())
+            })
     }
 
     fn add_group(&mut self, group: GroupRequest) -> Result<()> {
@@ -410,30 +403,21 @@ impl RolloutEngine for WgpuBackend {
             return Err(BackendError::EmptyBatch("group with no samples".into()));
         }
         let reqs = group.clone().into_requests();
-        generate_check(&self.model.cfg, &reqs, &self.admitted)?;
+        generate_check(&self.model.cfg, &reqs, &self.generator)?;
         // The shared prefix is reserved once, each sample's other positions on their own.
-        let shared = if reqs.len() > 1 {
-            generate::shared_prefix(group.prompt.len())
-        } else {
-            0
-        };
+        let shared = generate::shared_positions(&reqs, true);
         let kv = shared + reqs.iter().map(|r| r.kv_tokens() - shared).sum::<usize>();
         self.load().admit(&self.limits, reqs.len(), kv, || {
             Rejected::Group(group.clone())
         })?;
-        let ids: Vec<RequestKey> = reqs.iter().map(|r| r.id).collect();
         self.generator
             .add(&self.gpu, &self.model.cfg, reqs, true, |_| {
                 Rejected::Group(group)
-            })?;
-        self.admitted.extend(ids);
-        Ok(())
+            })
     }
 
     fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
-        self.generator.cancel(id)?;
-        self.admitted.remove(&id);
-        Ok(())
+        self.generator.cancel(id)
     }
 
     fn submit_step(&mut self) -> Result<()> {
@@ -441,23 +425,19 @@ impl RolloutEngine for WgpuBackend {
     }
 
     fn poll_step(&mut self, wait: bool) -> Result<Option<Vec<GenOutput>>> {
-        let out = self.generator.poll(&mut self.ex, wait)?;
-        for o in out.iter().flatten() {
-            self.admitted.remove(&o.id);
-        }
-        Ok(out)
+        self.generator.poll(&mut self.ex, wait)
     }
 }
 
-/// Checks requests before admission: valid, and no id already admitted or repeated.
+/// Checks requests before admission: valid, and no id already active or repeated.
 fn generate_check(
     cfg: &ModelConfig,
     reqs: &[GenRequest],
-    admitted: &HashSet<RequestKey>,
+    generator: &generate::Generator,
 ) -> Result<()> {
     for (i, r) in reqs.iter().enumerate() {
         crate::cpu::generate::validate_request(cfg, r)?;
-        if admitted.contains(&r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
+        if generator.contains(r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
             return Err(BackendError::DuplicateRequest(r.id));
         }
     }
@@ -472,7 +452,7 @@ impl Trainer for WgpuBackend {
     }
 
     fn import_weights(&mut self, w: &Weights) -> Result<()> {
-        crate::cpu::refuse_while_generating(self.admitted.len())?;
+        crate::cpu::refuse_while_generating(self.generator.active())?;
         w.validate(&self.model.cfg)?;
         let flat = self.model.layout.flatten::<f32>(w)?;
         self.model.write_params(&self.gpu, &flat)?;

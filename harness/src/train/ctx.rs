@@ -44,6 +44,19 @@ pub(super) struct EngineHandle {
 }
 
 impl EngineHandle {
+    /// A live engine holding nothing yet, reached through `tx`.
+    pub(super) fn new(target: Option<SyncTarget>, tx: Sender<EngineCmd>) -> Self {
+        Self {
+            target,
+            tx,
+            live: true,
+            running: 0,
+            busy_from: None,
+            mux_busy: false,
+            migrating: false,
+        }
+    }
+
     /// Whether it works: holds a request or computes a multiplexed pass.
     fn busy(&self) -> bool {
         self.running > 0 || self.mux_busy
@@ -318,15 +331,7 @@ mod tests {
     #[test]
     fn a_multiplexed_pass_is_busy_time() {
         let (tx, _rx) = std::sync::mpsc::channel();
-        let mut h = EngineHandle {
-            target: None,
-            tx,
-            live: true,
-            running: 0,
-            busy_from: None,
-            mux_busy: false,
-            migrating: false,
-        };
+        let mut h = EngineHandle::new(None, tx);
         let t0 = Instant::now();
         let at = |ms| t0 + Duration::from_millis(ms);
         assert_eq!(h.change(at(0), |h| h.running = 2), None);

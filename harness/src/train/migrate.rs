@@ -99,7 +99,7 @@ impl Phase<'_, '_> {
         if self.ro.inflight.remove(&rid).is_some() {
             self.released(e);
         }
-        let tokens = st.request.prompt.len() + st.tokens.len();
+        let tokens = st.reprefill_tokens();
         let t = self.ctx.us(std::time::Instant::now());
         self.ctx.trace.instant(
             &format!(
@@ -127,7 +127,7 @@ impl Phase<'_, '_> {
     pub(super) fn take_resume(&mut self, rid: RequestId) -> Option<Box<ResumeState>> {
         let st = self.mig.waiting.remove(&rid)?;
         self.mig.moves += 1;
-        self.mig.tokens += (st.request.prompt.len() + st.tokens.len()) as u64;
+        self.mig.tokens += st.reprefill_tokens() as u64;
         Some(st)
     }
 

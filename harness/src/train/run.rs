@@ -222,15 +222,7 @@ pub fn run_with_transport(
     let engines = workers
         .engines
         .into_iter()
-        .map(|l| EngineHandle {
-            target: l.target,
-            tx: l.tx,
-            live: true,
-            running: 0,
-            busy_from: None,
-            mux_busy: false,
-            migrating: false,
-        })
+        .map(|l| EngineHandle::new(l.target, l.tx))
         .collect();
     let (vtx, ttx) = (workers.verify, workers.trainer);
 

@@ -206,8 +206,8 @@ impl EngineStep {
         let out = be
             .decode_step()
             .map_err(|e| anyhow!("engine {engine} decode: {e}"))?;
-        self.decode.push((running, t.elapsed().as_secs_f64()));
         let secs = t.elapsed().as_secs_f64();
+        self.decode.push((running, secs));
         self.decodes += 1;
         self.reprefilled = (self.resumed.drain(..))
             .map(|(r, n)| (r, n, secs))
@@ -236,6 +236,9 @@ impl EngineStep {
         &mut self,
         min_generated: u32,
     ) -> anyhow::Result<Option<(RequestId, ResumeState)>> {
+        if self.dead {
+            return Ok(None);
+        }
         let best = (self.active.keys())
             .map(|k| {
                 (
@@ -247,7 +250,7 @@ impl EngineStep {
         let Some((n, key)) = best else {
             return Ok(None);
         };
-        if self.dead || n < i64::from(min_generated.max(1)) {
+        if n < i64::from(min_generated.max(1)) {
             return Ok(None);
         }
         let engine = self.engine;
