@@ -40,12 +40,13 @@ pub enum BackendError {
         reason: String,
     },
     /// Reading or writing a file failed.
-    #[error("i/o on {path}: {source}")]
+    #[error("i/o on {path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// The underlying error.
-        source: std::io::Error,
+        /// The underlying error, printed in the message (not a `source()`, so that a caller
+        /// printing the error chain does not repeat it).
+        error: std::io::Error,
     },
     /// A safetensors file could not be parsed or written, or holds an unsupported dtype.
     #[error("safetensors {what}: {reason}")]

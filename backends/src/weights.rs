@@ -230,9 +230,9 @@ impl Weights {
 
     /// Reads a safetensors file.
     pub fn load_safetensors(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|source| BackendError::Io {
+        let bytes = std::fs::read(path).map_err(|error| BackendError::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         Self::from_safetensors_bytes(&bytes, &path.display().to_string())
     }
@@ -240,9 +240,9 @@ impl Weights {
     /// Writes a safetensors file (F32).
     pub fn save_safetensors(&self, path: &Path) -> Result<()> {
         let bytes = self.to_safetensors_bytes()?;
-        std::fs::write(path, bytes).map_err(|source| BackendError::Io {
+        std::fs::write(path, bytes).map_err(|error| BackendError::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         })
     }
 }
@@ -261,16 +261,16 @@ pub fn load_model_dir(dir: &Path) -> Result<(ModelConfig, Weights)> {
 /// Writes a model directory (creating it): `config.json` and F32 `model.safetensors`.
 pub fn save_model_dir(dir: &Path, cfg: &ModelConfig, w: &Weights) -> Result<()> {
     w.validate(cfg)?;
-    std::fs::create_dir_all(dir).map_err(|source| BackendError::Io {
+    std::fs::create_dir_all(dir).map_err(|error| BackendError::Io {
         path: dir.to_path_buf(),
-        source,
+        error,
     })?;
     let cfg_path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&cfg.to_json())
         .map_err(|e| BackendError::config("config.json", e.to_string()))?;
-    std::fs::write(&cfg_path, text).map_err(|source| BackendError::Io {
+    std::fs::write(&cfg_path, text).map_err(|error| BackendError::Io {
         path: cfg_path,
-        source,
+        error,
     })?;
     w.save_safetensors(&dir.join("model.safetensors"))
 }

@@ -133,9 +133,9 @@ impl MappedCheckpoint {
     /// (ignored); a different one is an error.
     pub fn open_dir(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|source| BackendError::Io {
+        let text = std::fs::read_to_string(&cfg_path).map_err(|error| BackendError::Io {
             path: cfg_path.clone(),
-            source,
+            error,
         })?;
         let cfg = ModelConfig::from_json_str(&text)?;
         let single = dir.join("model.safetensors");
@@ -254,9 +254,9 @@ impl MappedCheckpoint {
 
     /// Maps one file; returns its index.
     fn map(&mut self, path: &Path) -> Result<usize> {
-        let io = |source| BackendError::Io {
+        let io = |error| BackendError::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         };
         let file = File::open(path).map_err(io)?;
         // SAFETY: the mapping is read-only and private to this checkpoint; the module's
@@ -306,9 +306,9 @@ impl MappedCheckpoint {
     /// Maps the shards of `index` (each once) and takes each tensor from the shard the index
     /// names, so a tensor repeated in two shards cannot silently shadow the other.
     fn add_sharded(&mut self, dir: &Path, index: &Path) -> Result<()> {
-        let text = std::fs::read_to_string(index).map_err(|source| BackendError::Io {
+        let text = std::fs::read_to_string(index).map_err(|error| BackendError::Io {
             path: index.to_path_buf(),
-            source,
+            error,
         })?;
         let bad = |reason: String| BackendError::Safetensors {
             what: index.display().to_string(),
