@@ -27,10 +27,30 @@ pub const TOKENIZER_FILES: &[&str] = &[
 ];
 
 /// An exclusive hold on a run directory; released when dropped or when the process dies.
+///
+/// Dropped while the directory holds nothing but the lock (a start that failed before writing
+/// anything), it removes the lock file, and the directory too when [`lock`] created it: a failed
+/// start leaves the path as it found it.
 #[derive(Debug)]
 pub struct RunLock {
     _file: File,
     path: PathBuf,
+    /// The directory did not exist before [`lock`].
+    created: bool,
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let Some(dir) = self.path.parent() else { return };
+        if has_contents(dir) {
+            return;
+        }
+        // Best effort: a directory someone wrote into meanwhile stays (remove_dir refuses).
+        let _ = std::fs::remove_file(&self.path);
+        if self.created {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
 }
 
 impl RunLock {
@@ -42,6 +62,7 @@ impl RunLock {
 
 /// Creates `dir` if needed and takes its lock, or fails naming the pid that holds it.
 pub fn lock(dir: &Path) -> anyhow::Result<RunLock> {
+    let created = !dir.exists();
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = dir.join(LOCK_FILE);
     let mut file = OpenOptions::new()
@@ -76,7 +97,11 @@ pub fn lock(dir: &Path) -> anyhow::Result<RunLock> {
     file.seek(SeekFrom::Start(0))?;
     write!(file, "{}", std::process::id())?;
     file.flush()?;
-    Ok(RunLock { _file: file, path })
+    Ok(RunLock {
+        _file: file,
+        path,
+        created,
+    })
 }
 
 /// True when `dir` exists and holds anything besides our lock file.
@@ -188,6 +213,23 @@ mod tests {
             std::fs::read_to_string(l.path()).unwrap(),
             std::process::id().to_string()
         );
+    }
+
+    #[test]
+    fn a_start_that_wrote_nothing_leaves_the_path_as_it_found_it() {
+        // A directory the lock created goes away with it...
+        let d = scratch("unused");
+        drop(lock(&d).unwrap());
+        assert!(!d.exists());
+        // ...one that existed keeps everything but the lock file...
+        std::fs::create_dir_all(&d).unwrap();
+        drop(lock(&d).unwrap());
+        assert!(d.is_dir() && !d.join(LOCK_FILE).exists());
+        // ...and a run that wrote something keeps it all.
+        let l = lock(&d).unwrap();
+        std::fs::write(d.join("metrics.jsonl"), "{}").unwrap();
+        drop(l);
+        assert!(d.join("metrics.jsonl").is_file());
     }
 
     #[test]

@@ -182,6 +182,7 @@ fn every_bad_input_is_one_line_without_a_panic() {
         ("rl.max_grad_norm=nan", "rl.max_grad_norm"),
         ("rl.max_new_tokens=100000", "rl.max_new_tokens"),
         ("model.dir=\"huge\"", "max_position_embeddings"),
+        ("model.dir=\"/nonexistent-rp-model\"", "/nonexistent-rp-model"),
     ];
     for (i, (set, name)) in train_sets.iter().enumerate() {
         let set = set.replace("\"huge\"", &format!("{:?}", huge_pos.display().to_string()));
@@ -190,6 +191,11 @@ fn every_bad_input_is_one_line_without_a_panic() {
         let err = run_err(train(&cfg, &out).args(["--set", &set]));
         one_line_error(&set, &err);
         assert!(err.contains(name), "{set}: {err}");
+        // The OS's reason is said once, not once per layer of context.
+        assert!(err.matches("No such file").count() <= 1, "{set}: {err}");
+        // A refused start leaves nothing behind (no config.toml, no lock, no directory), so
+        // the same --out works again without --force.
+        assert!(!out.exists(), "{set}: the refused start left {}", out.display());
         // Refused before the warm start, not after it.
         assert!(
             t.elapsed() < Duration::from_secs(20),

@@ -87,9 +87,6 @@ pub fn run_with_transport(
     let started = Instant::now();
     let ckpt_root = out.join("checkpoints");
     let latest = ckpt_root.join("latest");
-    if !resume {
-        guard::write_config(cfg, out)?;
-    }
 
     // Model and tokenizer.
     let (model_cfg, init_weights, tok): (ModelConfig, Weights, Arc<dyn Tokenizer>) =
@@ -118,6 +115,11 @@ pub fn run_with_transport(
     )?;
     let mut problems = data::problems(cfg, tok.as_ref())?;
     check_positions(cfg, &problems, tok.as_ref(), &model_cfg)?;
+    if !resume {
+        // Only once the model and the problems are known good: a start that fails on its
+        // inputs leaves nothing behind, so the same --out can be used again without --force.
+        guard::write_config(cfg, out)?;
+    }
     let task: Arc<dyn Task> = problems.task.clone();
     let max_new = cfg.rl.max_new_tokens;
     let mut eval_backend = CpuBackend::new(&model_cfg, &init_weights, cfg.trainer.threads)?;
