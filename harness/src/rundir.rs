@@ -41,7 +41,9 @@ pub struct RunLock {
 
 impl Drop for RunLock {
     fn drop(&mut self) {
-        let Some(dir) = self.path.parent() else { return };
+        let Some(dir) = self.path.parent() else {
+            return;
+        };
         if has_contents(dir) {
             return;
         }

@@ -182,7 +182,10 @@ fn every_bad_input_is_one_line_without_a_panic() {
         ("rl.max_grad_norm=nan", "rl.max_grad_norm"),
         ("rl.max_new_tokens=100000", "rl.max_new_tokens"),
         ("model.dir=\"huge\"", "max_position_embeddings"),
-        ("model.dir=\"/nonexistent-rp-model\"", "/nonexistent-rp-model"),
+        (
+            "model.dir=\"/nonexistent-rp-model\"",
+            "/nonexistent-rp-model",
+        ),
     ];
     for (i, (set, name)) in train_sets.iter().enumerate() {
         let set = set.replace("\"huge\"", &format!("{:?}", huge_pos.display().to_string()));
@@ -195,7 +198,11 @@ fn every_bad_input_is_one_line_without_a_panic() {
         assert!(err.matches("No such file").count() <= 1, "{set}: {err}");
         // A refused start leaves nothing behind (no config.toml, no lock, no directory), so
         // the same --out works again without --force.
-        assert!(!out.exists(), "{set}: the refused start left {}", out.display());
+        assert!(
+            !out.exists(),
+            "{set}: the refused start left {}",
+            out.display()
+        );
         // Refused before the warm start, not after it.
         assert!(
             t.elapsed() < Duration::from_secs(20),
