@@ -8,9 +8,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use support::cli::{bin, run_err, run_ok, tempdir};
+use support::train::TINY_MODEL;
 
 /// A tiny run (1-layer model, 1-digit addition, short SFT), a checkpoint every step.
-const TINY: &str = r#"
+fn tiny() -> String {
+    format!(
+        r#"
 [run]
 seed = 3
 steps = 4
@@ -22,14 +25,7 @@ progress = false
 [task]
 name = "add"
 digits = 1
-[model]
-hidden_size = 32
-intermediate_size = 64
-layers = 1
-heads = 2
-kv_heads = 1
-head_dim = 16
-[sft]
+{TINY_MODEL}[sft]
 steps = 20
 batch = 16
 lr = 1e-2
@@ -45,11 +41,13 @@ lr = 1e-3
 engines = 2
 slots = 4
 max_groups_factor = 4.0
-"#;
+"#
+    )
+}
 
 fn tiny_config(dir: &Path) -> PathBuf {
     let p = dir.join("tiny.toml");
-    std::fs::write(&p, TINY).unwrap();
+    std::fs::write(&p, tiny()).unwrap();
     p
 }
 

@@ -1,7 +1,9 @@
 //! End-to-end `train` runs under the allocation policies of `[alloc]`: VIGOR's extra rounds and
 //! Pilot-Commit's verdicts run through the real engines and trainer, stay within the step's
 //! sample budget, and are counted in metrics.jsonl.
+mod support;
 use std::path::PathBuf;
+use support::train::TINY_MODEL;
 
 use rolloutpipe_harness::train::{RunOutcome, TrainConfig, read_metrics, run};
 
@@ -21,14 +23,7 @@ progress = false
 [task]
 name = "add"
 digits = 1
-[model]
-hidden_size = 32
-intermediate_size = 64
-layers = 1
-heads = 2
-kv_heads = 1
-head_dim = 16
-[sft]
+{TINY_MODEL}[sft]
 steps = 40
 batch = 16
 lr = 1e-2

@@ -1,6 +1,8 @@
 //! End-to-end runs of `rolloutpipe train` on a tiny model: every mode, the equivalence
 //! property, on-policy versions, an injected engine failure, and resume.
+mod support;
 use std::path::PathBuf;
+use support::train::TINY_MODEL;
 
 use rolloutpipe_backends::Weights;
 use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig, run};
@@ -23,14 +25,7 @@ progress = false
 [task]
 name = "add"
 digits = 1
-[model]
-hidden_size = 32
-intermediate_size = 64
-layers = 1
-heads = 2
-kv_heads = 1
-head_dim = 16
-[sft]
+{TINY_MODEL}[sft]
 steps = 40
 batch = 16
 lr = 1e-2

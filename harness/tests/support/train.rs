@@ -5,6 +5,17 @@
 use rolloutpipe_backends::Weights;
 use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig, run};
 
+/// The `[model]` section of every tiny test run: a 1-layer model with GQA (2 query heads, 1
+/// KV head), small enough that a run takes a second.
+pub const TINY_MODEL: &str = "[model]
+hidden_size = 32
+intermediate_size = 64
+layers = 1
+heads = 2
+kv_heads = 1
+head_dim = 16
+";
+
 /// The tiny run both equivalence tests start from (1-digit addition, a 1-layer model, a short
 /// SFT warm start, `rl.beta > 0`), in `mode`, with `[rl]` and `[rollout]` extras appended to
 /// their sections and `extra` overrides applied; validated.
@@ -25,14 +36,7 @@ name = "add"
 digits = 1
 # Malformed answers score below wrong ones, so that groups have mixed rewards.
 format_penalty = 0.5
-[model]
-hidden_size = 32
-intermediate_size = 64
-layers = 1
-heads = 2
-kv_heads = 1
-head_dim = 16
-[sft]
+{TINY_MODEL}[sft]
 steps = 100
 batch = 16
 lr = 1e-2
