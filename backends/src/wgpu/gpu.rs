@@ -382,6 +382,8 @@ pub struct Exec {
     read_bytes: usize,
     staging: Option<wgpu::Buffer>,
     dummy: wgpu::Buffer,
+    /// The largest storage binding the chunked ops plan for, in bytes (at most the device's).
+    binding_cap: usize,
 }
 
 impl Exec {
@@ -400,7 +402,22 @@ impl Exec {
             reads: Vec::new(),
             read_bytes: 0,
             staging: None,
+            binding_cap: usize::MAX,
         }
+    }
+
+    /// The storage-binding size the chunked ops (embedding, lm_head products, AdamW, the
+    /// gradient norm) split their tensors to fit: the device's limit, or the lower cap of
+    /// [`Exec::cap_binding`].
+    pub fn binding_limit(&self) -> usize {
+        let device = self.gpu.device().limits().max_storage_buffer_binding_size as usize;
+        device.min(self.binding_cap)
+    }
+
+    /// Plans the chunked ops for bindings of at most `bytes` (a multiple of 256, checked by
+    /// the caller): what a device with that limit would run, on any device.
+    pub fn cap_binding(&mut self, bytes: usize) {
+        self.binding_cap = bytes;
     }
 
     /// A small buffer for bindings an entry point does not use.

@@ -163,15 +163,16 @@ impl WgpuBackend {
             .iter()
             .map(|e| gpu.buffer(&format!("adam v {}", e.name), e.len))
             .collect();
+        let ex = Exec::new(Arc::clone(&gpu));
         let n_partials: usize = train_entries
             .iter()
-            .map(|e| ops::grad_norm_groups(e.len))
+            .map(|e| ops::grad_norm_partials(ex.binding_limit(), e.len))
             .sum();
         let partials = gpu.buffer("grad norm partials", n_partials);
         let norm_total = gpu.buffer("grad norm total", 1);
         gpu.check()?;
         Ok(Self {
-            ex: Exec::new(Arc::clone(&gpu)),
+            ex,
             gpu,
             model,
             acts: None,
@@ -191,6 +192,36 @@ impl WgpuBackend {
     pub fn set_kv_pages(&mut self, pages: usize) -> Result<()> {
         self.generator
             .set_kv_pages(&self.gpu, &self.model.cfg, pages)
+    }
+
+    /// Splits every tensor the chunked ops bind (the embedding table and lm_head in the
+    /// embedding and product ops, each parameter's AdamW step and gradient norm) into
+    /// bindings of at most `bytes`, as a device whose storage-binding limit is `bytes` would:
+    /// what runs a model whose tensors exceed a smaller device's limit can be run, and
+    /// checked, on a larger one. `bytes` must be a positive multiple of 256 (the chunks start
+    /// on 256-byte boundaries); a cap above the device's limit changes nothing.
+    pub fn cap_storage_binding(&mut self, bytes: usize) -> Result<()> {
+        if bytes == 0 || !bytes.is_multiple_of(256) {
+            return Err(BackendError::invalid(
+                "storage binding cap",
+                format!("{bytes} bytes is not a positive multiple of 256"),
+            ));
+        }
+        self.ex.cap_binding(bytes);
+        let needed: usize = match self.model.weights {
+            WeightFormat::F32 => self
+                .model
+                .layout
+                .entries
+                .iter()
+                .map(|e| ops::grad_norm_partials(self.ex.binding_limit(), e.len))
+                .sum(),
+            _ => 0,
+        };
+        if needed as u64 * 4 > self.partials.size() {
+            self.partials = self.gpu.buffer("grad norm partials", needed);
+        }
+        self.gpu.check()
     }
 
     /// The generation KV pool's capacity in pages of [`kv::PAGE`] positions.
@@ -279,7 +310,7 @@ impl WgpuBackend {
     fn encode_grad_sumsq(&mut self) {
         let mut base = 0;
         for (e, g) in self.model.layout.entries.iter().zip(&self.model.grads) {
-            ops::grad_norm(
+            base += ops::grad_norm(
                 &mut self.ex,
                 &self.partials,
                 &self.norm_total,
@@ -287,7 +318,6 @@ impl WgpuBackend {
                 e.len,
                 base,
             );
-            base += ops::grad_norm_groups(e.len);
         }
         ops::grad_norm_reduce(&mut self.ex, &self.norm_total, &self.partials, base);
     }

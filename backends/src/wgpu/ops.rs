@@ -90,9 +90,26 @@ pub fn pack_half(bits: &[u16]) -> Vec<u32> {
         .collect()
 }
 
-/// The device's storage-binding limit in bytes.
+/// The storage-binding limit the chunked ops plan for, in bytes ([`Exec::binding_limit`]).
 fn binding_limit(ex: &Exec) -> usize {
-    ex.gpu().device().limits().max_storage_buffer_binding_size as usize
+    ex.binding_limit()
+}
+
+/// Values of `len` f32 per binding of `limit` bytes for an elementwise op: all of them, or a
+/// multiple of 64 (so that every chunk starts on a 256-byte boundary); at least 64.
+pub fn elementwise_chunk(limit: usize, len: usize) -> usize {
+    if len.saturating_mul(4) <= limit {
+        return len.max(1);
+    }
+    (limit / 4 / 64 * 64).max(64)
+}
+
+/// `(first, count)` of each chunk of `len` values, [`elementwise_chunk`] at a time.
+fn chunks(limit: usize, len: usize) -> impl Iterator<Item = (usize, usize)> {
+    let chunk = elementwise_chunk(limit, len);
+    (0..len.max(1))
+        .step_by(chunk)
+        .map(move |first| (first, chunk.min(len - first.min(len))))
 }
 
 /// How many rows of `width` f32 one binding of `limit` bytes holds, rounded down to a
@@ -749,7 +766,8 @@ impl AdamScalars {
     }
 }
 
-/// One AdamW step of an `n`-value tensor in place.
+/// One AdamW step of an `n`-value tensor in place. A tensor above the binding limit runs in
+/// chunks (elementwise, so with the same bits).
 pub fn adamw_step(
     ex: &mut Exec,
     p: &Buffer,
@@ -759,25 +777,49 @@ pub fn adamw_step(
     n: usize,
     s: AdamScalars,
 ) {
-    let prm = Params::new()
-        .u(n)
-        .f(s.grad_scale)
-        .f(s.decay)
-        .f(s.step_size)
-        .f(s.one_minus_beta1)
-        .f(s.beta2)
-        .f(s.one_minus_beta2)
-        .f(s.sqrt_bc2)
-        .f(s.eps);
-    ex.dispatch(Kernel::AdamwStep, 0, &[p, g, m, v], prm, linear(n, 256));
+    let whole = elementwise_chunk(binding_limit(ex), n) >= n;
+    for (first, count) in chunks(binding_limit(ex), n) {
+        let prm = Params::new()
+            .u(count)
+            .f(s.grad_scale)
+            .f(s.decay)
+            .f(s.step_size)
+            .f(s.one_minus_beta1)
+            .f(s.beta2)
+            .f(s.one_minus_beta2)
+            .f(s.sqrt_bc2)
+            .f(s.eps);
+        let r = |b| {
+            if whole {
+                (b, 0, 0)
+            } else {
+                (b, (first * 4) as u64, (count * 4) as u64)
+            }
+        };
+        ex.dispatch_ranges(
+            Kernel::AdamwStep,
+            0,
+            &[r(p), r(g), r(m), r(v)],
+            prm,
+            linear(count, 256),
+        );
+    }
 }
 
-/// Workgroups [`grad_norm`] launches for an `n`-value tensor (its partials' count).
+/// Workgroups [`grad_norm`] launches for one binding of `n` values (its partials' count).
 pub fn grad_norm_groups(n: usize) -> usize {
     n.div_ceil(256).clamp(1, 64)
 }
 
-/// Sum of squares of `g[n]` into `partials[base .. base + grad_norm_groups(n)]`.
+/// Partials [`grad_norm`] writes for an `n`-value tensor under a binding limit of `limit`
+/// bytes: [`grad_norm_groups`] of each chunk.
+pub fn grad_norm_partials(limit: usize, n: usize) -> usize {
+    chunks(limit, n).map(|(_, c)| grad_norm_groups(c)).sum()
+}
+
+/// Sum of squares of `g[n]` into `partials[base ..]`, one partial per workgroup of each
+/// binding-sized chunk; returns how many it wrote ([`grad_norm_partials`]). The chunks and
+/// their workgroups are fixed by `n` and the limit, so the sum's order is too.
 pub fn grad_norm(
     ex: &mut Exec,
     partials: &Buffer,
@@ -785,15 +827,26 @@ pub fn grad_norm(
     g: &Buffer,
     n: usize,
     base: usize,
-) {
-    let p = Params::new().u(n).u(base).u(0);
-    ex.dispatch(
-        Kernel::GradNorm,
-        0,
-        &[g, partials, total],
-        p,
-        [grad_norm_groups(n) as u32, 1],
-    );
+) -> usize {
+    let whole = elementwise_chunk(binding_limit(ex), n) >= n;
+    let mut at = base;
+    for (first, count) in chunks(binding_limit(ex), n) {
+        let p = Params::new().u(count).u(at).u(0);
+        let gb = if whole {
+            (g, 0, 0)
+        } else {
+            (g, (first * 4) as u64, (count * 4) as u64)
+        };
+        ex.dispatch_ranges(
+            Kernel::GradNorm,
+            0,
+            &[gb, (partials, 0, 0), (total, 0, 0)],
+            p,
+            [grad_norm_groups(count) as u32, 1],
+        );
+        at += grad_norm_groups(count);
+    }
+    at - base
 }
 
 /// `total[0] = Σ partials[0 .. count]`.
@@ -898,6 +951,44 @@ mod tests {
             ),
             (8, 8, 12)
         );
+    }
+
+    #[test]
+    fn elementwise_chunks_cover_the_tensor_aligned_and_within_the_limit() {
+        for (limit, len) in [
+            (4096, 0),
+            (4096, 1),
+            (4096, 1024),
+            (4096, 1025),
+            (4096, 5000),
+            (1000, 300),
+            (128 << 20, 155_582_464),
+        ] {
+            let cs: Vec<_> = chunks(limit, len).collect();
+            // Contiguous, in order, covering 0..len (one empty chunk for an empty tensor).
+            let mut next = 0;
+            for &(first, count) in &cs {
+                assert_eq!(first, next, "{limit} {len}");
+                next += count;
+                assert!(count * 4 <= limit || count == 64, "{limit} {len}: {count}");
+                if cs.len() > 1 {
+                    assert_eq!(first * 4 % 256, 0, "{limit} {len}: chunk at {first}");
+                }
+            }
+            assert_eq!(next, len);
+            assert_eq!(
+                cs.len() == 1,
+                len * 4 <= limit || len <= 64,
+                "{limit} {len}"
+            );
+            let partials = grad_norm_partials(limit, len);
+            assert_eq!(
+                partials,
+                cs.iter().map(|&(_, c)| grad_norm_groups(c)).sum::<usize>()
+            );
+        }
+        // The 0.6B embedding (151,936 × 1024 f32) on lavapipe's 128 MiB: 5 chunks.
+        assert_eq!(chunks(128 << 20, 155_582_464).count(), 5);
     }
 
     #[test]
