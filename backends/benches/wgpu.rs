@@ -5,6 +5,8 @@
 //!   operations for the matrix products and attention (criterion's `Gelem/s` reads as
 //!   GFLOP/s) and in bytes moved for the memory-bound ops (GB/s). Each sample records a
 //!   batch of launches into one submission and waits for the device before the clock stops.
+//! - `wgpu_attention_decode/RxP_..`: generation's attention over the paged KV pool, R rows
+//!   at position P - 1 (the last steps of the two generation cases below).
 //! - `wgpu_generate/{wgpu,cpu}/N`: generated tokens/s of the default small model with N
 //!   concurrent requests (16-token prompts, 32 new tokens, prefill included), the same
 //!   workload as `cpu_generate`, with the CPU backend measured in the same run;
@@ -22,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use rolloutpipe_backends::wgpu::kv::{self, KvPool, StepRows};
 use rolloutpipe_backends::wgpu::{Exec, Gpu, WgpuBackend, ops};
 use rolloutpipe_backends::*;
 
@@ -254,6 +257,58 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
             })
         })
     });
+    grp.finish();
+
+    // Generation's attention over the paged KV pool at the last step of
+    // `wgpu_generate/wgpu/16` (16 rows at position 47) and of `wgpu_generate/wgpu_group/8`
+    // (8 rows at position 95), each row on its own pages (the small model's shape).
+    let mut grp = c.benchmark_group("wgpu_attention_decode");
+    grp.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    let cfg = ModelConfig::small();
+    let (h, hd) = (cfg.num_attention_heads, cfg.head_dim);
+    for (rows_n, pos) in [(16usize, 47usize), (8, 95)] {
+        let per = kv::pages_for(pos + 1);
+        let mut pool = KvPool::new(g, &cfg).expect("pool");
+        pool.alloc(rows_n * per).expect("pages");
+        pool.ensure_built(g, &mut ex, &cfg);
+        let pages: Vec<u32> = (0..(rows_n * per) as u32).collect();
+        let meta: Vec<u32> = (0..rows_n)
+            .flat_map(|r| [(r * per) as u32, pos as u32])
+            .collect();
+        let (q, k, v) = (
+            g.upload("q", &data(rows_n * cfg.q_dim(), 9)),
+            g.upload("k", &data(rows_n * cfg.kv_dim(), 10)),
+            g.upload("v", &data(rows_n * cfg.kv_dim(), 11)),
+        );
+        let (mb, pb, out) = (
+            g.upload("meta", &meta),
+            g.upload("pages", &pages),
+            g.buffer("out", rows_n * cfg.q_dim()),
+        );
+        let rows = StepRows {
+            q: &q,
+            out: &out,
+            k: &k,
+            v: &v,
+            meta: &mb,
+            pages: &pb,
+            n: rows_n,
+            pages_len: pages.len(),
+        };
+        // 4·hd flops per (row, head, key): q·k and p·v.
+        grp.throughput(Throughput::Elements(
+            (rows_n * h * (pos + 1) * 4 * hd) as u64,
+        ));
+        grp.bench_function(format!("{rows_n}x{}_h{h}_hd{hd}", pos + 1), |b| {
+            b.iter_custom(|it| {
+                timed(&mut ex, it, |ex| {
+                    rows.attention_decode(ex, &pool, 0, &cfg).expect("decode")
+                })
+            })
+        });
+    }
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_logprob_fwd");
