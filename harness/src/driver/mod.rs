@@ -18,6 +18,7 @@
 //! pick, its multiplexing of the KL reference pass (`train::mux`), one-step-off's buffered
 //! batch) stays in the implementations.
 pub mod metrics;
+pub mod plan;
 
 use anyhow::{Result, anyhow};
 use rolloutpipe_core::{

@@ -238,8 +238,7 @@ pub fn simulate(
         .get(setting)
         .with_context(|| format!("unknown setting `{setting}`"))?;
     let max_running = s.max_running(&cfg.rollout);
-    let max_groups =
-        ((f64::from(s.batch) * cfg.scheduler.max_groups_factor).ceil() as u32).max(s.batch);
+    let max_groups = crate::driver::plan::max_groups(s.batch, cfg.scheduler.max_groups_factor);
     let policy = cfg.alloc.policy(s.batch, s.group as u16)?;
     let mut alloc_plan = Plan::new(s.batch, s.group as u16);
     alloc_plan.max_groups = max_groups;

@@ -628,12 +628,11 @@ impl TrainConfig {
         let responses = u128::from(rl.batch_groups) * u128::from(rl.group_size);
         // Each response keeps tokens, log-probs and activations for the backward pass.
         check_fits("rl.batch_groups x rl.group_size", responses, tokens * 64)?;
-        let max_groups = (f64::from(rl.batch_groups) * self.rollout.max_groups_factor).ceil();
-        let max_groups = if max_groups.is_finite() {
-            max_groups as u128
-        } else {
-            u128::MAX
-        };
+        // The plan's own rule, so that what is checked is what runs.
+        let max_groups = u128::from(crate::driver::plan::max_groups(
+            rl.batch_groups,
+            self.rollout.max_groups_factor,
+        ));
         check_fits(
             "rollout.max_groups_factor x rl.batch_groups",
             max_groups.saturating_mul(u128::from(rl.group_size)),
@@ -695,7 +694,7 @@ impl TrainConfig {
         p.opt_steps = rl.opt_steps;
         p.slots = (ro.engines as u32).saturating_mul(ro.slots);
         p.max_attempts = ro.max_attempts;
-        p.max_groups = ((rl.batch_groups as f64) * ro.max_groups_factor).floor() as u32;
+        p.max_groups = crate::driver::plan::max_groups(rl.batch_groups, ro.max_groups_factor);
         p.draw_batch = ro.draw_batch;
         p.draw_ahead = ro.draw_ahead;
         let order = self.submit_order().unwrap_or_default();
