@@ -43,6 +43,23 @@ op_suite!(wgpu_ops, WgpuOps::new());
 #[cfg(feature = "cuda")]
 op_suite!(cuda_ops, CudaOps::new());
 
+/// An optimizer step's gradient norm and clip scale agree with the reference's (both are
+/// reductions over every gradient).
+fn assert_stats_close(
+    got: &rolloutpipe_backends::optim::OptStats,
+    want: &rolloutpipe_backends::optim::OptStats,
+) {
+    assert_eq!(got.step, want.step);
+    let pair =
+        |s: &rolloutpipe_backends::optim::OptStats| [s.grad_norm as f32, s.clip_scale as f32];
+    assert_close(
+        "grad_norm, clip_scale",
+        &pair(got),
+        &pair(want),
+        tol::REDUCTION,
+    );
+}
+
 /// Weights with some spread (the default init's std 0.02 makes every logit ~0, which would
 /// hide errors): matrices ×5, norm weights 1 ± 0.3.
 fn test_weights(cfg: &ModelConfig, seed: u64) -> Weights {
@@ -347,18 +364,7 @@ macro_rules! backend_suite {
                         cpu.optimizer_step(norm, &opt).expect("cpu step"),
                     );
                     assert_eq!(gs.step, cs.step);
-                    assert_close(
-                        "grad_norm",
-                        &[gs.grad_norm as f32],
-                        &[cs.grad_norm as f32],
-                        tol::REDUCTION,
-                    );
-                    assert_close(
-                        "clip_scale",
-                        &[gs.clip_scale as f32],
-                        &[cs.clip_scale as f32],
-                        tol::REDUCTION,
-                    );
+                    assert_stats_close(&gs, &cs);
                     let (gw, cw) = (
                         be.export_weights().expect("weights"),
                         cpu.export_weights().expect("cpu weights"),
@@ -684,12 +690,7 @@ fn wgpu_chunked_bindings_match_unchunked() {
             tol::REDUCTION,
         );
     }
-    assert_close(
-        "grad_norm",
-        &[ss.grad_norm as f32],
-        &[sw.grad_norm as f32],
-        tol::REDUCTION,
-    );
+    assert_stats_close(ss, sw);
     assert!(
         sw.clip_scale < 1.0,
         "the norm clips, so every partial counts"
@@ -715,12 +716,7 @@ fn wgpu_chunked_bindings_match_unchunked() {
     let host =
         rolloutpipe_backends::optim::step(&mut want, &flat(gs), &mut state, &groups, norm, &opt)
             .expect("host step");
-    assert_close(
-        "clip_scale",
-        &[ss.clip_scale as f32],
-        &[host.clip_scale as f32],
-        tol::REDUCTION,
-    );
+    assert_stats_close(ss, &host);
     let got = flat(&split.export_weights().expect("weights"));
     let moved = got.iter().zip(&flat(&w)).filter(|(a, b)| a != b).count();
     assert!(

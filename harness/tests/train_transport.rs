@@ -2,10 +2,14 @@
 //! (`remote::Loopback`, every message encoded and decoded as a Ray deployment's are) trains
 //! what the in-process run trains, and a rollout engine lost mid-step has its requests
 //! re-admitted on the others.
+mod support;
+
 use std::path::PathBuf;
 
 use rolloutpipe_backends::Weights;
 use rolloutpipe_harness::train::remote::Loopback;
+use support::train::TINY_MODEL;
+
 use rolloutpipe_harness::train::{
     Local, Mode, RunOptions, RunOutcome, TrainConfig, run_with_transport,
 };
@@ -28,14 +32,7 @@ progress = false
 [task]
 name = "add"
 digits = 1
-[model]
-hidden_size = 32
-intermediate_size = 64
-layers = 1
-heads = 2
-kv_heads = 1
-head_dim = 16
-[sft]
+{TINY_MODEL}[sft]
 steps = 40
 batch = 16
 lr = 1e-2
