@@ -617,7 +617,8 @@ fn wgpu_optimizer_state_matches_cpu_and_round_trips() {
 /// rows, AdamW and the gradient norm elementwise from 256-byte-aligned offsets. A backend
 /// capped at 4 KiB bindings (every tensor of the small model but the norms is split) takes the
 /// same GRPO step as an uncapped one: log-probs, gradients, the grad norm and the updated
-/// weights agree (an ignored chunk offset would leave most of each tensor un-stepped).
+/// weights agree (an ignored chunk offset would leave most of each tensor un-stepped). Its
+/// reads back are batched small too, so the batched read-back is checked on the same values.
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_chunked_bindings_match_unchunked() {
@@ -628,6 +629,10 @@ fn wgpu_chunked_bindings_match_unchunked() {
     let mut whole = WgpuBackend::with_gpu(std::sync::Arc::clone(&g), &cfg, &w).expect("wgpu");
     let mut split = WgpuBackend::with_gpu(g, &cfg, &w).expect("wgpu");
     split.cap_storage_binding(4096).expect("cap");
+    // Whole-tensor reads (gradients, weights) in submissions of at most 64 KiB: several
+    // tensors per submission, and the larger ones alone.
+    split.cap_read_batch(64 << 10).expect("read cap");
+    assert!(split.cap_read_batch(0).is_err());
     for bad in [0, 100, 4097] {
         assert!(
             matches!(

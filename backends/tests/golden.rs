@@ -14,10 +14,31 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use rolloutpipe_backends::{
-    Aggregation, CpuBackend, Objective, Sequence, StdMode, TrainBatch, TrainSequence, Trainer,
-    Weights, advantages, load_model_dir,
+    Aggregation, CpuBackend, ModelConfig, Objective, Sequence, StdMode, TrainBatch, TrainSequence,
+    Trainer, Weights, advantages, load_model_dir,
 };
 use serde_json::Value;
+
+#[cfg(feature = "wgpu")]
+#[path = "support/device.rs"]
+mod device;
+
+/// Makes the backend under test from the fixture's model (the weights are dropped after).
+type Make = fn(&ModelConfig, &Weights) -> Option<Box<dyn Trainer>>;
+
+fn cpu(cfg: &ModelConfig, w: &Weights) -> Option<Box<dyn Trainer>> {
+    // All cores: results do not depend on the thread count (see tests/cpu.rs).
+    Some(Box::new(CpuBackend::new(cfg, w, 0).unwrap()))
+}
+
+/// The wgpu backend on the shared device; `None` (a skip) without an adapter.
+#[cfg(feature = "wgpu")]
+fn wgpu(cfg: &ModelConfig, w: &Weights) -> Option<Box<dyn Trainer>> {
+    let g = device::gpu()?;
+    Some(Box::new(
+        rolloutpipe_backends::wgpu::WgpuBackend::with_gpu(g, cfg, w).expect("wgpu backend"),
+    ))
+}
 
 /// `|got − ref| ≤ atol + rtol·|ref|`.
 #[derive(Debug, Clone, Copy)]
@@ -179,11 +200,11 @@ fn u32s(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn run_fixture(name: &str) {
-    run_dir(name, &fixture_dir(name), SMALL);
+fn run_fixture(name: &str, make: Make) {
+    run_dir(name, &fixture_dir(name), SMALL, make);
 }
 
-fn run_dir(name: &str, dir: &Path, tol: Tols) {
+fn run_dir(name: &str, dir: &Path, tol: Tols, make: Make) {
     let (cfg, weights) = load_model_dir(dir).expect("fixture model loads");
     let batch: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("batch.json")).unwrap()).unwrap();
@@ -199,8 +220,9 @@ fn run_dir(name: &str, dir: &Path, tol: Tols) {
     assert_eq!(meta["std"], "sample");
     let temperature = meta["temperature"].as_f64().unwrap();
 
-    // All cores: results do not depend on the thread count (see tests/cpu.rs).
-    let mut be = CpuBackend::new(&cfg, &weights, 0).unwrap();
+    let Some(mut be) = make(&cfg, &weights) else {
+        return;
+    };
     drop(weights);
     let mut failures = Vec::new();
     let mut report = Vec::new();
@@ -309,12 +331,25 @@ fn run_dir(name: &str, dir: &Path, tol: Tols) {
 
 #[test]
 fn golden_tied() {
-    run_fixture("tied");
+    run_fixture("tied", cpu);
 }
 
 #[test]
 fn golden_untied() {
-    run_fixture("untied");
+    run_fixture("untied", cpu);
+}
+
+/// The wgpu backend against transformers directly (conformance checks it against the CPU).
+#[cfg(feature = "wgpu")]
+#[test]
+fn golden_tied_wgpu() {
+    run_fixture("tied", wgpu);
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn golden_untied_wgpu() {
+    run_fixture("untied", wgpu);
 }
 
 /// The real-size case, opt-in because its fixture is ~5 GB and is not committed: generate it
@@ -325,11 +360,24 @@ fn golden_untied() {
 #[test]
 fn golden_qwen3_06b_shape() {
     match std::env::var_os("ROLLOUTPIPE_GOLDEN_LARGE") {
-        Some(dir) => run_dir("qwen3-0.6b", Path::new(&dir), LARGE),
+        Some(dir) => run_dir("qwen3-0.6b", Path::new(&dir), LARGE, cpu),
         None => println!(
             "golden_qwen3_06b_shape: skipped (set ROLLOUTPIPE_GOLDEN_LARGE to the directory \
              that `make_golden.py --qwen3-0.6b DIR` wrote, DIR/qwen3-0.6b)"
         ),
+    }
+}
+
+/// The real-size case on the wgpu backend (`ROLLOUTPIPE_GOLDEN_LARGE` as above, same
+/// fixture): the 622 MB embedding / lm_head and every parameter-sized AdamW and gradient-norm
+/// binding exceed lavapipe's 128 MiB storage bindings, so this runs their chunked paths.
+/// About 13 GB of memory.
+#[cfg(feature = "wgpu")]
+#[test]
+fn golden_qwen3_06b_shape_wgpu() {
+    match std::env::var_os("ROLLOUTPIPE_GOLDEN_LARGE") {
+        Some(dir) => run_dir("qwen3-0.6b (wgpu)", Path::new(&dir), LARGE, wgpu),
+        None => println!("golden_qwen3_06b_shape_wgpu: skipped (see golden_qwen3_06b_shape)"),
     }
 }
 

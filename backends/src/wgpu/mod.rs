@@ -224,6 +224,17 @@ impl WgpuBackend {
         self.gpu.check()
     }
 
+    /// Reads whole tensors back (gradients, weights, optimizer moments) in submissions that
+    /// stage at most `bytes` each, instead of the default [`model::READ_BATCH_BYTES`]: the
+    /// batching a model above one buffer's size needs, testable on a small one. Refused at 0.
+    pub fn cap_read_batch(&mut self, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Err(BackendError::invalid("read batch cap", "0 bytes"));
+        }
+        self.model.read_batch = bytes;
+        Ok(())
+    }
+
     /// The generation KV pool's capacity in pages of [`kv::PAGE`] positions.
     pub fn kv_pages(&mut self) -> Result<usize> {
         self.generator.kv_pages(&self.gpu, &self.model.cfg)

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use rolloutpipe_kernels::WeightFormat;
 use wgpu::Buffer;
 
-use super::gpu::{Exec, Gpu};
+use super::gpu::{Exec, Gpu, Readback, Ticket};
 use super::ops::{self, Loss};
 use crate::config::ModelConfig;
 use crate::cpu::model::{Layout, ParamEntry};
@@ -72,6 +72,9 @@ pub struct DeviceModel {
     pub cos: Buffer,
     /// See `cos`.
     pub sin: Buffer,
+    /// Most bytes one read-back submission of whole tensors stages ([`READ_BATCH_BYTES`];
+    /// lowered by `WgpuBackend::cap_read_batch` to test the batching on small models).
+    pub read_batch: usize,
 }
 
 impl DeviceModel {
@@ -139,6 +142,7 @@ impl DeviceModel {
             grads,
             cfg: cfg.clone(),
             layout,
+            read_batch: READ_BATCH_BYTES,
         })
     }
 
@@ -155,16 +159,9 @@ impl DeviceModel {
 
     /// The parameters read back and widened to f32 (exact), in the flat layout.
     pub fn read_params(&self, ex: &mut Exec) -> Result<Vec<f32>> {
-        let tickets: Vec<_> = self
-            .layout
-            .entries
-            .iter()
-            .zip(&self.params)
-            .map(|(e, b)| ex.read_back(b, 0, stored_words(e, self.weights) * 4))
-            .collect();
-        let back = ex.submit()?;
         let mut flat = vec![0.0f32; self.layout.total];
-        for (e, t) in self.layout.entries.iter().zip(tickets) {
+        let words = |e: &ParamEntry| stored_words(e, self.weights) * 4;
+        self.read_each(ex, &self.params, words, |e, back, t| {
             let out = &mut flat[e.offset..e.offset + e.len];
             match (self.weights, half_stored(e, self.weights)) {
                 (_, false) => out.copy_from_slice(&back.get::<f32>(t)),
@@ -179,8 +176,40 @@ impl DeviceModel {
                     }
                 }
             }
-        }
+        })?;
         Ok(flat)
+    }
+
+    /// Reads `bytes(e)` bytes of each entry's buffer back, in submissions that stage at most
+    /// `read_batch` bytes (or the device's `max_buffer_size`, if smaller) unless one tensor
+    /// alone is larger, and hands them to `put` in layout order. One submission for a whole
+    /// 0.6B model would need a 2.4 GB staging buffer, above lavapipe's 2 GiB buffer limit.
+    fn read_each(
+        &self,
+        ex: &mut Exec,
+        bufs: &[Buffer],
+        bytes: impl Fn(&ParamEntry) -> usize,
+        mut put: impl FnMut(&ParamEntry, &Readback, Ticket),
+    ) -> Result<()> {
+        let device = ex.gpu().device().limits().max_buffer_size;
+        let cap = self
+            .read_batch
+            .min(usize::try_from(device).unwrap_or(usize::MAX));
+        let mut pending = Vec::new();
+        let mut staged = 0;
+        for (e, b) in self.layout.entries.iter().zip(bufs) {
+            let n = bytes(e);
+            if staged > 0 && staged + n > cap {
+                let back = ex.submit()?;
+                pending.drain(..).for_each(|(e, t)| put(e, &back, t));
+                staged = 0;
+            }
+            pending.push((e, ex.read_back(b, 0, n)));
+            staged += n;
+        }
+        let back = ex.submit()?;
+        pending.drain(..).for_each(|(e, t)| put(e, &back, t));
+        Ok(())
     }
 
     /// Bytes of the parameter buffers as allocated.
@@ -190,21 +219,21 @@ impl DeviceModel {
 
     /// Reads tensors (parameters or gradients) back into one flat buffer.
     pub fn read_flat(&self, ex: &mut Exec, bufs: &[Buffer]) -> Result<Vec<f32>> {
-        let tickets: Vec<_> = self
-            .layout
-            .entries
-            .iter()
-            .zip(bufs)
-            .map(|(e, b)| ex.read_back(b, 0, e.len * 4))
-            .collect();
-        let back = ex.submit()?;
         let mut flat = vec![0.0f32; self.layout.total];
-        for (e, t) in self.layout.entries.iter().zip(tickets) {
-            flat[e.offset..e.offset + e.len].copy_from_slice(&back.get::<f32>(t));
-        }
+        self.read_each(
+            ex,
+            bufs,
+            |e| e.len * 4,
+            |e, back, t| {
+                flat[e.offset..e.offset + e.len].copy_from_slice(&back.get::<f32>(t));
+            },
+        )?;
         Ok(flat)
     }
 }
+
+/// Bytes one read-back submission stages at most (see `DeviceModel::read_each`).
+pub const READ_BATCH_BYTES: usize = 256 << 20;
 
 /// The storage format of a [`DType`].
 pub fn weight_format(dtype: DType) -> WeightFormat {
