@@ -49,7 +49,7 @@ use std::sync::Arc;
 pub use gpu::{Exec, Gpu};
 
 use crate::config::ModelConfig;
-use crate::cpu::model::{Layout, check_sequence, check_tokens, validate_train_batch};
+use crate::cpu::model::{Layout, ParamEntry, check_sequence, check_tokens, validate_train_batch};
 use crate::error::{BackendError, Result};
 use crate::loss_inputs::LossInputs;
 use crate::optim::AdamState;
@@ -164,11 +164,10 @@ impl WgpuBackend {
             .map(|e| gpu.buffer(&format!("adam v {}", e.name), e.len))
             .collect();
         let ex = Exec::new(Arc::clone(&gpu));
-        let n_partials: usize = train_entries
-            .iter()
-            .map(|e| ops::grad_norm_partials(ex.binding_limit(), e.len))
-            .sum();
-        let partials = gpu.buffer("grad norm partials", n_partials);
+        let partials = gpu.buffer(
+            "grad norm partials",
+            norm_partials(ex.binding_limit(), train_entries),
+        );
         let norm_total = gpu.buffer("grad norm total", 1);
         gpu.check()?;
         Ok(Self {
@@ -208,16 +207,11 @@ impl WgpuBackend {
             ));
         }
         self.ex.cap_binding(bytes);
-        let needed: usize = match self.model.weights {
-            WeightFormat::F32 => self
-                .model
-                .layout
-                .entries
-                .iter()
-                .map(|e| ops::grad_norm_partials(self.ex.binding_limit(), e.len))
-                .sum(),
-            _ => 0,
+        let trained = match self.model.weights {
+            WeightFormat::F32 => &self.model.layout.entries[..],
+            _ => &[],
         };
+        let needed = norm_partials(self.ex.binding_limit(), trained);
         if needed as u64 * 4 > self.partials.size() {
             self.partials = self.gpu.buffer("grad norm partials", needed);
         }
@@ -468,6 +462,14 @@ impl RolloutEngine for WgpuBackend {
     fn poll_step(&mut self, wait: bool) -> Result<Option<Vec<GenOutput>>> {
         self.generator.poll(&mut self.ex, wait)
     }
+}
+
+/// Gradient-norm partials the trained `entries` need under a binding limit of `limit` bytes.
+fn norm_partials(limit: usize, entries: &[ParamEntry]) -> usize {
+    entries
+        .iter()
+        .map(|e| ops::grad_norm_partials(limit, e.len))
+        .sum()
 }
 
 /// Checks requests before admission: valid, and no id already active or repeated.

@@ -54,7 +54,7 @@ pub fn embedding_fwd_as(
     // start on 256-byte boundaries: 64 rows of f32, 128 rows of 16-bit values.
     let bytes = format.bytes();
     let multiple = 256 / bytes;
-    let chunk = rows_per_binding_as(binding_limit(ex), d, bytes, multiple).min(vocab.max(1));
+    let chunk = rows_per_binding_as(ex.binding_limit(), d, bytes, multiple).min(vocab.max(1));
     for first in (0..vocab.max(1)).step_by(chunk) {
         let count = chunk.min(vocab - first.min(vocab));
         let p = Params::new().u(n).u(d).u(vocab).u(first).u(count);
@@ -88,11 +88,6 @@ pub fn pack_half(bits: &[u16]) -> Vec<u32> {
     bits.chunks(2)
         .map(|p| u32::from(p[0]) | (u32::from(p.get(1).copied().unwrap_or(0)) << 16))
         .collect()
-}
-
-/// The storage-binding limit the chunked ops plan for, in bytes ([`Exec::binding_limit`]).
-fn binding_limit(ex: &Exec) -> usize {
-    ex.binding_limit()
 }
 
 /// Values of `len` f32 per binding of `limit` bytes for an elementwise op: all of them, or a
@@ -237,7 +232,7 @@ pub fn embedding_bwd_spread(
     let runs = (spread / col_blocks).clamp(1, touched.min(MAX_GROUPS_Y));
     let per_group = touched.div_ceil(runs);
     // Rows of the table per launch: all, unless it exceeds the binding limit.
-    let chunk = rows_per_binding(binding_limit(ex), d, 64).min(vocab.max(1));
+    let chunk = rows_per_binding(ex.binding_limit(), d, 64).min(vocab.max(1));
     for first in (0..vocab.max(1)).step_by(chunk) {
         let count = chunk.min(vocab - first.min(vocab));
         let p = Params::new()
@@ -359,7 +354,7 @@ pub fn matmul_fwd_as(
     // whole 256-column strips, so no output changes its launch geometry's summation order
     // (256 rows of W start on a 256-byte boundary in any format).
     let bytes = format.bytes();
-    let chunk = rows_per_binding_as(binding_limit(ex), din, bytes, 256).min(dout.max(1));
+    let chunk = rows_per_binding_as(ex.binding_limit(), din, bytes, 256).min(dout.max(1));
     for c0 in (0..dout.max(1)).step_by(chunk) {
         let cols = chunk.min(dout - c0.min(dout));
         let p = Params::new()
@@ -414,7 +409,7 @@ pub fn matmul_bwd(
     // Rows of W (and dW) per launch: all, unless W exceeds the binding limit. Then dx sums
     // the chunks' products one after another (deterministic, but not the single fma chain
     // of one launch); each dW row is still one chain.
-    let chunk = rows_per_binding(binding_limit(ex), din, 256).min(dout.max(1));
+    let chunk = rows_per_binding(ex.binding_limit(), din, 256).min(dout.max(1));
     for (i, c0) in (0..dout.max(1)).step_by(chunk).enumerate() {
         let rows = chunk.min(dout - c0.min(dout));
         let first_acc = if i == 0 { acc } else { true };
@@ -777,8 +772,8 @@ pub fn adamw_step(
     n: usize,
     s: AdamScalars,
 ) {
-    let whole = elementwise_chunk(binding_limit(ex), n) >= n;
-    for (first, count) in chunks(binding_limit(ex), n) {
+    let whole = elementwise_chunk(ex.binding_limit(), n) >= n;
+    for (first, count) in chunks(ex.binding_limit(), n) {
         let prm = Params::new()
             .u(count)
             .f(s.grad_scale)
@@ -828,9 +823,9 @@ pub fn grad_norm(
     n: usize,
     base: usize,
 ) -> usize {
-    let whole = elementwise_chunk(binding_limit(ex), n) >= n;
+    let whole = elementwise_chunk(ex.binding_limit(), n) >= n;
     let mut at = base;
-    for (first, count) in chunks(binding_limit(ex), n) {
+    for (first, count) in chunks(ex.binding_limit(), n) {
         let p = Params::new().u(count).u(at).u(0);
         let gb = if whole {
             (g, 0, 0)
