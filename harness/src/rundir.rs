@@ -133,6 +133,16 @@ pub fn ensure_empty_dir(dir: &Path, force: bool, what: &str) -> anyhow::Result<(
     Ok(())
 }
 
+/// Takes `dir`'s lock for this invocation's writes and checks it may write there: `dir` must be
+/// empty (besides the lock) unless `force`. Refused, it leaves the path as it found it: the
+/// check runs before the lock file is made, and again once it is held.
+pub fn claim_dir(dir: &Path, force: bool, what: &str) -> anyhow::Result<RunLock> {
+    ensure_empty_dir(dir, force, what)?;
+    let lock = lock(dir)?;
+    ensure_empty_dir(dir, force, what)?;
+    Ok(lock)
+}
+
 /// Refuses to replace the file `path` unless `force`.
 pub fn ensure_new_file(path: &Path, force: bool, what: &str) -> anyhow::Result<()> {
     if path.is_dir() {

@@ -392,6 +392,75 @@ fn nothing_the_user_made_is_overwritten_without_force() {
         "keep me\n"
     );
 
+    // compare refuses a non-empty --out even without a mode directory: its compare.md and
+    // compare.json there are an earlier measurement.
+    let x2 = d.join("cmp2");
+    std::fs::create_dir_all(&x2).unwrap();
+    std::fs::write(x2.join("compare.md"), "earlier table\n").unwrap();
+    let err = run_err(
+        bin()
+            .args(["compare", "--backend", "cpu", "--out"])
+            .arg(&x2),
+    );
+    one_line_error("compare", &err);
+    assert!(err.contains("--force"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(x2.join("compare.md")).unwrap(),
+        "earlier table\n"
+    );
+    assert!(!x2.join(".lock").exists(), "a refused start leaves no lock");
+
+    // simulate: an earlier run's table is refused without --force and replaced with it; a
+    // refused start into a new path creates nothing.
+    let s = d.join("sim");
+    std::fs::create_dir_all(&s).unwrap();
+    std::fs::write(s.join("table.csv"), "earlier\n").unwrap();
+    let sim = |out: &Path, force: bool| {
+        let mut c = bin();
+        c.args([
+            "simulate",
+            "--no-plots",
+            "--focus",
+            "math/R1",
+            "--jobs",
+            "1",
+        ])
+        .args([
+            "--set",
+            "run.profiles=[\"math\"]",
+            "--set",
+            "run.settings=[\"R1\"]",
+        ])
+        .args(["--set", "run.steps=2", "--out"])
+        .arg(out);
+        if force {
+            c.arg("--force");
+        }
+        c
+    };
+    let err = run_err(&mut sim(&s, false));
+    one_line_error("simulate", &err);
+    assert!(err.contains("--force"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(s.join("table.csv")).unwrap(),
+        "earlier\n"
+    );
+    run_ok(&mut sim(&s, true));
+    assert_ne!(
+        std::fs::read_to_string(s.join("table.csv")).unwrap(),
+        "earlier\n"
+    );
+    let err = run_err(
+        bin()
+            .args(["simulate", "--focus", "nowhere/R9", "--out"])
+            .arg(d.join("sim-new")),
+    );
+    one_line_error("simulate", &err);
+    assert!(
+        !d.join("sim-new").exists(),
+        "a refused start creates no --out"
+    );
+
     // train: a finished run is neither overwritten nor made unresumable by a bad resume.
     let cfg = tiny_config(&d);
     let out = d.join("run");
@@ -592,11 +661,11 @@ fn compare_keeps_the_measured_table_when_its_simulation_fails() {
     let cfg = tiny_config(&d);
     let out = d.join("cmp");
     // The simulator's input file cannot be written (a directory is in its place), so the
-    // simulation fails after both real runs finished.
+    // simulation fails after both real runs finished (--force: --out is not empty).
     std::fs::create_dir_all(out.join("sim_measured.toml")).unwrap();
     let err = run_err(
         bin()
-            .args(["compare", "--backend", "cpu", "--config"])
+            .args(["compare", "--backend", "cpu", "--force", "--config"])
             .arg(&cfg)
             .args(["--set", "run.steps=2", "--repeats", "2", "--out"])
             .arg(&out),

@@ -45,6 +45,10 @@ pub struct Args {
     /// Print the resolved configuration as TOML and exit.
     #[arg(long)]
     pub print_config: bool,
+    /// Write into a non-empty --out (files of the same names are replaced); without it a
+    /// non-empty --out is refused.
+    #[arg(long)]
+    pub force: bool,
     /// Compare the allocation policies (GRPO, DAPO-style filter, VIGOR, Pilot-Commit) under
     /// CGP+FGD instead of the modes; writes `alloc.md` and `alloc.csv` (docs/allocation.md).
     #[arg(long)]
@@ -149,6 +153,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.bench {
         return bench(&cfg, threads);
     }
+    // Held until the tables and plots are written; a refused or failed start leaves --out as
+    // it was.
+    let _lock = crate::rundir::claim_dir(&args.out, args.force, "--out")?;
     if args.alloc {
         return super::simulate_alloc::run(
             &cfg,

@@ -96,16 +96,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         anyhow::ensure!(!modes[..i].contains(m), "--modes names {} twice", m.name());
     }
     base.validate()?;
-    // Refuse before the first run starts, not after it finished.
-    for mode in &modes {
-        let dir = args.out.join(mode.name());
-        if !args.force && crate::rundir::has_contents(&dir) {
-            anyhow::bail!(
-                "{} already holds a run; pass --force to replace it or pick another --out",
-                dir.display()
-            );
-        }
-    }
+    // Refuse before the first run starts, not after it finished: the per-mode run
+    // directories and the top-level compare.md, compare.json, plots and fitted config.
+    let _lock = crate::rundir::claim_dir(&args.out, args.force, "--out")?;
     crate::interrupt::install()?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
