@@ -1,6 +1,8 @@
 //! The parts of the core's per-step [`Plan`](rolloutpipe_core::Plan) that `simulate` and
 //! `train` derive from their configs by one rule, so that the two cannot drift apart on them.
 
+use rolloutpipe_core::Counters;
+
 /// Prompts one step may draw at most, from the batch `batch` (B) and the over-sampling
 /// factor: `⌈B · factor⌉`, never below B (a step must be able to draw its batch), saturating
 /// at `u32::MAX`. Validation (`factor` finite and ≥ 1) is the configs'; a factor below 1 or
@@ -11,9 +13,88 @@ pub fn max_groups(batch: u32, factor: f64) -> u32 {
     (drawn as u32).max(batch)
 }
 
+/// Highest share of groups the filter estimate takes for FGD: at 1.0 the frontier would be
+/// unbounded, and a step that filtered everything says little about the next.
+pub const MAX_FILTER_ESTIMATE: f64 = 0.95;
+
+/// FGD's estimate of the share of a step's groups that the filter drops, which widens the
+/// frontier (the core's `expected_filter_ppm`): `prior` for the first step, then the share the
+/// previous step filtered among the groups it resolved (filtered, or accepted into the batch;
+/// aborted groups resolve neither way), clamped to [`MAX_FILTER_ESTIMATE`]. The previous
+/// step is what a live system knows when the next one begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FilterEstimate {
+    ppm: u32,
+}
+
+impl FilterEstimate {
+    /// The estimate before any step was seen (the configs' prior, validated in [0, 1)).
+    pub fn prior(share: f64) -> Self {
+        Self::of(share)
+    }
+
+    fn of(share: f64) -> Self {
+        let share = if share.is_finite() { share } else { 0.0 };
+        Self {
+            // Truncated, as both callers did before they shared this rule.
+            ppm: (share.clamp(0.0, MAX_FILTER_ESTIMATE) * 1e6) as u32,
+        }
+    }
+
+    /// Takes the share the step whose final counters are `c` filtered.
+    pub fn observe(&mut self, c: &Counters) {
+        let (filtered, kept) = (f64::from(c.filtered()), f64::from(c.batch_filled()));
+        *self = Self::of(filtered / (filtered + kept).max(1.0));
+    }
+
+    /// For the next step's plan, in parts per million.
+    pub fn ppm(self) -> u32 {
+        self.ppm
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn filter_estimate_is_the_prior_then_the_previous_steps_share() {
+        assert_eq!(FilterEstimate::prior(0.3).ppm(), 300_000);
+        assert_eq!(FilterEstimate::prior(0.0).ppm(), 0);
+        // Out-of-range priors are clamped (validation refuses them before this).
+        assert_eq!(FilterEstimate::prior(1.0).ppm(), 950_000);
+        assert_eq!(FilterEstimate::prior(f64::NAN).ppm(), 0);
+        let mut e = FilterEstimate::prior(0.3);
+        // 3 filtered, 8 in the batch (trainable + dispatched + trained), 5 aborted.
+        let c = Counters {
+            filtered_zero_variance: 2,
+            filtered_attempts: 1,
+            trainable: 1,
+            dispatched: 2,
+            trained: 5,
+            aborted: 5,
+            ..Counters::default()
+        };
+        e.observe(&c);
+        assert_eq!(e.ppm(), 272_727); // 3 / 11, aborted groups not counted
+        // Only the previous step counts, not a running mean.
+        let c2 = Counters {
+            trained: 4,
+            ..Counters::default()
+        };
+        e.observe(&c2);
+        assert_eq!(e.ppm(), 0);
+        // Everything filtered: clamped.
+        let c3 = Counters {
+            filtered_zero_variance: 9,
+            ..Counters::default()
+        };
+        e.observe(&c3);
+        assert_eq!(e.ppm(), 950_000);
+        // A step that resolved nothing (all aborted) reads as 0, not NaN.
+        e.observe(&Counters::default());
+        assert_eq!(e.ppm(), 0);
+    }
 
     #[test]
     fn max_groups_rounds_up_and_never_below_the_batch() {

@@ -230,6 +230,9 @@ pub struct SchedulerConfig {
     pub max_attempts: u8,
     /// Over-sampling cap: prompts drawn per step are at most this times B.
     pub max_groups_factor: f64,
+    /// FGD's filter-share estimate for the first step, in [0, 1); later steps take the
+    /// previous step's observed share (`driver::plan::FilterEstimate`, as `train` does).
+    pub expected_filter: f64,
 }
 
 /// The baseline's queue order (see the core's `SubmitOrder`).
@@ -427,6 +430,11 @@ impl SimConfig {
             s.max_groups_factor.is_finite() && s.max_groups_factor >= 1.0,
             "scheduler.max_groups_factor must be at least 1, got {}",
             s.max_groups_factor
+        );
+        ensure!(
+            (0.0..1.0).contains(&s.expected_filter),
+            "scheduler.expected_filter must be in [0, 1), got {}",
+            s.expected_filter
         );
         for (name, p) in &self.profile {
             let key = |field: &str| format!("profile.{name}.{field}");

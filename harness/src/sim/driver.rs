@@ -183,7 +183,7 @@ struct Sim<'c> {
     trainer_busy: bool,
     held_total: u64,
     held_since: Ns,
-    expected_filter_ppm: u32,
+    filter: crate::driver::plan::FilterEstimate,
     /// The link that ships rollout data to the trainer is free from this time.
     link_free: Ns,
     /// Cache-aware routing: the engine holding each live group's prompt prefix.
@@ -273,7 +273,7 @@ pub fn simulate(
         trainer_busy: false,
         held_total: 0,
         held_since: 0,
-        expected_filter_ppm: 0,
+        filter: crate::driver::plan::FilterEstimate::prior(cfg.scheduler.expected_filter),
         link_free: 0,
         prefix_home: HashMap::new(),
         last_train_end: 0,
@@ -340,7 +340,7 @@ impl<'c> Sim<'c> {
         plan.admission = match self.mode {
             Mode::Rolloutpipe => AdmissionPolicy::Frontier {
                 width: self.cfg.scheduler.frontier_width,
-                expected_filter_ppm: self.expected_filter_ppm,
+                expected_filter_ppm: self.filter.ppm(),
                 fallback: order,
             },
             _ => AdmissionPolicy::Fifo { order },
@@ -596,8 +596,6 @@ impl<'c> Sim<'c> {
         let slot_occupancy =
             metrics::slot_occupancy(c.occupancy_area, (rollout_end - c.start) as f64, self.slots);
         let completions: Vec<f64> = c.completions.iter().map(|&t| secs(t)).collect();
-        let observed_filter = f64::from(counters.filtered())
-            / f64::from((counters.filtered() + counters.batch_filled()).max(1));
         c.metrics = Some(StepMetrics {
             step,
             version: c.version,
@@ -627,8 +625,8 @@ impl<'c> Sim<'c> {
             extended: c.extended,
             skipped: counters.filtered_skipped,
         });
-        // FGD widens its frontier by the filter rate seen so far (what a live system can know).
-        self.expected_filter_ppm = (observed_filter.clamp(0.0, 0.95) * 1e6) as u32;
+        // FGD widens the next step's frontier by this step's filter rate (the rule `train` uses).
+        self.filter.observe(&counters);
         self.training = None;
         match self.mode {
             Mode::OneStepOff => self.barrier(),

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::data;
 use super::workers::{GroupBatch, Sample};
+use crate::driver::plan::FilterEstimate;
 use crate::rundir::save_model;
 
 /// Saved in each checkpoint beside the weights and optimizer moments.
@@ -32,6 +33,9 @@ pub(super) struct CheckpointState {
     /// Pool indices of problems evicted from later epochs (Pilot-Commit's solved prompts).
     #[serde(default)]
     pub(super) evicted: Vec<usize>,
+    /// FGD's filter estimate for `next_step` (absent in older checkpoints: the prior).
+    #[serde(default)]
+    pub(super) filter: Option<FilterEstimate>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -290,7 +290,8 @@ pub struct RolloutSection {
     pub submit_order: String,
     /// FGD: extra frontier groups.
     pub frontier_width: u32,
-    /// FGD: expected share of groups filtered, in [0, 1).
+    /// FGD: expected share of groups filtered at the first step, in [0, 1); later steps take
+    /// the previous step's observed share (`driver::plan::FilterEstimate`, as `simulate` does).
     pub expected_filter: f64,
     /// Storage of the engines' weights: `f32`, `bf16` or `f16` (the trainer keeps f32 master
     /// weights and moments whatever this is; each sync rounds them to it). Half storage halves
@@ -701,7 +702,8 @@ impl TrainConfig {
         p.admission = match self.run.mode {
             Mode::Rolloutpipe => AdmissionPolicy::Frontier {
                 width: ro.frontier_width,
-                expected_filter_ppm: (ro.expected_filter * 1e6) as u32,
+                expected_filter_ppm: crate::driver::plan::FilterEstimate::prior(ro.expected_filter)
+                    .ppm(),
                 fallback: order,
             },
             _ => AdmissionPolicy::Fifo { order },

@@ -138,6 +138,7 @@ pub fn run_with_transport(
         pending: Vec::new(),
         pending_step: None,
         evicted: Vec::new(),
+        filter: None,
     };
     let mut accuracy_initial = None;
     let mut test_initial = None;

@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use anyhow::Context;
 use rolloutpipe_backends::{CpuBackend, Weights};
-use rolloutpipe_core::{Counters, GroupSlot, PolicyVersion, RequestSlot, Scheduler};
+use rolloutpipe_core::{
+    AdmissionPolicy, Counters, GroupSlot, PolicyVersion, RequestSlot, Scheduler,
+};
 
 use super::checkpoint::{CheckpointState, restore_group, save_checkpoint, save_group};
 use super::config::{Mode, TrainConfig};
@@ -19,6 +21,7 @@ use super::phase::{Phase, TrainAgg};
 use super::plots::gantt;
 use super::run::tok_src;
 use super::workers::GroupBatch;
+use crate::driver::plan::FilterEstimate;
 use crate::driver::{self, Report, metrics};
 use crate::rundir::save_model;
 use crate::tasks::Problem;
@@ -51,7 +54,12 @@ impl Ctx<'_> {
         started: Instant,
     ) -> anyhow::Result<StepsResult> {
         let cfg = self.cfg;
-        let plan = cfg.plan();
+        let mut plan = cfg.plan();
+        // FGD's filter estimate: the config's prior for the first step, then the previous
+        // step's observed share (the rule `simulate` uses), carried across a resume.
+        let mut filter = state
+            .filter
+            .unwrap_or_else(|| FilterEstimate::prior(cfg.rollout.expected_filter));
         let groups_cap = plan.max_groups as usize;
         let mut gslots = vec![GroupSlot::EMPTY; groups_cap];
         let mut rslots = vec![RequestSlot::EMPTY; cfg.alloc.request_capacity(&self.policy, &plan)];
@@ -114,6 +122,13 @@ impl Ctx<'_> {
             let cores = std::slice::from_mut(&mut sched);
             let mut phase = Phase::new(self, k, engine_version, rollout_this, &mut pending);
             if rollout_this {
+                if let AdmissionPolicy::Frontier {
+                    expected_filter_ppm,
+                    ..
+                } = &mut plan.admission
+                {
+                    *expected_filter_ppm = filter.ppm();
+                }
                 let begin = Report::Begin {
                     step: k,
                     version: engine_version,
@@ -165,6 +180,7 @@ impl Ctx<'_> {
             let mut finished: Vec<StepMetrics> = Vec::new();
             if let Some(sum) = summary {
                 counters.push(sum.counters);
+                filter.observe(&sum.counters);
                 let c = &sum.counters;
                 let final_at = sum.batch_final_at.map(|t| t.0).unwrap_or(sum.began_at.0);
                 let rollout_s = final_at.saturating_sub(sum.began_at.0) as f64 * 1e-6;
@@ -280,6 +296,7 @@ impl Ctx<'_> {
             state.evicted = self.evicted.iter().copied().collect();
             state.evicted.sort_unstable();
             state.engine_version = engine_version.0;
+            state.filter = Some(filter);
             if ckpt_now && k < steps {
                 state.pending = pending
                     .iter()

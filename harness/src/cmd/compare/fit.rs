@@ -270,8 +270,11 @@ pub fn simulator_config(
     let order = &cfg.rollout.submit_order;
     writeln!(
         s,
-        "[scheduler]\nfrontier_width = {}\nsubmit_order = \"{order}\"\nmax_attempts = {}\nmax_groups_factor = {}\n",
-        cfg.rollout.frontier_width, cfg.rollout.max_attempts, cfg.rollout.max_groups_factor
+        "[scheduler]\nfrontier_width = {}\nsubmit_order = \"{order}\"\nmax_attempts = {}\nmax_groups_factor = {}\nexpected_filter = {}\n",
+        cfg.rollout.frontier_width,
+        cfg.rollout.max_attempts,
+        cfg.rollout.max_groups_factor,
+        cfg.rollout.expected_filter
     )?;
     writeln!(
         s,
