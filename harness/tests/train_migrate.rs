@@ -43,20 +43,42 @@ fn trained(o: &RunOutcome) -> Vec<(u64, u32, u16, u64)> {
 #[test]
 fn migrated_requests_leave_samples_and_weights_bit_identical() {
     for mode in [Mode::Sync, Mode::Rolloutpipe] {
-        let plain = go(&cfg(mode, &[]), &format!("{mode}-plain"));
+        check_bit_identical(mode, &[], "cpu");
+    }
+}
+
+/// The same on wgpu engines and trainer (lavapipe here): the wgpu engine exports and resumes
+/// requests as the CPU's does. Skipped where the machine has no wgpu adapter.
+#[cfg(feature = "wgpu")]
+#[test]
+fn migrated_requests_on_wgpu_engines_leave_samples_and_weights_bit_identical() {
+    if !matches!(rolloutpipe_backends::wgpu::Gpu::new(), Ok(Some(_))) {
+        eprintln!("SKIP: no wgpu adapter; the wgpu migration run did not run");
+        return;
+    }
+    check_bit_identical(Mode::Rolloutpipe, &["run.backend=wgpu"], "wgpu");
+}
+
+/// Runs `mode` without and with migration (up to 4 times, until some request moves) and
+/// checks that every run trains the same samples into the same weights.
+fn check_bit_identical(mode: Mode, base: &[&str], tag: &str) {
+    {
+        let plain = go(&cfg(mode, base), &format!("{tag}-{mode}-plain"));
         assert_eq!(migrations(&plain), 0);
         let target = bits(&plain.weights);
         let target_kl = kl_loss_bits(&plain);
         let tokens: Vec<u64> = plain.metrics.iter().map(|m| m.tokens).collect();
         // Which requests move depends on timing; every run must end bit-identical, and some
         // run within 4 must move requests.
-        let on = cfg(
-            mode,
+        let sets: Vec<&str> = [
+            base,
             &["rollout.migrate=true", "rollout.migrate_min_generated=1"],
-        );
+        ]
+        .concat();
+        let on = cfg(mode, &sets);
         let mut moved = None;
         for i in 0..4 {
-            let o = go(&on, &format!("{mode}-on-{i}"));
+            let o = go(&on, &format!("{tag}-{mode}-on-{i}"));
             let n = migrations(&o);
             assert!(
                 bits(&o.weights) == target,
@@ -104,8 +126,8 @@ fn migration_refuses_what_it_cannot_do() {
     let base = cfg(Mode::Rolloutpipe, &[]);
     for (sets, want) in [
         (
-            vec!["rollout.migrate=true", "run.backend=wgpu"],
-            "needs run.backend = \"cpu\"",
+            vec!["rollout.migrate=true", "run.backend=cuda"],
+            "needs run.backend = \"cpu\" or \"wgpu\"",
         ),
         (
             vec!["rollout.migrate=true", "rollout.engines=1"],

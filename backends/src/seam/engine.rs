@@ -149,7 +149,7 @@ pub trait RolloutEngine: BackendInfo {
     /// Long-tail migration: removes running request `id`, freeing its KV cache, and hands back
     /// its state for [`resume_request`](RolloutEngine::resume_request) on another engine.
     /// Refused while a step is in flight and for a request that has not generated a token yet
-    /// (re-add it instead). Backends without it (wgpu, CUDA) answer
+    /// (re-add it instead). Backends without it (CUDA) answer
     /// [`BackendError::Unsupported`].
     fn export_request(&mut self, id: RequestKey) -> Result<ResumeState> {
         let _ = id;

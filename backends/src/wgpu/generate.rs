@@ -36,7 +36,7 @@ use super::model::DeviceModel;
 use super::ops;
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
-use crate::seam::{GenOutput, GenRequest, Rejected, RequestKey, SamplingParams};
+use crate::seam::{GenOutput, GenRequest, Rejected, RequestKey, ResumeState, SamplingParams};
 
 // The CPU reference's draw and finish rule, shared so both backends sample the same stream
 // and end requests alike (requests are checked by the backend, with the CPU's checks).
@@ -69,7 +69,10 @@ fn pool_in<'p>(slot: &'p mut Option<KvPool>, gpu: &Gpu, c: &ModelConfig) -> Resu
 #[derive(Debug)]
 struct Active {
     id: RequestKey,
+    /// The prompt, and after a resume the tokens generated before it (prefilled together).
     prompt: Vec<u32>,
+    /// Length of the prompt as the request was asked.
+    orig: usize,
     params: SamplingParams,
     rng: ChaCha8Rng,
     tokens: Vec<u32>,
@@ -202,7 +205,7 @@ impl Generator {
         let own: usize = self
             .active
             .iter()
-            .map(|a| a.prompt.len() + a.params.max_new_tokens - self.prefix_len(a))
+            .map(|a| a.orig + a.params.max_new_tokens - self.prefix_len(a))
             .sum();
         own + self.prefixes.values().map(|p| p.len).sum::<usize>()
     }
@@ -297,6 +300,7 @@ impl Generator {
                 rng: ChaCha8Rng::seed_from_u64(req.params.seed),
                 tokens: Vec::with_capacity(req.params.max_new_tokens),
                 logprobs: Vec::with_capacity(req.params.max_new_tokens),
+                orig: req.prompt.len(),
                 prompt: req.prompt,
                 params: req.params,
                 prefix,
@@ -304,6 +308,87 @@ impl Generator {
                 cached: shared,
             });
         }
+        Ok(())
+    }
+
+    /// Long-tail migration: removes a request that has generated tokens and returns its state
+    /// (prompt, tokens so far, stream position); its pages are freed (a group's shared prompt
+    /// pages once no sample holds them). Refused while a step is in flight, since that step
+    /// has drawn from the request's stream already.
+    pub fn export(&mut self, id: RequestKey) -> Result<ResumeState> {
+        if self.in_flight() {
+            return Err(BackendError::StepInFlight("export_request"));
+        }
+        let i = self
+            .active
+            .iter()
+            .position(|a| a.id == id)
+            .ok_or(BackendError::UnknownRequest(id))?;
+        if self.active[i].tokens.is_empty() {
+            return Err(BackendError::invalid(
+                "export_request",
+                format!("request {id} has not generated a token yet; cancel and re-add it instead"),
+            ));
+        }
+        let mut a = self.active.remove(i);
+        self.release(&a);
+        let stream_words = a.rng.get_word_pos();
+        a.prompt.truncate(a.orig);
+        Ok(ResumeState {
+            request: GenRequest {
+                id: a.id,
+                prompt: a.prompt,
+                params: a.params,
+            },
+            tokens: a.tokens,
+            logprobs: a.logprobs,
+            stream_words,
+        })
+    }
+
+    /// Queues an exported request (validated by the caller): the next step prefills its
+    /// prompt and generated tokens in one chunk, on pages of its own, and samples its next
+    /// token from the restored stream position. A pool with too few free pages hands the
+    /// state back as [`Rejected::Resume`].
+    pub fn resume(&mut self, gpu: &Gpu, c: &ModelConfig, st: ResumeState) -> Result<()> {
+        let orig = st.request.prompt.len();
+        let need = pages_for(orig + st.request.params.max_new_tokens);
+        let pool = pool_in(&mut self.pool, gpu, c)?;
+        if need > pool.free_pages() {
+            return Err(BackendError::EngineFull {
+                reason: format!(
+                    "a resumed request needs {need} KV pages of {PAGE} positions, {} of the pool's {} are free",
+                    pool.free_pages(),
+                    pool.max_pages()
+                ),
+                rejected: Box::new(Rejected::Resume(Box::new(st))),
+            });
+        }
+        let own = pool
+            .alloc(need)
+            .ok_or_else(|| BackendError::Device("KV pool lost free pages".into()))?;
+        let ResumeState {
+            request,
+            tokens,
+            logprobs,
+            stream_words,
+        } = st;
+        let mut rng = ChaCha8Rng::seed_from_u64(request.params.seed);
+        rng.set_word_pos(stream_words);
+        let mut prompt = request.prompt;
+        prompt.extend_from_slice(&tokens);
+        self.active.push(Active {
+            id: request.id,
+            prompt,
+            orig,
+            params: request.params,
+            rng,
+            tokens,
+            logprobs,
+            prefix: None,
+            own,
+            cached: 0,
+        });
         Ok(())
     }
 

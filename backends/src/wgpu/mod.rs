@@ -455,6 +455,22 @@ impl RolloutEngine for WgpuBackend {
         self.generator.cancel(id)
     }
 
+    fn export_request(&mut self, id: RequestKey) -> Result<ResumeState> {
+        self.generator.export(id)
+    }
+
+    fn resume_request(&mut self, st: ResumeState) -> Result<()> {
+        crate::cpu::generate::validate_resume(&self.model.cfg, &st)?;
+        if self.generator.contains(st.request.id) {
+            return Err(BackendError::DuplicateRequest(st.request.id));
+        }
+        self.load()
+            .admit(&self.limits, 1, st.request.kv_tokens(), || {
+                Rejected::Resume(Box::new(st.clone()))
+            })?;
+        self.generator.resume(&self.gpu, &self.model.cfg, st)
+    }
+
     fn submit_step(&mut self) -> Result<()> {
         self.generator.submit(&self.gpu, &mut self.ex, &self.model)
     }

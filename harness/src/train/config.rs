@@ -533,8 +533,8 @@ impl TrainConfig {
         }
         if ro.migrate {
             ensure!(
-                r.backend == "cpu",
-                "rollout.migrate needs run.backend = \"cpu\": the {} engine cannot export a running request's state",
+                matches!(r.backend.as_str(), "cpu" | "wgpu"),
+                "rollout.migrate needs run.backend = \"cpu\" or \"wgpu\": the {} engine cannot export a running request's state",
                 r.backend
             );
             ensure!(
