@@ -3,7 +3,8 @@
 //! and the run ends with the same samples and weights, bit for bit, as the run without it.
 mod support;
 
-use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig};
+use rolloutpipe_harness::train::remote::Loopback;
+use rolloutpipe_harness::train::{Mode, RunOptions, RunOutcome, TrainConfig, run_with_transport};
 use support::train::{bits, kl_loss_bits, tiny_cfg, trace_count};
 
 /// Two engines, and one micro-batch holding the whole batch: the trainer sees the groups in
@@ -27,6 +28,18 @@ fn go(c: &TrainConfig, name: &str) -> RunOutcome {
     support::train::go(c, "migrate", name)
 }
 
+/// The same run with every worker behind the wire (`remote::Loopback`: hosts answering
+/// encoded messages on other threads, as Ray actors do).
+fn go_remote(c: &TrainConfig, name: &str) -> RunOutcome {
+    let d = std::env::temp_dir().join(format!("rp-migrate-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let fresh = RunOptions {
+        resume: false,
+        force: false,
+    };
+    run_with_transport(c, &d, fresh, &Loopback::new(c).transport()).unwrap()
+}
+
 fn migrations(o: &RunOutcome) -> u32 {
     o.metrics.iter().map(|m| m.migrations).sum()
 }
@@ -43,8 +56,16 @@ fn trained(o: &RunOutcome) -> Vec<(u64, u32, u16, u64)> {
 #[test]
 fn migrated_requests_leave_samples_and_weights_bit_identical() {
     for mode in [Mode::Sync, Mode::Rolloutpipe] {
-        check_bit_identical(mode, &[], "cpu");
+        check_bit_identical(mode, &[], "cpu", go);
     }
+}
+
+/// Across the wire: the source host exports (`EngineMsg::Migrate`), the state travels back to
+/// the scheduler and out to the target host in its next `Step` (`resumes`), and the run ends
+/// with the in-process run's samples and weights.
+#[test]
+fn migration_crosses_the_remote_transport_bit_identical() {
+    check_bit_identical(Mode::Rolloutpipe, &[], "remote", go_remote);
 }
 
 /// The same on wgpu engines and trainer (lavapipe here): the wgpu engine exports and resumes
@@ -56,12 +77,18 @@ fn migrated_requests_on_wgpu_engines_leave_samples_and_weights_bit_identical() {
         eprintln!("SKIP: no wgpu adapter; the wgpu migration run did not run");
         return;
     }
-    check_bit_identical(Mode::Rolloutpipe, &["run.backend=wgpu"], "wgpu");
+    check_bit_identical(Mode::Rolloutpipe, &["run.backend=wgpu"], "wgpu", go);
 }
 
 /// Runs `mode` without and with migration (up to 4 times, until some request moves) and
-/// checks that every run trains the same samples into the same weights.
-fn check_bit_identical(mode: Mode, base: &[&str], tag: &str) {
+/// checks that every run trains the same samples into the same weights; the runs with
+/// migration go through `run_on`.
+fn check_bit_identical(
+    mode: Mode,
+    base: &[&str],
+    tag: &str,
+    run_on: fn(&TrainConfig, &str) -> RunOutcome,
+) {
     {
         let plain = go(&cfg(mode, base), &format!("{tag}-{mode}-plain"));
         assert_eq!(migrations(&plain), 0);
@@ -78,7 +105,7 @@ fn check_bit_identical(mode: Mode, base: &[&str], tag: &str) {
         let on = cfg(mode, &sets);
         let mut moved = None;
         for i in 0..4 {
-            let o = go(&on, &format!("{tag}-{mode}-on-{i}"));
+            let o = run_on(&on, &format!("{tag}-{mode}-on-{i}"));
             let n = migrations(&o);
             assert!(
                 bits(&o.weights) == target,

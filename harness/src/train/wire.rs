@@ -11,7 +11,9 @@
 //! remote run trains on exactly the values an in-process one would. Decoding never panics: a
 //! short, oversized or malformed frame is a [`WireError`].
 use rolloutpipe_backends::optim::AdamState;
-use rolloutpipe_backends::{AccumStats, OptStats, SamplingParams, Tensor, Weights};
+use rolloutpipe_backends::{
+    AccumStats, GenRequest, OptStats, RequestKey, ResumeState, SamplingParams, Tensor, Weights,
+};
 use rolloutpipe_core::{GroupId, PolicyVersion, RequestId};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -253,6 +255,57 @@ pub struct WireAdd {
     pub params: WireSampling,
 }
 
+/// A migrated request's state (long-tail migration): exported by one engine host, resumed by
+/// another; see [`ResumeState`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WireResume {
+    /// The core's request id.
+    pub rid: RequestId,
+    /// The engine-level request key.
+    pub key: u64,
+    /// Prompt ids, as the request was asked.
+    pub prompt: Vec<u32>,
+    /// Sampling settings (seed included).
+    pub params: WireSampling,
+    /// Tokens generated before the move.
+    pub tokens: Vec<u32>,
+    /// Their log-probs.
+    #[serde(with = "f32_bits")]
+    pub logprobs: Vec<f32>,
+    /// Position of the request's random stream, in 32-bit words.
+    pub stream_words: u128,
+}
+
+impl WireResume {
+    /// The wire form of request `rid`'s exported state.
+    pub fn new(rid: RequestId, st: &ResumeState) -> Self {
+        WireResume {
+            rid,
+            key: st.request.id.0,
+            prompt: st.request.prompt.clone(),
+            params: (&st.request.params).into(),
+            tokens: st.tokens.clone(),
+            logprobs: st.logprobs.clone(),
+            stream_words: st.stream_words,
+        }
+    }
+
+    /// The request id and the state to resume.
+    pub fn into_state(self) -> (RequestId, ResumeState) {
+        let st = ResumeState {
+            request: GenRequest {
+                id: RequestKey(self.key),
+                prompt: self.prompt,
+                params: self.params.into(),
+            },
+            tokens: self.tokens,
+            logprobs: self.logprobs,
+            stream_words: self.stream_words,
+        };
+        (self.rid, st)
+    }
+}
+
 /// Scheduler → engine host.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum EngineMsg {
@@ -272,11 +325,14 @@ pub enum EngineMsg {
         /// Fault injection (`fault.fail_engine_at_request`).
         fail_at_request: Option<u64>,
     },
-    /// Admissions and cancels, in order, then one decode iteration when `decode`.
+    /// Admissions, resumes and cancels, in order, then one decode iteration when `decode`.
     Step {
         /// Requests to add.
         adds: Vec<WireAdd>,
-        /// Requests to cancel (after the adds).
+        /// Migrated requests to resume (after the adds; absent: none).
+        #[serde(default)]
+        resumes: Vec<WireResume>,
+        /// Requests to cancel (after the adds and resumes).
         cancels: Vec<RequestId>,
         /// Run one decode iteration.
         decode: bool,
@@ -285,6 +341,12 @@ pub enum EngineMsg {
     Sync {
         /// The version.
         version: PolicyVersion,
+    },
+    /// Long-tail migration: export the running request that has generated the most tokens,
+    /// if at least `min_generated` (answered by [`EngineReply::Migrated`]).
+    Migrate {
+        /// Fewest tokens generated for a request to move.
+        min_generated: u32,
     },
 }
 
@@ -320,6 +382,15 @@ pub enum EngineReply {
         outs: Vec<WireOut>,
         /// Requests still running.
         active: usize,
+        /// Resumed requests whose re-prefill this step's decode ran: (request, tokens
+        /// generated before the move, the iteration's seconds).
+        #[serde(default)]
+        reprefilled: Vec<(RequestId, u32, f64)>,
+    },
+    /// The exported request (`None`: nothing long enough, or the engine failed).
+    Migrated {
+        /// Its state.
+        moved: Option<WireResume>,
     },
     /// Weights loaded; decode timings since the last sync.
     Synced {
@@ -593,6 +664,16 @@ mod tests {
                     ..SamplingParams::default()
                 }),
             }],
+            resumes: vec![WireResume {
+                rid: rid(5, 2),
+                key: 77,
+                prompt: vec![1, 2],
+                params: WireSampling::from(&SamplingParams::default()),
+                tokens: vec![9, 8, 7],
+                logprobs: vec![-0.5, f32::from_bits(0x3f80_0001), -0.0],
+                // Past u64: a ChaCha8 stream position is a u128.
+                stream_words: (1u128 << 68) + 3,
+            }],
             cancels: vec![rid(4, 0)],
             decode: true,
         };
@@ -601,6 +682,17 @@ mod tests {
         let (back, parts): (EngineMsg, _) = decode(&bytes).unwrap();
         assert_eq!(back, msg);
         assert_eq!(parts, vec![&blob[..], &[][..]]);
+        // A resumed state comes back as it left, and a Step from before resumes existed
+        // still decodes.
+        let EngineMsg::Step { resumes, .. } = back else {
+            panic!("{back:?}")
+        };
+        let (r, st) = resumes[0].clone().into_state();
+        assert_eq!(WireResume::new(r, &st), resumes[0]);
+        let old = br#"{"Step":{"adds":[],"cancels":[],"decode":false}}"#;
+        let old: serde_json::Value = serde_json::from_slice(old).unwrap();
+        let (m, _): (EngineMsg, _) = decode(&encode(&old, &[])).unwrap();
+        assert!(matches!(m, EngineMsg::Step { resumes, .. } if resumes.is_empty()));
     }
 
     #[test]

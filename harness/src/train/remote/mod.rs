@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use rolloutpipe_backends::{ModelConfig, OptStats, Weights};
-use rolloutpipe_core::RequestId;
 
 use super::config::TrainConfig;
 use super::data;
@@ -33,12 +32,13 @@ use super::steps::{EngineOut, EngineStep, TrainerStep, score, trainer_setup};
 use super::transport::{EngineLink, Start, Transport, Workers, fail_at};
 use super::wire::{
     self, EngineMsg, EngineReply, TrainerAnswer, TrainerMsg, VerifierMsg, VerifierReply, WireAdd,
-    WireError, WireGroup, WireJob, WireOut, WireScore,
+    WireError, WireGroup, WireJob, WireOut, WireResume, WireScore,
 };
-use super::workers::{
-    EngineCmd, Event, TrainCmd, TrainerReply, VerifyJob, make_engine, make_trainer, report,
-};
+use super::workers::{Event, TrainCmd, TrainerReply, VerifyJob, make_engine, make_trainer};
 use crate::tasks::{Task, Tokenizer};
+
+mod engine_proxy;
+use engine_proxy::EngineProxy;
 
 /// Where a message goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -156,6 +156,7 @@ impl EngineHost {
             }
             EngineMsg::Step {
                 adds,
+                resumes,
                 cancels,
                 decode,
             } => {
@@ -170,6 +171,10 @@ impl EngineHost {
                     {
                         outs.extend(step.add(rid, prompt, params.into())?.map(WireOut::from));
                     }
+                    for r in resumes {
+                        let (rid, st) = r.into_state();
+                        outs.extend(step.resume(rid, st)?.map(WireOut::from));
+                    }
                     for rid in cancels {
                         outs.extend(step.cancel(rid)?.map(WireOut::from));
                     }
@@ -182,6 +187,16 @@ impl EngineHost {
                     Ok(outs) => EngineReply::Stepped {
                         outs,
                         active: step.active(),
+                        reprefilled: step.take_reprefilled(),
+                    },
+                    Err(e) => EngineReply::Fatal(e.to_string()),
+                }
+            }
+            EngineMsg::Migrate { min_generated } => {
+                let step = self.step.as_mut().ok_or_else(|| not_ready("engine"))?;
+                match step.migrate_out(min_generated) {
+                    Ok(moved) => EngineReply::Migrated {
+                        moved: moved.map(|(rid, st)| WireResume::new(rid, &st)),
                     },
                     Err(e) => EngineReply::Fatal(e.to_string()),
                 }
@@ -470,10 +485,6 @@ impl Transport for Forwarding {
             "rollout.multiplex is not carried over the wire yet: remote engines have no reference \
              model; run with the local transport or set rollout.multiplex = false"
         );
-        anyhow::ensure!(
-            !cfg.rollout.migrate,
-            "rollout.migrate is not carried over the wire: run with the local transport or set rollout.migrate = false"
-        );
         let link = self.link.clone();
         let publisher = Arc::new(Publisher {
             link: link.clone(),
@@ -570,213 +581,6 @@ fn init_trainer(link: &Link, s: &Start<'_>) -> anyhow::Result<()> {
         TrainerAnswer::Ready => Ok(()),
         TrainerAnswer::Fatal(m) => bail!("{m}"),
         other => bail!("the trainer answered {other:?} to Init"),
-    }
-}
-
-/// The scheduler's side of one remote engine.
-struct EngineProxy {
-    engine: u16,
-    link: Link,
-    publisher: Arc<Publisher>,
-    events: Sender<Event>,
-    /// Requests the host runs, and when they were sent.
-    started: HashMap<RequestId, Instant>,
-    /// The host is gone: its requests were reported preempted.
-    dead: bool,
-}
-
-impl EngineProxy {
-    fn run(&mut self, rx: Receiver<EngineCmd>) {
-        loop {
-            // Block only when the host runs nothing; otherwise keep it decoding.
-            let first = if self.started.is_empty() || self.dead {
-                match rx.recv() {
-                    Ok(c) => Some(c),
-                    Err(_) => return,
-                }
-            } else {
-                None
-            };
-            let (mut adds, mut cancels) = (Vec::new(), Vec::new());
-            for cmd in first
-                .into_iter()
-                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
-            {
-                match cmd {
-                    EngineCmd::Shutdown => return,
-                    EngineCmd::Add {
-                        rid,
-                        prompt,
-                        params,
-                    } => {
-                        if self.dead {
-                            self.emit(Event::EngineFailed {
-                                engine: self.engine,
-                                lost: vec![rid],
-                                preempted: true,
-                            });
-                        } else {
-                            self.started.insert(rid, Instant::now());
-                            adds.push(WireAdd {
-                                rid,
-                                prompt: prompt.to_vec(),
-                                params: (&params).into(),
-                            });
-                        }
-                    }
-                    EngineCmd::Cancel(rid) => {
-                        if !self.dead {
-                            cancels.push(rid);
-                        }
-                    }
-                    EngineCmd::Migrate { .. } | EngineCmd::Resume { .. } => {
-                        // `Forwarding::start` refuses `rollout.migrate`, so this is a bug.
-                        self.emit(Event::Fatal(format!(
-                            "remote engine {}: long-tail migration does not cross the wire",
-                            self.engine
-                        )));
-                        return;
-                    }
-                    EngineCmd::RefLogprobs { .. } => {
-                        // `Forwarding::start` refuses `rollout.multiplex`, so this is a bug.
-                        self.emit(Event::Fatal(format!(
-                            "remote engine {}: multiplexed reference passes do not cross the wire",
-                            self.engine
-                        )));
-                        return;
-                    }
-                    EngineCmd::Sync {
-                        master, version, ..
-                    } => {
-                        // What was queued before the sync goes first.
-                        let (a, c) = (std::mem::take(&mut adds), std::mem::take(&mut cancels));
-                        let queued = !a.is_empty() || !c.is_empty();
-                        if queued && !self.dead && !self.step(a, c, false) {
-                            return;
-                        }
-                        if !self.sync(&master, version) {
-                            return;
-                        }
-                    }
-                }
-            }
-            if self.dead || (self.started.is_empty() && adds.is_empty() && cancels.is_empty()) {
-                continue;
-            }
-            if !self.step(adds, cancels, true) {
-                return;
-            }
-        }
-    }
-
-    fn emit(&self, ev: Event) {
-        let _ = self.events.send(ev);
-    }
-
-    /// The host is gone: every request it ran comes back preempted.
-    fn lose(&mut self, why: &anyhow::Error) {
-        tracing::warn!(
-            engine = self.engine,
-            running = self.started.len(),
-            "rollout engine lost: {why:#}"
-        );
-        self.dead = true;
-        let lost: Vec<RequestId> = self.started.drain().map(|(r, _)| r).collect();
-        self.emit(Event::EngineFailed {
-            engine: self.engine,
-            lost,
-            preempted: true,
-        });
-    }
-
-    /// One `Step` round trip; false when the run must stop (the error was reported).
-    fn step(&mut self, adds: Vec<WireAdd>, cancels: Vec<RequestId>, decode: bool) -> bool {
-        let msg = wire::encode(
-            &EngineMsg::Step {
-                adds,
-                cancels,
-                decode,
-            },
-            &[],
-        );
-        let reply = self
-            .link
-            .call(&Route::Engine(self.engine), msg)
-            .and_then(|b| Ok(wire::decode::<EngineReply>(&b)?.0));
-        match reply {
-            Ok(EngineReply::Stepped { outs, active }) => {
-                for o in outs {
-                    report(self.engine, o.into(), &mut self.started, &self.events);
-                }
-                if active != self.started.len() {
-                    self.emit(Event::Fatal(format!(
-                        "engine {} runs {active} requests but was sent {}",
-                        self.engine,
-                        self.started.len()
-                    )));
-                    return false;
-                }
-                true
-            }
-            Ok(EngineReply::Fatal(m)) => {
-                self.emit(Event::Fatal(m));
-                false
-            }
-            Ok(other) => {
-                self.emit(Event::Fatal(format!(
-                    "engine {} answered {other:?} to Step",
-                    self.engine
-                )));
-                false
-            }
-            Err(e) => {
-                self.lose(&e);
-                true
-            }
-        }
-    }
-
-    /// Publishes `master` (once for all engines) and has the host load it; false when the run
-    /// must stop.
-    fn sync(&mut self, master: &Arc<Weights>, version: rolloutpipe_core::PolicyVersion) -> bool {
-        let engine = self.engine;
-        if !self.dead {
-            if let Err(e) = self.publisher.publish(master) {
-                self.emit(Event::Fatal(format!(
-                    "publishing weights v{}: {e:#}",
-                    version.0
-                )));
-                return false;
-            }
-            let msg = wire::encode(&EngineMsg::Sync { version }, &[]);
-            let reply = self
-                .link
-                .call(&Route::EngineSync(engine), msg)
-                .and_then(|b| Ok(wire::decode::<EngineReply>(&b)?.0));
-            match reply {
-                Ok(EngineReply::Synced { decode }) => {
-                    self.emit(Event::Synced { engine, decode });
-                    return true;
-                }
-                Ok(EngineReply::Fatal(m)) => {
-                    self.emit(Event::Fatal(m));
-                    return false;
-                }
-                Ok(other) => {
-                    self.emit(Event::Fatal(format!(
-                        "engine {engine} answered {other:?} to Sync"
-                    )));
-                    return false;
-                }
-                Err(e) => self.lose(&e),
-            }
-        }
-        // A lost engine "syncs" at once, as a failed in-process engine does.
-        self.emit(Event::Synced {
-            engine,
-            decode: Vec::new(),
-        });
-        true
     }
 }
 
