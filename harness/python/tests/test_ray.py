@@ -2,7 +2,8 @@
 as actors trains what the in-process job trains (laid out in a placement group), the trainer
 puts the weights it exports and the engines sync from that object, TensorBoard gets metrics
 under Slime's names; a killed engine actor's requests are re-admitted on the others; a killed
-trainer actor is recovered from the last checkpoint.
+trainer actor is recovered from the last checkpoint; long-tail migration moves requests
+between engine actors and trains what the run without it trains.
 
 The job is the tiny one of harness/tests/train_transport.rs (a 1-layer model warm-started on
 1-digit addition, 4 groups of 4 per step, 2 engines, 2 verifiers)."""
@@ -198,6 +199,29 @@ def test_killed_engine_actor_requests_are_readmitted(cluster, config, tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "nokill", "tensorboard")), "off by default"
     assert r["trained"] and sorted(r["trained"]) == sorted(whole["trained"])
     assert [c["trained"] for c in r["counters"]] == [c["trained"] for c in whole["counters"]]
+
+
+def test_long_tail_migration_between_engine_actors_trains_what_the_plain_run_trains(
+        cluster, config, tmp_path):
+    # 16-token answers make lengths vary, so one engine is left with the tail while the other
+    # idles; which requests move depends on timing, so up to 4 runs, each bit-identical.
+    sets = ['run.mode="rolloutpipe"', "rl.max_new_tokens=16"]
+    plain = rp.train(config, str(tmp_path / "plain"), sets=sets)
+    on = sets + ["rollout.migrate=true", "rollout.migrate_min_generated=1"]
+    for i in range(4):
+        r = rp_ray.train(config, str(tmp_path / f"mig{i}"), sets=on, tracking=False)
+        accounted(r["counters"])
+        assert sorted(r["trained"]) == sorted(plain["trained"])
+        assert r["weights"] == plain["weights"], "migration changed the weights"
+        assert all(c["requests_failed"] == 0 for c in r["counters"])
+        moved = sum(m["migrations"] for m in r["metrics"])
+        if moved:
+            # Each move is a re-queue in the core, never a failure.
+            assert sum(c["requests_requeued"] for c in r["counters"]) >= moved
+            assert sum(m["migrated_tokens"] for m in r["metrics"]) >= 2 * moved
+            break
+    else:
+        pytest.fail("in 4 Ray runs no request migrated")
 
 
 def test_killed_trainer_actor_resumes_from_the_last_checkpoint(cluster, config, tmp_path):
