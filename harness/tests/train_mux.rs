@@ -3,7 +3,8 @@
 //! the same run without it.
 mod support;
 
-use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig};
+use rolloutpipe_harness::train::remote::Loopback;
+use rolloutpipe_harness::train::{Mode, RunOptions, RunOutcome, TrainConfig, run_with_transport};
 use support::train::{bits, kl_loss_bits, tiny_cfg, trace_count};
 
 /// A tiny run whose schedule is deterministic, so that two runs can be compared bit for bit:
@@ -23,6 +24,17 @@ fn go(c: &TrainConfig, name: &str) -> RunOutcome {
     support::train::go(c, "mux", name)
 }
 
+/// The same run with every worker behind the wire (`remote::Loopback`).
+fn go_remote(c: &TrainConfig, name: &str) -> RunOutcome {
+    let d = std::env::temp_dir().join(format!("rp-mux-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let fresh = RunOptions {
+        resume: false,
+        force: false,
+    };
+    run_with_transport(c, &d, fresh, &Loopback::new(c).transport()).unwrap()
+}
+
 fn mux_groups(o: &RunOutcome) -> u32 {
     o.metrics.iter().map(|m| m.mux_groups).sum()
 }
@@ -30,8 +42,17 @@ fn mux_groups(o: &RunOutcome) -> u32 {
 /// Which groups an engine gets to depends on timing (the trainer may overtake a pass on a
 /// loaded machine), so a run is repeated, up to 4 times, until engines multiplexed some.
 fn go_until_multiplexed(c: &TrainConfig, name: &str, each: impl Fn(&RunOutcome)) -> RunOutcome {
+    go_until_multiplexed_on(go, c, name, each)
+}
+
+fn go_until_multiplexed_on(
+    run_on: fn(&TrainConfig, &str) -> RunOutcome,
+    c: &TrainConfig,
+    name: &str,
+    each: impl Fn(&RunOutcome),
+) -> RunOutcome {
     for i in 0..4 {
-        let o = go(c, &format!("{name}-{i}"));
+        let o = run_on(c, &format!("{name}-{i}"));
         each(&o);
         if mux_groups(&o) > 0 {
             return o;
@@ -93,6 +114,42 @@ fn multiplexed_reference_passes_leave_the_weights_bit_identical() {
             );
         }
     }
+}
+
+/// Across the wire: each engine host builds its reference model from the Init message's
+/// reference part and answers `RefLogprobs`; the run ends on the in-process plain run's
+/// weights, and a perturbed host pass is seen there too (so the passes really came from the
+/// hosts).
+#[test]
+fn multiplexing_crosses_the_remote_transport_bit_identical() {
+    let mode = Mode::Rolloutpipe;
+    let plain = go(&cfg(mode, &[]), "remote-plain");
+    let target = bits(&plain.weights);
+    let target_kl = kl_loss_bits(&plain);
+    let mux = go_until_multiplexed_on(
+        go_remote,
+        &cfg(mode, &["rollout.multiplex=true"]),
+        "remote-mux",
+        |o| {
+            let n = mux_groups(o);
+            assert!(
+                bits(&o.weights) == target,
+                "remote: {n} multiplexed groups changed the weights"
+            );
+            assert_eq!(kl_loss_bits(o), target_kl, "remote: {n} groups, KL or loss");
+        },
+    );
+    assert!(trace_count(&mux, "multiplexed") >= mux_groups(&mux) as usize);
+    let bad = go_until_multiplexed_on(
+        go_remote,
+        &cfg(mode, &["rollout.multiplex=true", "fault.perturb_mux=true"]),
+        "remote-bad",
+        |_| {},
+    );
+    assert!(
+        bits(&bad.weights) != target,
+        "remote: a perturbed host pass left the weights unchanged"
+    );
 }
 
 #[test]

@@ -236,21 +236,6 @@ fn half_storage_engines_run_in_process_and_remote_alike() {
     assert!(rounded > 0, "the trainer's weights are not bf16-rounded");
 }
 
-#[test]
-fn remote_engines_refuse_tail_multiplexing_in_one_line() {
-    let cfg = tiny(Mode::Rolloutpipe, 1)
-        .with_overrides(&["rl.beta=0.1".into(), "rollout.multiplex=true".into()])
-        .unwrap();
-    cfg.validate().unwrap();
-    let lb = Loopback::new(&cfg);
-    let Err(e) = run_with_transport(&cfg, &dir("mux-remote"), FRESH, &lb.transport()) else {
-        panic!("a remote run with rollout.multiplex must be refused");
-    };
-    let msg = format!("{e:#}");
-    assert!(msg.contains("rollout.multiplex"), "{msg}");
-    assert_eq!(msg.lines().count(), 1, "{msg}");
-}
-
 /// `--backend wgpu --set rollout.dtype="bf16"` trains: the engines are bf16 wgpu engines
 /// (`WgpuBackend::with_dtype`) synced from the f32 wgpu trainer through the host, and one GRPO
 /// step runs with every sample accounted for. Skipped where the machine has no wgpu adapter.

@@ -223,6 +223,8 @@ impl Phase<'_, '_> {
                 let span = (self.ctx.us(started), self.ctx.us(ended));
                 self.on_ref_logprobs(engine, step, index, logprobs, span);
             }
+            // The pass stays `Sent`, so its group's micro-batch overtakes it.
+            Event::RefLost { engine } => self.ctx.engine_mux(engine as usize, false),
             Event::Migrated { engine, moved } => self.on_migrated(engine, moved, reports),
             Event::Resumed {
                 engine,

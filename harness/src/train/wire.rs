@@ -255,6 +255,10 @@ pub struct WireAdd {
     pub params: WireSampling,
 }
 
+/// One sequence's log-probs, bit-exact.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WireLogprobs(#[serde(with = "f32_bits")] pub Vec<f32>);
+
 /// A migrated request's state (long-tail migration): exported by one engine host, resumed by
 /// another; see [`ResumeState`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -324,6 +328,13 @@ pub enum EngineMsg {
         model: serde_json::Value,
         /// Fault injection (`fault.fail_engine_at_request`).
         fail_at_request: Option<u64>,
+        /// Tail multiplexing: the reference weights follow as the message's first part, for
+        /// an f32 CPU reference model of the engine's own (absent: none).
+        #[serde(default)]
+        reference: bool,
+        /// `fault.perturb_mux` (tests only).
+        #[serde(default)]
+        perturb_mux: bool,
     },
     /// Admissions, resumes and cancels, in order, then one decode iteration when `decode`.
     Step {
@@ -341,6 +352,15 @@ pub enum EngineMsg {
     Sync {
         /// The version.
         version: PolicyVersion,
+    },
+    /// Tail multiplexing: the reference log-probs of one group's sequences at `temperature`,
+    /// from the engine's reference model (answered by [`EngineReply::RefLogprobs`]).
+    RefLogprobs {
+        /// Per sample, (prompt, response).
+        seqs: Vec<(Vec<u32>, Vec<u32>)>,
+        /// The sampling temperature.
+        #[serde(with = "f32_bit")]
+        temperature: f32,
     },
     /// Long-tail migration: export the running request that has generated the most tokens,
     /// if at least `min_generated` (answered by [`EngineReply::Migrated`]).
@@ -387,6 +407,11 @@ pub enum EngineReply {
         #[serde(default)]
         reprefilled: Vec<(RequestId, u32, f64)>,
     },
+    /// The reference log-probs asked for, per sample.
+    RefLogprobs {
+        /// Per sample, its response tokens' log-probs.
+        logprobs: Vec<WireLogprobs>,
+    },
     /// The exported request (`None`: nothing long enough, or the engine failed).
     Migrated {
         /// Its state.
@@ -422,6 +447,10 @@ pub struct WireGroup {
     group: u32,
     prompt: Vec<u32>,
     samples: Vec<WireSample>,
+    /// Tail multiplexing: the reference log-probs an engine computed, per sample (absent: the
+    /// trainer computes them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ref_logprobs: Option<Vec<WireLogprobs>>,
 }
 
 impl From<&GroupBatch> for WireGroup {
@@ -443,6 +472,8 @@ impl From<&GroupBatch> for WireGroup {
                     correct: s.correct,
                 })
                 .collect(),
+            ref_logprobs: (g.ref_logprobs.as_ref())
+                .map(|l| l.iter().cloned().map(WireLogprobs).collect()),
         }
     }
 }
@@ -466,8 +497,7 @@ impl From<WireGroup> for GroupBatch {
                     correct: s.correct,
                 })
                 .collect(),
-            // Multiplexed passes never cross the wire (the remote transport refuses them).
-            ref_logprobs: None,
+            ref_logprobs: (g.ref_logprobs).map(|l| l.into_iter().map(|l| l.0).collect()),
         }
     }
 }

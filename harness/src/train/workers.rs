@@ -338,6 +338,12 @@ pub enum Event {
         /// Time spent verifying.
         latency: Duration,
     },
+    /// A multiplexed reference pass was lost with its (remote) engine: the trainer computes
+    /// the group's pass itself.
+    RefLost {
+        /// Engine.
+        engine: u16,
+    },
     /// A multiplexed reference pass finished ([`EngineCmd::RefLogprobs`]).
     RefLogprobs {
         /// Engine.

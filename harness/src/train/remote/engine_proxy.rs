@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
 use std::time::Instant;
 
-use rolloutpipe_backends::Weights;
+use rolloutpipe_backends::{Sequence, Weights};
 use rolloutpipe_core::RequestId;
 
 use super::super::wire::{self, EngineMsg, EngineReply, WireAdd, WireResume};
@@ -90,13 +90,15 @@ impl EngineProxy {
                             return;
                         }
                     }
-                    EngineCmd::RefLogprobs { .. } => {
-                        // `Forwarding::start` refuses `rollout.multiplex`, so this is a bug.
-                        self.emit(Event::Fatal(format!(
-                            "remote engine {}: multiplexed reference passes do not cross the wire",
-                            self.engine
-                        )));
-                        return;
+                    EngineCmd::RefLogprobs {
+                        step,
+                        index,
+                        seqs,
+                        temperature,
+                    } => {
+                        if !self.ref_logprobs(step, index, seqs, temperature) {
+                            return;
+                        }
                     }
                     EngineCmd::Sync {
                         master, version, ..
@@ -198,6 +200,58 @@ impl EngineProxy {
             }
             Err(e) => {
                 self.lose(&e);
+                true
+            }
+        }
+    }
+
+    /// One `RefLogprobs` round trip (tail multiplexing): the host's reference model computes
+    /// the group's pass. A lost host loses the pass, which the trainer then computes itself.
+    /// False when the run must stop.
+    fn ref_logprobs(
+        &mut self,
+        step: u64,
+        index: usize,
+        seqs: Vec<Sequence>,
+        temperature: f32,
+    ) -> bool {
+        let engine = self.engine;
+        if self.dead {
+            self.emit(Event::RefLost { engine });
+            return true;
+        }
+        let seqs = (seqs.into_iter()).map(|s| (s.prompt, s.response)).collect();
+        let msg = wire::encode(&EngineMsg::RefLogprobs { seqs, temperature }, &[]);
+        let started = Instant::now();
+        let reply = self
+            .link
+            .call(&Route::Engine(engine), msg)
+            .and_then(|b| Ok(wire::decode::<EngineReply>(&b)?.0));
+        match reply {
+            Ok(EngineReply::RefLogprobs { logprobs }) => {
+                self.emit(Event::RefLogprobs {
+                    engine,
+                    step,
+                    index,
+                    logprobs: logprobs.into_iter().map(|l| l.0).collect(),
+                    started,
+                    ended: Instant::now(),
+                });
+                true
+            }
+            Ok(EngineReply::Fatal(m)) => {
+                self.emit(Event::Fatal(m));
+                false
+            }
+            Ok(other) => {
+                self.emit(Event::Fatal(format!(
+                    "engine {engine} answered {other:?} to RefLogprobs"
+                )));
+                false
+            }
+            Err(e) => {
+                self.lose(&e);
+                self.emit(Event::RefLost { engine });
                 true
             }
         }

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
-use rolloutpipe_backends::{ModelConfig, OptStats, Weights};
+use rolloutpipe_backends::{ModelConfig, OptStats, Sequence, Weights};
 
 use super::config::TrainConfig;
 use super::data;
@@ -32,9 +32,11 @@ use super::steps::{EngineOut, EngineStep, TrainerStep, score, trainer_setup};
 use super::transport::{EngineLink, Start, Transport, Workers, fail_at};
 use super::wire::{
     self, EngineMsg, EngineReply, TrainerAnswer, TrainerMsg, VerifierMsg, VerifierReply, WireAdd,
-    WireError, WireGroup, WireJob, WireOut, WireResume, WireScore,
+    WireError, WireGroup, WireJob, WireLogprobs, WireOut, WireResume, WireScore,
 };
-use super::workers::{Event, TrainCmd, TrainerReply, VerifyJob, make_engine, make_trainer};
+use super::workers::{
+    EngineReference, Event, TrainCmd, TrainerReply, VerifyJob, make_engine, make_trainer,
+};
 use crate::tasks::{Task, Tokenizer};
 
 mod engine_proxy;
@@ -119,6 +121,8 @@ fn not_ready(who: &str) -> anyhow::Error {
 #[derive(Default)]
 pub struct EngineHost {
     step: Option<EngineStep>,
+    /// Tail multiplexing: the engine's reference model.
+    reference: Option<EngineReference>,
 }
 
 impl EngineHost {
@@ -131,7 +135,7 @@ impl EngineHost {
     /// `Sync` read it). Worker failures are answered as `Fatal`; only a malformed or
     /// out-of-order message is an `Err`.
     pub fn handle(&mut self, msg: &[u8], published: Option<&[u8]>) -> anyhow::Result<Vec<u8>> {
-        let (msg, _): (EngineMsg, _) = wire::decode(msg)?;
+        let (msg, parts): (EngineMsg, _) = wire::decode(msg)?;
         let reply = match msg {
             EngineMsg::Init {
                 engine,
@@ -140,18 +144,57 @@ impl EngineHost {
                 dtype,
                 model,
                 fail_at_request,
+                reference,
+                perturb_mux,
             } => {
                 let blob = published.ok_or(WireError::Missing("published weights"))?;
                 let w = wire::weights_from(blob, "weights")?;
                 let mc = model_config(&model)?;
+                let ref_w = match reference {
+                    true => Some(wire::weights_from(
+                        parts
+                            .first()
+                            .ok_or(WireError::Missing("reference weights"))?,
+                        "reference weights",
+                    )?),
+                    false => None,
+                };
                 let made = super::config::engine_dtype(&dtype)
-                    .and_then(|dt| make_engine(&backend, &mc, &w, threads, dt));
+                    .and_then(|dt| make_engine(&backend, &mc, &w, threads, dt))
+                    .and_then(|be| {
+                        let r = ref_w
+                            .map(|r| -> anyhow::Result<EngineReference> {
+                                Ok(EngineReference {
+                                    backend: make_trainer("cpu", &mc, &r, threads)?,
+                                    perturb: perturb_mux,
+                                })
+                            })
+                            .transpose()?;
+                        Ok((be, r))
+                    });
                 match made {
-                    Ok(be) => {
+                    Ok((be, r)) => {
                         self.step = Some(EngineStep::new(engine, be, fail_at_request));
+                        self.reference = r;
                         EngineReply::Ready
                     }
                     Err(e) => EngineReply::Fatal(format!("rollout engine {engine}: {e:#}")),
+                }
+            }
+            EngineMsg::RefLogprobs { seqs, temperature } => {
+                self.step.as_ref().ok_or_else(|| not_ready("engine"))?;
+                let r = self
+                    .reference
+                    .as_mut()
+                    .ok_or(WireError::Missing("reference model (Init had none)"))?;
+                let seqs: Vec<Sequence> = (seqs.into_iter())
+                    .map(|(prompt, response)| Sequence { prompt, response })
+                    .collect();
+                match r.logprobs(&seqs, temperature) {
+                    Ok(lps) => EngineReply::RefLogprobs {
+                        logprobs: lps.into_iter().map(WireLogprobs).collect(),
+                    },
+                    Err(e) => EngineReply::Fatal(format!("reference pass: {e:#}")),
                 }
             }
             EngineMsg::Step {
@@ -480,11 +523,11 @@ impl Forwarding {
 impl Transport for Forwarding {
     fn start(&self, s: Start<'_>) -> anyhow::Result<Workers> {
         let cfg = s.cfg;
-        anyhow::ensure!(
-            !cfg.rollout.multiplex,
-            "rollout.multiplex is not carried over the wire yet: remote engines have no reference \
-             model; run with the local transport or set rollout.multiplex = false"
-        );
+        // Tail multiplexing: each engine host gets the reference weights for a model of its own.
+        let reference = match s.reference {
+            Some(r) if cfg.rollout.multiplex => Some(wire::weights_blob(r)?),
+            _ => None,
+        };
         let link = self.link.clone();
         let publisher = Arc::new(Publisher {
             link: link.clone(),
@@ -502,8 +545,11 @@ impl Transport for Forwarding {
                 dtype: cfg.rollout.dtype.clone(),
                 model: model.clone(),
                 fail_at_request: fail_at(cfg, e),
+                reference: reference.is_some(),
+                perturb_mux: cfg.fault.perturb_mux,
             };
-            let reply = link.call(&Route::EngineSync(e), wire::encode(&init, &[]))?;
+            let parts: Vec<&[u8]> = reference.iter().map(Vec::as_slice).collect();
+            let reply = link.call(&Route::EngineSync(e), wire::encode(&init, &parts))?;
             match wire::decode::<EngineReply>(&reply)?.0 {
                 EngineReply::Ready => {}
                 EngineReply::Fatal(m) => bail!("{m}"),
