@@ -5,8 +5,10 @@
 //!
 //! Differences from the CPU ops, all deliberate: gradient outputs that the model never needs
 //! to accumulate (`swiglu_bwd`, `logprob_bwd`, `attention_bwd`, `grpo_loss_bwd`) are written
-//! rather than added to; `attention_*` take packed rows with per-row metadata instead of one
-//! sequence per call, and save log-sum-exp instead of the probability matrix.
+//! rather than added to; the log-prob ops take one vocabulary chunk of the logits at a time
+//! (the fused lm_head of `lm_head.rs`, as in the CPU reference's `cpu::lm_head`);
+//! `attention_*` take packed rows with per-row metadata instead of one sequence per call, and
+//! save log-sum-exp instead of the probability matrix.
 
 use rolloutpipe_kernels::{Kernel, WeightFormat};
 use wgpu::Buffer;
@@ -670,47 +672,101 @@ pub fn residual_fwd(ex: &mut Exec, out: &Buffer, a: &Buffer, b: &Buffer, n: usiz
     );
 }
 
-/// `logp[r] = log_softmax(logits[r]/T)[targets[r]]` and the entropy, per row.
-#[allow(clippy::too_many_arguments)]
-pub fn logprob_fwd(
-    ex: &mut Exec,
-    logp: &Buffer,
-    entropy: &Buffer,
-    logits: &Buffer,
-    targets: &Buffer,
-    rows: usize,
-    v: usize,
-    temperature: f64,
-) {
-    let p = Params::new().u(rows).u(v).f((1.0 / temperature) as f32);
-    ex.dispatch(
-        Kernel::LogprobFwd,
-        0,
-        &[logits, targets, logp, entropy],
-        p,
-        groups(rows),
-    );
+/// One launch of the chunked log-probs: `rows` scored rows from `row0` of the per-row
+/// buffers (targets, state, outputs), over vocabulary columns `v0 .. v0 + cols`, whose
+/// logits are held `[rows, cols]` in a chunk buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VocabChunk {
+    /// First row of the per-row buffers.
+    pub row0: usize,
+    /// Rows of this launch.
+    pub rows: usize,
+    /// Vocabulary index of the chunk's first column.
+    pub v0: usize,
+    /// Columns of the chunk.
+    pub cols: usize,
 }
 
-/// Backward of [`logprob_fwd`] (written, not accumulated).
+/// The per-row buffers of the chunked log-probs: the running log-sum-exp state `[rows, 4]`
+/// and the three outputs `[rows]`.
+#[derive(Debug, Clone, Copy)]
+pub struct LogprobBufs<'a> {
+    /// `(max, Σ e^(z − max), Σ e^(z − max)·(z − max), z[target])` per row.
+    pub state: &'a Buffer,
+    /// `log_softmax(z)[target]`.
+    pub logp: &'a Buffer,
+    /// Entropy of `softmax(z)`.
+    pub entropy: &'a Buffer,
+    /// `logsumexp(z)`, which the backward reads.
+    pub lse: &'a Buffer,
+}
+
+fn logprob_params(c: VocabChunk, first: bool, temperature: f64) -> Params {
+    Params::new()
+        .u(c.rows)
+        .u(c.cols)
+        .u(c.v0)
+        .u(first as usize)
+        .f((1.0 / temperature) as f32)
+        .u(c.row0)
+}
+
+/// Folds one vocabulary chunk of `z = logits / T` (`logits` `[rows, cols]`) into the running
+/// log-sum-exp state of its rows, starting it fresh when `first`; after the last chunk,
+/// [`logprob_fwd_finish`] writes the outputs.
+pub fn logprob_fwd(
+    ex: &mut Exec,
+    out: LogprobBufs<'_>,
+    logits: &Buffer,
+    targets: &Buffer,
+    c: VocabChunk,
+    first: bool,
+    temperature: f64,
+) {
+    let b = [logits, targets, out.state, out.logp, out.entropy, out.lse];
+    let p = logprob_params(c, first, temperature);
+    ex.dispatch(Kernel::LogprobFwd, 0, &b, p, groups(c.rows));
+}
+
+/// `lse`, `logp = z[target] − lse` and the entropy of rows `row0 .. row0 + rows` from their
+/// states after the last chunk of [`logprob_fwd`].
+pub fn logprob_fwd_finish(ex: &mut Exec, out: LogprobBufs<'_>, row0: usize, rows: usize) {
+    let dummy = ex.dummy();
+    let b = [&dummy, &dummy, out.state, out.logp, out.entropy, out.lse];
+    let c = VocabChunk {
+        row0,
+        rows,
+        v0: 0,
+        cols: 0,
+    };
+    let p = logprob_params(c, false, 1.0);
+    ex.dispatch(Kernel::LogprobFwd, 1, &b, p, linear(rows, 256));
+}
+
+/// Backward of [`logprob_fwd`] for one chunk: turns its logits `[rows, cols]` into their
+/// gradient `dlogp/T · (1[k = target] − softmax(z)_k)` in place, from the saved `lse`.
 #[allow(clippy::too_many_arguments)]
 pub fn logprob_bwd(
     ex: &mut Exec,
-    dlogits: &Buffer,
-    dlogp: &Buffer,
     logits: &Buffer,
+    dlogp: &Buffer,
+    lse: &Buffer,
     targets: &Buffer,
-    rows: usize,
-    v: usize,
+    c: VocabChunk,
     temperature: f64,
 ) {
-    let p = Params::new().u(rows).u(v).f((1.0 / temperature) as f32);
+    let p = Params::new()
+        .u(c.rows)
+        .u(c.cols)
+        .u(c.v0)
+        .f((1.0 / temperature) as f32)
+        .u(c.row0);
     ex.dispatch(
         Kernel::LogprobBwd,
         0,
-        &[logits, targets, dlogp, dlogits],
+        &[targets, dlogp, lse, logits],
         p,
-        groups(rows),
+        linear(c.rows * c.cols, 256),
     );
 }
 
