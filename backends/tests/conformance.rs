@@ -740,11 +740,6 @@ fn wgpu_chunked_bindings_match_unchunked() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_fused_lm_head_matches_cpu_across_chunks() {
-    use rolloutpipe_backends::cpu::lm_head::{lm_head_logprob_bwd, lm_head_logprob_fwd};
-    use rolloutpipe_backends::cpu::model::Layout;
-    use rolloutpipe_backends::wgpu::Exec;
-    use rolloutpipe_backends::wgpu::lm_head::{self, LmPlan};
-    use rolloutpipe_backends::wgpu::model::{Acts, DeviceModel};
     let Some(g) = device::gpu() else { return };
     let cfg = ModelConfig {
         vocab_size: 700,
@@ -752,8 +747,52 @@ fn wgpu_fused_lm_head_matches_cpu_across_chunks() {
         tie_word_embeddings: false,
         ..ModelConfig::small()
     };
-    let (m, d, v, temp) = (100, cfg.hidden_size, cfg.vocab_size, 0.7);
-    let layout = Layout::new(&cfg);
+    for cap in [None, Some(4096)] {
+        fused_lm_head_case(&g, &cfg, 100, cap, cap.is_some());
+    }
+}
+
+/// The same at Qwen3-0.6B's lm_head (151,936 × 1,024: 622 MB, above a 128 MiB binding
+/// limit, so every chunk must bind only its window of W), 3 rows; opt-in with the other
+/// production shapes (`ROLLOUTPIPE_PROD_SHAPES=1`).
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_fused_lm_head_matches_cpu_at_qwen3_vocab() {
+    if std::env::var_os("ROLLOUTPIPE_PROD_SHAPES").is_none() {
+        eprintln!(
+            "wgpu_fused_lm_head_matches_cpu_at_qwen3_vocab: skipped (ROLLOUTPIPE_PROD_SHAPES)"
+        );
+        return;
+    }
+    let Some(g) = device::gpu() else { return };
+    let cfg = ModelConfig {
+        vocab_size: 151_936,
+        hidden_size: 1024,
+        intermediate_size: 64,
+        num_hidden_layers: 1,
+        tie_word_embeddings: true,
+        ..ModelConfig::small()
+    };
+    fused_lm_head_case(&g, &cfg, 3, None, true);
+}
+
+/// One comparison of [`wgpu_fused_lm_head_matches_cpu_across_chunks`]: `m` rows, the
+/// backend's bindings capped at `cap` bytes, and whether the plan must split the vocabulary.
+#[cfg(feature = "wgpu")]
+fn fused_lm_head_case(
+    g: &std::sync::Arc<rolloutpipe_backends::wgpu::Gpu>,
+    cfg: &ModelConfig,
+    m: usize,
+    cap: Option<usize>,
+    split: bool,
+) {
+    use rolloutpipe_backends::cpu::lm_head::{lm_head_logprob_bwd, lm_head_logprob_fwd};
+    use rolloutpipe_backends::cpu::model::Layout;
+    use rolloutpipe_backends::wgpu::Exec;
+    use rolloutpipe_backends::wgpu::lm_head::{self, LmPlan};
+    use rolloutpipe_backends::wgpu::model::{Acts, DeviceModel};
+    let (d, v, temp) = (cfg.hidden_size, cfg.vocab_size, 0.7);
+    let layout = Layout::new(cfg);
     let mut rng = ChaCha8Rng::seed_from_u64(91);
     let flat = rand_vec(&mut rng, layout.total, 0.5);
     let w = flat[layout.lm_head..layout.lm_head + v * d].to_vec();
@@ -793,60 +832,60 @@ fn wgpu_fused_lm_head_matches_cpu_across_chunks() {
         temp,
         &mut scratch,
     );
-    for cap in [None, Some(4096)] {
-        let mut ex = Exec::new(std::sync::Arc::clone(&g));
-        if let Some(c) = cap {
-            ex.cap_binding(c);
-        }
-        let plan = LmPlan::new(ex.binding_limit());
-        let chunks = v.div_ceil(plan.chunk);
-        assert_eq!(chunks > 1, cap.is_some(), "{plan:?}");
-        let md = DeviceModel::new(
-            &g,
-            &cfg,
-            Layout::new(&cfg),
-            &flat,
-            rolloutpipe_kernels::WeightFormat::F32,
-        )
-        .expect("model");
-        let a = Acts::new(&g, &cfg, 64, m.next_power_of_two(), plan);
-        g.write(&a.hsel, &x);
-        g.write(&a.targets, &targets);
-        g.write(&a.dlogp, &dlogp);
-        lm_head::logprob_fwd(&mut ex, &md, &a, m, temp);
-        lm_head::logprob_bwd(&mut ex, &md, &a, m, temp);
-        ex.submit().expect("submit");
-        let get = |b: &::wgpu::Buffer, n: usize| g.read::<f32>(b, n).expect("read");
-        let what = format!("{chunks} chunk(s) of {}", plan.chunk);
-        // 700-term vocabulary reductions in f32 trees against the reference's f64.
-        assert_close(
-            &format!("logp, {what}"),
-            &get(&a.logp, m),
-            &lp,
-            tol::REDUCTION,
-        );
-        assert_close(
-            &format!("entropy, {what}"),
-            &get(&a.entropy, m),
-            &ent,
-            tol::REDUCTION,
-        );
-        assert_close(
-            &format!("lse, {what}"),
-            &get(&a.lse, m),
-            &lse,
-            tol::REDUCTION,
-        );
-        // dx sums 700 products per element, dW 100 (GRAD's per-element bound).
-        assert_close(
-            &format!("dx, {what}"),
-            &get(&a.dhsel, m * d),
-            &dx,
-            tol::GRAD,
-        );
-        let gw = get(&md.grads[md.lm_head], v * d);
-        assert_close(&format!("dW, {what}"), &gw, &dw, tol::GRAD);
+    drop(scratch);
+    let mut ex = Exec::new(std::sync::Arc::clone(g));
+    if let Some(c) = cap {
+        ex.cap_binding(c);
     }
+    let plan = LmPlan::new(ex.binding_limit());
+    let chunks = v.div_ceil(plan.chunk);
+    assert_eq!(chunks > 1, split, "{plan:?}");
+    let md = DeviceModel::new(
+        g,
+        cfg,
+        layout,
+        &flat,
+        rolloutpipe_kernels::WeightFormat::F32,
+    )
+    .expect("model");
+    drop(flat);
+    let a = Acts::new(g, cfg, 64, m.next_power_of_two(), plan);
+    g.write(&a.hsel, &x);
+    g.write(&a.targets, &targets);
+    g.write(&a.dlogp, &dlogp);
+    lm_head::logprob_fwd(&mut ex, &md, &a, m, temp);
+    lm_head::logprob_bwd(&mut ex, &md, &a, m, temp);
+    ex.submit().expect("submit");
+    let get = |b: &::wgpu::Buffer, n: usize| g.read::<f32>(b, n).expect("read");
+    let what = format!("{chunks} chunk(s) of {}", plan.chunk);
+    // Vocabulary reductions in f32 trees against the reference's f64.
+    assert_close(
+        &format!("logp, {what}"),
+        &get(&a.logp, m),
+        &lp,
+        tol::REDUCTION,
+    );
+    assert_close(
+        &format!("entropy, {what}"),
+        &get(&a.entropy, m),
+        &ent,
+        tol::REDUCTION,
+    );
+    assert_close(
+        &format!("lse, {what}"),
+        &get(&a.lse, m),
+        &lse,
+        tol::REDUCTION,
+    );
+    // dx sums v products per element, dW m (GRAD's per-element bound).
+    assert_close(
+        &format!("dx, {what}"),
+        &get(&a.dhsel, m * d),
+        &dx,
+        tol::GRAD,
+    );
+    let gw = get(&md.grads[md.lm_head], v * d);
+    assert_close(&format!("dW, {what}"), &gw, &dw, tol::GRAD);
 }
 
 /// Scoring on wgpu is batch-invariant bit for bit: a sequence's log-probs are the same alone

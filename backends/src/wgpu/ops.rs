@@ -411,7 +411,10 @@ pub fn matmul_fwd_window(
             .u(din)
             .u(accumulate as usize)
             .u(dout);
-        let (wb, yb) = if chunk >= dout && window.first == 0 {
+        // W bound whole only where the window is all of it: a first chunk of a larger W
+        // (the lm_head's first vocabulary chunk) must not bind the rest.
+        let whole = chunk >= dout && covers(w, window, din, bytes);
+        let (wb, yb) = if whole {
             ((w, 0, 0), y)
         } else {
             (
@@ -430,6 +433,11 @@ pub fn matmul_fwd_window(
             ex.dispatch_as(Kernel::MatmulFwd, format, 0, &bufs, p, tiles(cols, n));
         }
     }
+}
+
+/// Whether `window` (rows of `din` values of `bytes` each) is all of `w`'s buffer.
+fn covers(w: &Buffer, window: Window, din: usize, bytes: usize) -> bool {
+    window.first == 0 && binding_bytes(window.rows * din, bytes) == w.size()
 }
 
 /// `part` from `skip` more bytes on (its size shrunk to match, unless it runs to the end).
@@ -505,7 +513,7 @@ pub fn matmul_bwd_window(
             .u(din)
             .u(first_acc as usize)
             .u(dout);
-        let whole = chunk >= dout && window.first == 0;
+        let whole = chunk >= dout && covers(w, window, din, 4) && covers(dw, window, din, 4);
         let part = |b: &Buffer| {
             if whole {
                 (b.clone(), 0, 0)
