@@ -320,13 +320,32 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
             g.upload("logits", &data(rows * vocab, 9)),
             g.upload("targets", &vec![1u32; rows]),
         );
-        let (lp, en) = (g.buffer("logp", rows), g.buffer("entropy", rows));
-        // Three passes over the logits.
-        grp.throughput(Throughput::Bytes((12 * rows * vocab) as u64));
+        let (lp, en, lse) = (
+            g.buffer("logp", rows),
+            g.buffer("entropy", rows),
+            g.buffer("lse", rows),
+        );
+        let st = g.buffer("state", 4 * rows);
+        let out = ops::LogprobBufs {
+            state: &st,
+            logp: &lp,
+            entropy: &en,
+            lse: &lse,
+        };
+        // One vocabulary chunk of the fused lm_head (all of it here), folded and finished:
+        // two passes over the logits.
+        let c = ops::VocabChunk {
+            row0: 0,
+            rows,
+            v0: 0,
+            cols: vocab,
+        };
+        grp.throughput(Throughput::Bytes((8 * rows * vocab) as u64));
         grp.bench_function(format!("{rows}x{vocab}"), |b| {
             b.iter_custom(|it| {
                 timed(&mut ex, it, |ex| {
-                    ops::logprob_fwd(ex, &lp, &en, &z, &tg, rows, vocab, 1.0)
+                    ops::logprob_fwd(ex, out, &z, &tg, c, true, 1.0);
+                    ops::logprob_fwd_finish(ex, out, 0, rows);
                 })
             })
         });

@@ -732,6 +732,193 @@ fn wgpu_chunked_bindings_match_unchunked() {
     assert_close("weights after the chunked AdamW", &got, &want, tol::ADAMW);
 }
 
+/// The fused lm_head (`wgpu::lm_head`) against the CPU reference's (`cpu::lm_head`), per
+/// element: log-probs, entropies and log-sum-exps, the hidden states' gradient and
+/// lm_head's. At 4 KiB bindings the plan is 256-token chunks and 64-row blocks, so a
+/// 700-token vocabulary spans three chunks (the last one 188 wide, holding target 699 and
+/// others) and 100 scored rows two blocks; uncapped the vocabulary is one chunk.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_fused_lm_head_matches_cpu_across_chunks() {
+    let Some(g) = device::gpu() else { return };
+    let cfg = ModelConfig {
+        vocab_size: 700,
+        num_hidden_layers: 1,
+        tie_word_embeddings: false,
+        ..ModelConfig::small()
+    };
+    for cap in [None, Some(4096)] {
+        fused_lm_head_case(&g, &cfg, 100, cap, cap.is_some());
+    }
+}
+
+/// The same at Qwen3-0.6B's lm_head (151,936 × 1,024: 622 MB, above a 128 MiB binding
+/// limit, so every chunk must bind only its window of W), 3 rows; opt-in with the other
+/// production shapes (`ROLLOUTPIPE_PROD_SHAPES=1`).
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_fused_lm_head_matches_cpu_at_qwen3_vocab() {
+    if !std::env::var("ROLLOUTPIPE_PROD_SHAPES").is_ok_and(|v| v == "1") {
+        eprintln!(
+            "wgpu_fused_lm_head_matches_cpu_at_qwen3_vocab: skipped (ROLLOUTPIPE_PROD_SHAPES)"
+        );
+        return;
+    }
+    let Some(g) = device::gpu() else { return };
+    let cfg = ModelConfig {
+        vocab_size: 151_936,
+        hidden_size: 1024,
+        intermediate_size: 64,
+        num_hidden_layers: 1,
+        tie_word_embeddings: true,
+        ..ModelConfig::small()
+    };
+    fused_lm_head_case(&g, &cfg, 3, None, true);
+}
+
+/// One comparison of [`wgpu_fused_lm_head_matches_cpu_across_chunks`]: `m` rows, the
+/// backend's bindings capped at `cap` bytes, and whether the plan must split the vocabulary.
+#[cfg(feature = "wgpu")]
+fn fused_lm_head_case(
+    g: &std::sync::Arc<rolloutpipe_backends::wgpu::Gpu>,
+    cfg: &ModelConfig,
+    m: usize,
+    cap: Option<usize>,
+    split: bool,
+) {
+    use rolloutpipe_backends::cpu::lm_head::{lm_head_logprob_bwd, lm_head_logprob_fwd};
+    use rolloutpipe_backends::cpu::model::Layout;
+    use rolloutpipe_backends::wgpu::Exec;
+    use rolloutpipe_backends::wgpu::lm_head::{self, LmPlan};
+    use rolloutpipe_backends::wgpu::model::{Acts, DeviceModel};
+    let (d, v, temp) = (cfg.hidden_size, cfg.vocab_size, 0.7);
+    let layout = Layout::new(cfg);
+    let mut rng = ChaCha8Rng::seed_from_u64(91);
+    let flat = rand_vec(&mut rng, layout.total, 0.5);
+    let w = flat[layout.lm_head..layout.lm_head + v * d].to_vec();
+    let x = rand_vec(&mut rng, m * d, 2.0);
+    let dlogp = rand_vec(&mut rng, m, 1.0);
+    let mut targets = rand_ids(&mut rng, m, v);
+    for (r, t) in targets.iter_mut().enumerate().take(12) {
+        *t = (v - 1 - 17 * r) as u32; // the last chunk, its last token first
+    }
+    let (mut lp, mut ent, mut lse) = (vec![0.0f32; m], vec![0.0; m], vec![0.0; m]);
+    let mut scratch = Vec::new();
+    lm_head_logprob_fwd(
+        &mut lp,
+        &mut ent,
+        &mut lse,
+        &x,
+        &w,
+        &targets,
+        m,
+        d,
+        v,
+        temp,
+        &mut scratch,
+    );
+    let (mut dx, mut dw) = (vec![0.0f32; m * d], vec![0.0; v * d]);
+    lm_head_logprob_bwd(
+        &mut dx,
+        &mut dw,
+        &dlogp,
+        &x,
+        &w,
+        &targets,
+        &lse,
+        m,
+        d,
+        v,
+        temp,
+        &mut scratch,
+    );
+    drop(scratch);
+    let mut ex = Exec::new(std::sync::Arc::clone(g));
+    if let Some(c) = cap {
+        ex.cap_binding(c);
+    }
+    let plan = LmPlan::new(ex.binding_limit());
+    let chunks = v.div_ceil(plan.chunk);
+    assert_eq!(chunks > 1, split, "{plan:?}");
+    let md = DeviceModel::new(
+        g,
+        cfg,
+        layout,
+        &flat,
+        rolloutpipe_kernels::WeightFormat::F32,
+    )
+    .expect("model");
+    drop(flat);
+    let a = Acts::new(g, cfg, 64, m.next_power_of_two(), plan);
+    g.write(&a.hsel, &x);
+    g.write(&a.targets, &targets);
+    g.write(&a.dlogp, &dlogp);
+    lm_head::logprob_fwd(&mut ex, &md, &a, m, temp);
+    lm_head::logprob_bwd(&mut ex, &md, &a, m, temp);
+    ex.submit().expect("submit");
+    let get = |b: &::wgpu::Buffer, n: usize| g.read::<f32>(b, n).expect("read");
+    let what = format!("{chunks} chunk(s) of {}", plan.chunk);
+    // Vocabulary reductions in f32 trees against the reference's f64.
+    assert_close(
+        &format!("logp, {what}"),
+        &get(&a.logp, m),
+        &lp,
+        tol::REDUCTION,
+    );
+    assert_close(
+        &format!("entropy, {what}"),
+        &get(&a.entropy, m),
+        &ent,
+        tol::REDUCTION,
+    );
+    assert_close(
+        &format!("lse, {what}"),
+        &get(&a.lse, m),
+        &lse,
+        tol::REDUCTION,
+    );
+    // dx sums v products per element, dW m (GRAD's per-element bound).
+    assert_close(
+        &format!("dx, {what}"),
+        &get(&a.dhsel, m * d),
+        &dx,
+        tol::GRAD,
+    );
+    let gw = get(&md.grads[md.lm_head], v * d);
+    assert_close(&format!("dW, {what}"), &gw, &dw, tol::GRAD);
+}
+
+/// Scoring on wgpu is batch-invariant bit for bit: a sequence's log-probs are the same alone
+/// as packed among others, because the fused lm_head reduces every row over the same
+/// vocabulary chunks in the same order whatever the number of rows (checked with the
+/// vocabulary in several chunks and the rows in several blocks).
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_scoring_is_batch_invariant() {
+    use rolloutpipe_backends::wgpu::WgpuBackend;
+    let Some(g) = device::gpu() else { return };
+    let cfg = ModelConfig {
+        vocab_size: 700,
+        ..ModelConfig::small()
+    };
+    let w = test_weights(&cfg, 93);
+    let mut be = WgpuBackend::with_gpu(g, &cfg, &w).expect("wgpu");
+    be.cap_storage_binding(4096).expect("cap");
+    let mut rng = ChaCha8Rng::seed_from_u64(94);
+    let seqs: Vec<Sequence> = (0..5)
+        .map(|i| Sequence {
+            prompt: rand_ids(&mut rng, 3 + 2 * i, cfg.vocab_size),
+            response: rand_ids(&mut rng, 9 + 11 * i, cfg.vocab_size),
+        })
+        .collect();
+    let together = be.logprobs(&seqs, 0.8).expect("logprobs");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (s, t) in seqs.iter().zip(&together) {
+        let alone = be.logprobs(std::slice::from_ref(s), 0.8).expect("logprobs");
+        assert_eq!(bits(&alone[0]), bits(t), "log-probs bit for bit");
+    }
+}
+
 /// Decoding on wgpu is batch-invariant bit for bit: each request's tokens and log-probs are
 /// the same alone (every decode product has one row: `matmul_fwd_rows`) as among 11 others
 /// (12 rows: the tiled GEMM of the `gemm` prelude), because both sum every output in the same

@@ -13,7 +13,7 @@
 //!
 //! Helpers that several kernels need are written once, in `kernels/wgsl/prelude/` (`gemm`:
 //! the tiled GEMM body of `matmul_fwd` and `matmul_bwd`; `reduce`: workgroup tree
-//! reductions; `lse`: per-row max and log-sum-exp), and [`Kernel::wgsl`] prepends the ones a
+//! reductions; `lse`: per-row max and shifted exponential sums), and [`Kernel::wgsl`] prepends the ones a
 //! kernel lists ([`Kernel::preludes`]) to its file.
 //!
 //! The two kernels that read a parameter matrix, `embedding_fwd` and `matmul_fwd`
@@ -184,10 +184,12 @@ kernels! {
     SwigluBwd => "swiglu_bwd", ["swiglu_bwd"], 5, ro [1, 2, 3], [256, 1, 1], ["swiglu_bwd"];
     /// `out = a + b`.
     ResidualFwd => "residual_fwd", ["residual_fwd"], 3, ro [1, 2], [256, 1, 1], ["residual_fwd"];
-    /// `log_softmax(logits / T)` at the targets, and the entropy, per row.
-    LogprobFwd => "logprob_fwd" + "reduce" + "lse", ["logprob_fwd"], 4, ro [1, 2], [256, 1, 1], ["logprob_fwd", "logprob_fwd_finish"];
-    /// Gradient of the log-probs with respect to the logits.
-    LogprobBwd => "logprob_bwd" + "reduce" + "lse", ["logprob_bwd"], 4, ro [1, 2, 3], [256, 1, 1], ["logprob_bwd"];
+    /// `log_softmax(logits / T)` at the targets, the entropy and the log-sum-exp per row,
+    /// over the vocabulary in chunks: each chunk's logits folded into a running state, then
+    /// the outputs written from it.
+    LogprobFwd => "logprob_fwd" + "reduce" + "lse", ["logprob_fwd", "logprob_fwd_finish"], 6, ro [1, 2], [256, 1, 1], ["logprob_fwd", "logprob_fwd_finish"];
+    /// Gradient of the log-probs with respect to one vocabulary chunk of the logits, in place.
+    LogprobBwd => "logprob_bwd", ["logprob_bwd"], 4, ro [1, 2, 3], [256, 1, 1], ["logprob_bwd"];
     /// Sums of the weighted clipped GRPO objective (or SFT), KL, clip count and entropy.
     GrpoLossFwd => "grpo_loss_fwd", ["grpo_loss_fwd"], 8, ro [1, 2, 3, 4, 5, 6, 8], [256, 1, 1], ["grpo_loss_fwd"];
     /// Per-token gradient of the weighted objective with respect to the log-probs.

@@ -1,40 +1,47 @@
-// logprob_bwd: for logp = z[t] − lse with z = logits / temperature and π = softmax(z),
-//   dlogits_k = dlogp / temperature · (1[k = t] − π_k)
-// (written, not accumulated: logits are per micro-batch; the objective has no entropy term,
-// as in the CPU reference). One workgroup per row; lse is recomputed rather than stored.
+// logprob_bwd: gradient of the log-probs with respect to one vocabulary chunk of the logits
+// (the chunked lm_head of logprob_fwd): for column j of the chunk, token k = v0 + j,
+//   dlogits[r, j] = g_r·(1[k = target_r] − π_rk),  g_r = dlogp[r] / T,
+//   π_rk = exp(z_rk − lse_r), z = logits / T   (lse saved by logprob_fwd_finish).
+// The host recomputes the chunk's logits with matmul_fwd, and this kernel turns them into
+// dlogits in place, which matmul_bwd then takes through the chunk of the projection; no
+// [rows, vocab] tensor is ever stored. Written, not accumulated; the objective has no entropy
+// term, as in the CPU reference (cpu::lm_head::lm_head_logprob_bwd: −g·π, then + g at the
+// target). One thread per element; rows row0.. of dlogp, lse and targets.
+// Mirrors: kernels/ptx/logprob_bwd.ptx. Determinism: elementwise, no reduction.
 
 struct Params {
     rows: u32,
-    vocab: u32,
+    cols: u32,
+    v0: u32,
     inv_temp: f32,
-    _pad: u32,
+    row0: u32,
+    _p0: u32,
+    _p1: u32,
+    _p2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> logits: array<f32>;
-@group(0) @binding(2) var<storage, read> targets: array<u32>;
-@group(0) @binding(3) var<storage, read> dlogp: array<f32>;
-@group(0) @binding(4) var<storage, read_write> dlogits: array<f32>;
+@group(0) @binding(1) var<storage, read> targets: array<u32>;
+@group(0) @binding(2) var<storage, read> dlogp: array<f32>;
+@group(0) @binding(3) var<storage, read> lse: array<f32>;
+@group(0) @binding(4) var<storage, read_write> logits: array<f32>; // in: logits, out: dlogits
 
 @compute @workgroup_size(256)
 fn logprob_bwd(
-    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(global_invocation_id) gid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
 ) {
-    let row = wid.x + wid.y * nwg.x;
-    if (row >= p.rows) {
+    let i = gid.x + gid.y * nwg.x * 256u;
+    if (i >= p.rows * p.cols) {
         return;
     }
-    let base = row * p.vocab;
-    let lse = row_lse(lid, base, row_max(lid, base));
-    let t = min(targets[row], p.vocab - 1u);
-    let g = dlogp[row] * p.inv_temp;
-    for (var i = lid; i < p.vocab; i += WG) {
-        var dz = -g * exp(logits[base + i] * p.inv_temp - lse);
-        if (i == t) {
-            dz += g;
-        }
-        dlogits[base + i] = dz;
+    let r = i / p.cols;
+    let j = i % p.cols;
+    let g = p.row0 + r;
+    let gr = dlogp[g] * p.inv_temp;
+    var dz = -gr * exp(logits[i] * p.inv_temp - lse[g]);
+    if (targets[g] == p.v0 + j) {
+        dz += gr;
     }
+    logits[i] = dz;
 }

@@ -7,6 +7,8 @@
 //! - [`ops`]: one launcher per kernel, named and shaped like `cpu::ops`;
 //! - `model`: parameters, gradients and activations on the device; the forward and
 //!   backward encoders;
+//! - [`lm_head`]: the output projection fused with the log-probs, in vocabulary chunks (no
+//!   `[rows × vocab]` logits are stored);
 //! - `generate`: continuous batching over the paged KV pool (`kv`) with on-device sampling,
 //!   submitted without blocking (`inflight`).
 //!
@@ -41,6 +43,7 @@ pub mod generate;
 pub mod gpu;
 pub mod inflight;
 pub mod kv;
+pub mod lm_head;
 pub mod model;
 pub mod ops;
 
@@ -592,17 +595,7 @@ impl Trainer for WgpuBackend {
             .as_ref()
             .ok_or_else(|| BackendError::Device("activations missing".into()))?;
         let m = b.rows.len();
-        let v = self.model.cfg.vocab_size;
-        ops::logprob_fwd(
-            &mut self.ex,
-            &a.logp,
-            &a.entropy,
-            &a.logits,
-            &a.targets,
-            m,
-            v,
-            temperature as f64,
-        );
+        lm_head::logprob_fwd(&mut self.ex, &self.model, a, m, temperature as f64);
         let t = self.ex.read_back(&a.logp, 0, m * 4);
         let lp = self.ex.submit()?.get::<f32>(t);
         let mut out = Vec::with_capacity(seqs.len());
@@ -627,15 +620,13 @@ impl Trainer for WgpuBackend {
                 ids.len(),
             ));
         }
-        let v = cfg.vocab_size;
         let b = Packed::all_positions(ids);
         self.forward(&b)?;
         let a = self
             .acts
             .as_ref()
             .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        let t = self.ex.read_back(&a.logits, 0, ids.len() * v * 4);
-        Ok(self.ex.submit()?.get::<f32>(t))
+        lm_head::read_logits(&mut self.ex, &self.model, a, ids.len())
     }
 
     fn zero_grad(&mut self) -> Result<()> {
@@ -688,17 +679,7 @@ impl Trainer for WgpuBackend {
         self.gpu.write(&a.adv, &adv);
         self.gpu.write(&a.wts, &wts);
         self.gpu.write(&a.flags, &fl);
-        let v = self.model.cfg.vocab_size;
-        ops::logprob_fwd(
-            &mut self.ex,
-            &a.logp,
-            &a.entropy,
-            &a.logits,
-            &a.targets,
-            m,
-            v,
-            temperature,
-        );
+        lm_head::logprob_fwd(&mut self.ex, &self.model, a, m, temperature);
         ops::grpo_loss_fwd(
             &mut self.ex,
             &a.loss_stats,

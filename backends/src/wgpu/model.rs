@@ -23,6 +23,7 @@ use rolloutpipe_kernels::WeightFormat;
 use wgpu::Buffer;
 
 use super::gpu::{Exec, Gpu, Readback, Ticket};
+use super::lm_head::{self, LmPlan};
 use super::ops::{self, Loss};
 use crate::config::ModelConfig;
 use crate::cpu::model::{Layout, ParamEntry};
@@ -365,13 +366,20 @@ pub struct Acts {
     pub lnf: Buffer,
     pub lnf_rstd: Buffer,
     pub hsel: Buffer,
-    pub logits: Buffer,
     pub logp: Buffer,
     pub entropy: Buffer,
+    /// Log-sum-exp of each scored row's logits (saved for the backward).
+    pub lse: Buffer,
+    /// The fused lm_head's running log-sum-exp state, `[rows, 4]`.
+    pub lm_state: Buffer,
+    /// One vocabulary chunk's logits (and, in the backward, their gradient) for one block of
+    /// scored rows: [`LmPlan::scratch_len`] values, instead of `[rows × vocab]`.
+    pub lm_scratch: Buffer,
+    /// How the fused lm_head splits the vocabulary and the rows for `lm_scratch`.
+    pub lm: LmPlan,
     pub loss_stats: Buffer,
     // backward
     pub dlogp: Buffer,
-    pub dlogits: Buffer,
     pub dhsel: Buffer,
     pub dlnf: Buffer,
     pub dres: Buffer,
@@ -396,10 +404,10 @@ pub struct Acts {
 }
 
 impl Acts {
-    /// Buffers for `cap_n` rows and `cap_m` scored rows.
-    pub fn new(gpu: &Gpu, c: &ModelConfig, cap_n: usize, cap_m: usize) -> Self {
+    /// Buffers for `cap_n` rows and `cap_m` scored rows, the lm_head's scratch for `lm`.
+    pub fn new(gpu: &Gpu, c: &ModelConfig, cap_n: usize, cap_m: usize, lm: LmPlan) -> Self {
         let (n, m) = (cap_n, cap_m);
-        let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+        let (d, f) = (c.hidden_size, c.intermediate_size);
         let (h, kvh) = (c.num_attention_heads, c.num_key_value_heads);
         let (qd, kd) = (c.q_dim(), c.kv_dim());
         let b = |name: &str, len: usize| gpu.buffer(name, len);
@@ -449,12 +457,14 @@ impl Acts {
             lnf: b("lnf", n * d),
             lnf_rstd: b("lnf_rstd", n),
             hsel: b("hsel", m * d),
-            logits: b("logits", m * v),
             logp: b("logp", m),
             entropy: b("entropy", m),
+            lse: b("lse", m),
+            lm_state: b("lm_head state", 4 * m),
+            lm_scratch: b("lm_head chunk", lm.scratch_len(m)),
+            lm,
             loss_stats: b("loss stats", 4),
             dlogp: b("dlogp", m),
-            dlogits: b("dlogits", m * v),
             dhsel: b("dhsel", m * d),
             dlnf: b("dlnf", n * d),
             dres: b("dres", n * d),
@@ -546,13 +556,17 @@ pub fn ensure_acts(
     n: usize,
     m: usize,
 ) {
-    let fits = acts.as_ref().is_some_and(|a| a.cap_n >= n && a.cap_m >= m);
+    // A changed binding limit (`WgpuBackend::cap_storage_binding`) changes the lm_head plan.
+    let lm = LmPlan::new(ex.binding_limit());
+    let fits = acts
+        .as_ref()
+        .is_some_and(|a| a.cap_n >= n && a.cap_m >= m && a.lm == lm);
     if !fits {
         let cap_n = n.next_power_of_two().max(64);
         let cap_m = m.next_power_of_two().max(64);
         *acts = None;
         ex.forget_bind_groups();
-        *acts = Some(Acts::new(gpu, c, cap_n, cap_m));
+        *acts = Some(Acts::new(gpu, c, cap_n, cap_m, lm));
     }
 }
 
@@ -566,7 +580,8 @@ pub fn upload_packed(gpu: &Gpu, a: &Acts, b: &Packed) {
     gpu.write(&a.targets, &b.targets);
 }
 
-/// Records the forward over `n` rows up to the logits of the `m` selected rows.
+/// Records the forward over `n` rows up to the final hidden states of the `m` selected rows
+/// (`hsel`); the lm_head runs fused with the log-probs (`lm_head::logprob_fwd`).
 pub fn encode_forward(ex: &mut Exec, md: &DeviceModel, a: &Acts, n: usize, m: usize) {
     let c = &md.cfg;
     let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
@@ -660,7 +675,6 @@ pub fn encode_forward(ex: &mut Exec, md: &DeviceModel, a: &Acts, n: usize, m: us
     );
     // Row gather through the embedding kernel: hsel[i] = lnf[rows[i]].
     ops::embedding_fwd(ex, &a.hsel, &a.rows, &a.lnf, m, d, n);
-    ops::matmul_fwd_as(ex, &a.logits, &a.hsel, &p[md.lm_head], wf, m, d, v, false);
 }
 
 /// Records the loss backward and the model backward of the packed batch `b` (whose forward
@@ -692,27 +706,7 @@ pub fn encode_backward(
     ops::grpo_loss_bwd(
         ex, &a.dlogp, &a.logp, &a.old, &a.refp, &a.adv, &a.wts, &a.flags, m, loss,
     );
-    ops::logprob_bwd(
-        ex,
-        &a.dlogits,
-        &a.dlogp,
-        &a.logits,
-        &a.targets,
-        m,
-        v,
-        temperature,
-    );
-    ops::matmul_bwd(
-        ex,
-        Some((&a.dhsel, false)),
-        &g[md.lm_head],
-        &a.dlogits,
-        &a.hsel,
-        &p[md.lm_head],
-        m,
-        d,
-        v,
-    );
+    lm_head::logprob_bwd(ex, md, a, m, temperature);
     // Scatter the selected rows' gradients back (rows are distinct, so no write collides).
     ex.clear(&a.dlnf);
     ops::embedding_bwd(

@@ -5,8 +5,10 @@
 //!
 //! Differences from the CPU ops, all deliberate: gradient outputs that the model never needs
 //! to accumulate (`swiglu_bwd`, `logprob_bwd`, `attention_bwd`, `grpo_loss_bwd`) are written
-//! rather than added to; `attention_*` take packed rows with per-row metadata instead of one
-//! sequence per call, and save log-sum-exp instead of the probability matrix.
+//! rather than added to; the log-prob ops take one vocabulary chunk of the logits at a time
+//! (the fused lm_head of `lm_head.rs`, as in the CPU reference's `cpu::lm_head`);
+//! `attention_*` take packed rows with per-row metadata instead of one sequence per call, and
+//! save log-sum-exp instead of the probability matrix.
 
 use rolloutpipe_kernels::{Kernel, WeightFormat};
 use wgpu::Buffer;
@@ -335,6 +337,9 @@ pub fn matmul_fwd(
     matmul_fwd_as(ex, y, x, w, WeightFormat::F32, n, din, dout, accumulate);
 }
 
+/// A binding of part of a buffer: `(buffer, byte offset, byte size)`, size 0 = to the end.
+pub type Part<'a> = (&'a Buffer, u64, u64);
+
 /// [`matmul_fwd`] with `w` stored in `format` (16-bit values packed in pairs, as
 /// [`pack_half`] writes them), widened exactly in registers: every output is the same fma
 /// chain as from the widened f32 W, so the bits are too.
@@ -350,9 +355,52 @@ pub fn matmul_fwd_as(
     dout: usize,
     accumulate: bool,
 ) {
-    // Columns (rows of W) per launch: all, unless W exceeds the binding limit; chunks are
-    // whole 256-column strips, so no output changes its launch geometry's summation order
-    // (256 rows of W start on a 256-byte boundary in any format).
+    let window = Window {
+        first: 0,
+        rows: dout,
+    };
+    matmul_fwd_window(
+        ex,
+        (y, 0, 0),
+        (x, 0, 0),
+        w,
+        format,
+        window,
+        n,
+        din,
+        accumulate,
+    );
+}
+
+/// Rows `first .. first + rows` of a weight matrix: the part a chunked op multiplies by.
+/// `first` must be a multiple of 256 (so that the rows start on a 256-byte boundary).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    /// First row of W.
+    pub first: usize,
+    /// Rows of W.
+    pub rows: usize,
+}
+
+/// `y[n, rows] (+)= x[n, din] · W[first .. first + rows]ᵀ` for a [`Window`] of `w` (the
+/// chunked lm_head's vocabulary chunks); `y` and `x` may be parts of larger buffers.
+/// [`matmul_fwd_as`] is the window of all of W.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_fwd_window(
+    ex: &mut Exec,
+    y: Part<'_>,
+    x: Part<'_>,
+    w: &Buffer,
+    format: WeightFormat,
+    window: Window,
+    n: usize,
+    din: usize,
+    accumulate: bool,
+) {
+    let dout = window.rows;
+    // Columns (rows of W) per launch: all, unless the window exceeds the binding limit;
+    // chunks are whole 256-column strips, so no output changes its launch geometry's
+    // summation order (256 rows of W start on a 256-byte boundary in any format).
     let bytes = format.bytes();
     let chunk = rows_per_binding_as(ex.binding_limit(), din, bytes, 256).min(dout.max(1));
     for c0 in (0..dout.max(1)).step_by(chunk) {
@@ -363,25 +411,48 @@ pub fn matmul_fwd_as(
             .u(din)
             .u(accumulate as usize)
             .u(dout);
-        let (wb, yb) = if chunk >= dout {
-            ((w, 0, 0), (y, 0, 0))
+        // W bound whole only where the window is all of it: a first chunk of a larger W
+        // (the lm_head's first vocabulary chunk) must not bind the rest.
+        let whole = chunk >= dout && covers(w, window, din, bytes);
+        let (wb, yb) = if whole {
+            ((w, 0, 0), y)
         } else {
             (
                 (
                     w,
-                    (c0 * din * bytes) as u64,
+                    ((window.first + c0) * din * bytes) as u64,
                     binding_bytes(cols * din, bytes),
                 ),
-                (y, (c0 * 4) as u64, 0),
+                sub_part(y, c0 * 4),
             )
         };
-        let bufs = [(x, 0, 0), wb, yb];
+        let bufs = [x, wb, yb];
         if n <= MATMUL_ROWS_MAX {
             ex.dispatch_as(Kernel::MatmulFwd, format, 1, &bufs, p, linear(cols, 256));
         } else {
             ex.dispatch_as(Kernel::MatmulFwd, format, 0, &bufs, p, tiles(cols, n));
         }
     }
+}
+
+/// Whether `window` (rows of `din` values of `bytes` each) is all of `w`'s buffer.
+fn covers(w: &Buffer, window: Window, din: usize, bytes: usize) -> bool {
+    window.first == 0 && binding_bytes(window.rows * din, bytes) == w.size()
+}
+
+/// `part` from `skip` more bytes on (its size shrunk to match, unless it runs to the end).
+fn sub_part(part: Part<'_>, skip: usize) -> Part<'_> {
+    let (b, off, size) = part;
+    let skip = skip as u64;
+    (
+        b,
+        off + skip,
+        if size == 0 {
+            0
+        } else {
+            size.saturating_sub(skip)
+        },
+    )
 }
 
 /// Products with at most this many rows (decode steps) use `matmul_fwd_rows`.
@@ -401,14 +472,37 @@ pub fn matmul_bwd(
     din: usize,
     dout: usize,
 ) {
+    let window = Window {
+        first: 0,
+        rows: dout,
+    };
+    let dx = dx.map(|(b, acc)| ((b, 0, 0), acc));
+    matmul_bwd_window(ex, dx, dw, (dy, 0, 0), (x, 0, 0), w, window, n, din);
+}
+
+/// Backward of [`matmul_fwd_window`] for a window of `w` (and the same rows of `dw`):
+/// `dx (+)= dy·W[window]` when `dx` is given, `dW[window] += dyᵀ·x`; `dy` is `[n, rows]`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_bwd_window(
+    ex: &mut Exec,
+    dx: Option<(Part<'_>, bool)>,
+    dw: &Buffer,
+    dy: Part<'_>,
+    x: Part<'_>,
+    w: &Buffer,
+    window: Window,
+    n: usize,
+    din: usize,
+) {
+    let dout = window.rows;
     let dummy = ex.dummy();
     let (dxb, acc) = match dx {
-        Some((b, acc)) => (b.clone(), acc),
-        None => (dummy, false),
+        Some((b, acc)) => (b, acc),
+        None => ((&dummy, 0, 0), false),
     };
-    // Rows of W (and dW) per launch: all, unless W exceeds the binding limit. Then dx sums
-    // the chunks' products one after another (deterministic, but not the single fma chain
-    // of one launch); each dW row is still one chain.
+    // Rows of W (and dW) per launch: all, unless the window exceeds the binding limit. Then
+    // dx sums the chunks' products one after another (deterministic, but not the single fma
+    // chain of one launch); each dW row is still one chain.
     let chunk = rows_per_binding(ex.binding_limit(), din, 256).min(dout.max(1));
     for (i, c0) in (0..dout.max(1)).step_by(chunk).enumerate() {
         let rows = chunk.min(dout - c0.min(dout));
@@ -419,28 +513,18 @@ pub fn matmul_bwd(
             .u(din)
             .u(first_acc as usize)
             .u(dout);
-        let whole = chunk >= dout;
-        let part = |b: &Buffer, row_bytes: usize| {
+        let whole = chunk >= dout && covers(w, window, din, 4) && covers(dw, window, din, 4);
+        let part = |b: &Buffer| {
             if whole {
                 (b.clone(), 0, 0)
             } else {
-                let len = (rows * row_bytes) as u64;
-                (b.clone(), (c0 * row_bytes) as u64, len)
+                let len = (rows * din * 4) as u64;
+                (b.clone(), ((window.first + c0) * din * 4) as u64, len)
             }
         };
-        let (wb, dwb) = (part(w, din * 4), part(dw, din * 4));
-        let dyb = if whole {
-            (dy.clone(), 0, 0)
-        } else {
-            (dy.clone(), (c0 * 4) as u64, 0)
-        };
-        let b = [
-            (&dyb.0, dyb.1, dyb.2),
-            (x, 0, 0),
-            (&wb.0, wb.1, wb.2),
-            (&dxb, 0, 0),
-            (&dwb.0, dwb.1, dwb.2),
-        ];
+        let (wb, dwb) = (part(w), part(dw));
+        let dyb = if whole { dy } else { sub_part(dy, c0 * 4) };
+        let b = [dyb, x, (&wb.0, wb.1, wb.2), dxb, (&dwb.0, dwb.1, dwb.2)];
         if dx.is_some() {
             ex.dispatch_ranges(Kernel::MatmulBwd, 0, &b, p, tiles(din, n));
         }
@@ -596,47 +680,101 @@ pub fn residual_fwd(ex: &mut Exec, out: &Buffer, a: &Buffer, b: &Buffer, n: usiz
     );
 }
 
-/// `logp[r] = log_softmax(logits[r]/T)[targets[r]]` and the entropy, per row.
-#[allow(clippy::too_many_arguments)]
-pub fn logprob_fwd(
-    ex: &mut Exec,
-    logp: &Buffer,
-    entropy: &Buffer,
-    logits: &Buffer,
-    targets: &Buffer,
-    rows: usize,
-    v: usize,
-    temperature: f64,
-) {
-    let p = Params::new().u(rows).u(v).f((1.0 / temperature) as f32);
-    ex.dispatch(
-        Kernel::LogprobFwd,
-        0,
-        &[logits, targets, logp, entropy],
-        p,
-        groups(rows),
-    );
+/// One launch of the chunked log-probs: `rows` scored rows from `row0` of the per-row
+/// buffers (targets, state, outputs), over vocabulary columns `v0 .. v0 + cols`, whose
+/// logits are held `[rows, cols]` in a chunk buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VocabChunk {
+    /// First row of the per-row buffers.
+    pub row0: usize,
+    /// Rows of this launch.
+    pub rows: usize,
+    /// Vocabulary index of the chunk's first column.
+    pub v0: usize,
+    /// Columns of the chunk.
+    pub cols: usize,
 }
 
-/// Backward of [`logprob_fwd`] (written, not accumulated).
+/// The per-row buffers of the chunked log-probs: the running log-sum-exp state `[rows, 4]`
+/// and the three outputs `[rows]`.
+#[derive(Debug, Clone, Copy)]
+pub struct LogprobBufs<'a> {
+    /// `(max, Σ e^(z − max), Σ e^(z − max)·(z − max), z[target])` per row.
+    pub state: &'a Buffer,
+    /// `log_softmax(z)[target]`.
+    pub logp: &'a Buffer,
+    /// Entropy of `softmax(z)`.
+    pub entropy: &'a Buffer,
+    /// `logsumexp(z)`, which the backward reads.
+    pub lse: &'a Buffer,
+}
+
+fn logprob_params(c: VocabChunk, first: bool, temperature: f64) -> Params {
+    Params::new()
+        .u(c.rows)
+        .u(c.cols)
+        .u(c.v0)
+        .u(first as usize)
+        .f((1.0 / temperature) as f32)
+        .u(c.row0)
+}
+
+/// Folds one vocabulary chunk of `z = logits / T` (`logits` `[rows, cols]`) into the running
+/// log-sum-exp state of its rows, starting it fresh when `first`; after the last chunk,
+/// [`logprob_fwd_finish`] writes the outputs.
+pub fn logprob_fwd(
+    ex: &mut Exec,
+    out: LogprobBufs<'_>,
+    logits: &Buffer,
+    targets: &Buffer,
+    c: VocabChunk,
+    first: bool,
+    temperature: f64,
+) {
+    let b = [logits, targets, out.state, out.logp, out.entropy, out.lse];
+    let p = logprob_params(c, first, temperature);
+    ex.dispatch(Kernel::LogprobFwd, 0, &b, p, groups(c.rows));
+}
+
+/// `lse`, `logp = z[target] − lse` and the entropy of rows `row0 .. row0 + rows` from their
+/// states after the last chunk of [`logprob_fwd`].
+pub fn logprob_fwd_finish(ex: &mut Exec, out: LogprobBufs<'_>, row0: usize, rows: usize) {
+    let dummy = ex.dummy();
+    let b = [&dummy, &dummy, out.state, out.logp, out.entropy, out.lse];
+    let c = VocabChunk {
+        row0,
+        rows,
+        v0: 0,
+        cols: 0,
+    };
+    let p = logprob_params(c, false, 1.0);
+    ex.dispatch(Kernel::LogprobFwd, 1, &b, p, linear(rows, 256));
+}
+
+/// Backward of [`logprob_fwd`] for one chunk: turns its logits `[rows, cols]` into their
+/// gradient `dlogp/T · (1[k = target] − softmax(z)_k)` in place, from the saved `lse`.
 #[allow(clippy::too_many_arguments)]
 pub fn logprob_bwd(
     ex: &mut Exec,
-    dlogits: &Buffer,
-    dlogp: &Buffer,
     logits: &Buffer,
+    dlogp: &Buffer,
+    lse: &Buffer,
     targets: &Buffer,
-    rows: usize,
-    v: usize,
+    c: VocabChunk,
     temperature: f64,
 ) {
-    let p = Params::new().u(rows).u(v).f((1.0 / temperature) as f32);
+    let p = Params::new()
+        .u(c.rows)
+        .u(c.cols)
+        .u(c.v0)
+        .f((1.0 / temperature) as f32)
+        .u(c.row0);
     ex.dispatch(
         Kernel::LogprobBwd,
         0,
-        &[logits, targets, dlogp, dlogits],
+        &[targets, dlogp, lse, logits],
         p,
-        groups(rows),
+        linear(c.rows * c.cols, 256),
     );
 }
 

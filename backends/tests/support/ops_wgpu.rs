@@ -285,17 +285,25 @@ impl OpRunner for WgpuOps {
     }
     fn logprob_fwd(&mut self, z: &[f32], t: &[u32], v: usize, temp: f64) -> (Vec<f32>, Vec<f32>) {
         let rows = t.len();
-        let (zb, tb, lb, eb) = (self.up(z), self.up_u(t), self.zeros(rows), self.zeros(rows));
-        gpu::logprob_fwd(&mut self.ex, &lb, &eb, &zb, &tb, rows, v, temp);
-        self.run();
-        (self.get(&lb, rows), self.get(&eb, rows))
+        let (lp, ent, _lse) = self.logprob_fwd_chunked(z, t, v, temp);
+        (self.get(&lp, rows), self.get(&ent, rows))
     }
     fn logprob_bwd(&mut self, dlp: &[f32], z: &[f32], t: &[u32], v: usize, temp: f64) -> Vec<f32> {
         let rows = t.len();
-        let (zb, tb, db, dzb) = (self.up(z), self.up_u(t), self.up(dlp), self.zeros(rows * v));
-        gpu::logprob_bwd(&mut self.ex, &dzb, &db, &zb, &tb, rows, v, temp);
-        self.run();
-        self.get(&dzb, rows * v)
+        let (_lp, _ent, lse) = self.logprob_fwd_chunked(z, t, v, temp);
+        let (tb, db) = (self.up_u(t), self.up(dlp));
+        let mut dz = vec![0.0f32; rows * v];
+        for c in vocab_chunks(rows, v) {
+            let zb = self.up(&chunk_of(z, v, c));
+            gpu::logprob_bwd(&mut self.ex, &zb, &db, &lse, &tb, c, temp);
+            self.run();
+            let part = self.get(&zb, c.rows * c.cols);
+            for (r, row) in part.chunks(c.cols).enumerate() {
+                let at = (c.row0 + r) * v + c.v0;
+                dz[at..at + c.cols].copy_from_slice(row);
+            }
+        }
+        dz
     }
     fn loss(&mut self, x: &LossInputs, kind: LossKind) -> ([f32; 4], Vec<f32>) {
         let n = x.logp.len();
@@ -395,4 +403,67 @@ impl OpRunner for WgpuOps {
         self.run();
         (self.get_u(&tb, rows), self.get(&lb, rows))
     }
+}
+
+impl WgpuOps {
+    /// The chunked forward over `z[rows, v]` as the fused lm_head runs it, in three
+    /// vocabulary chunks (the last one ragged where 3 does not divide `v`) and blocks of
+    /// [`CHUNK_ROWS`] rows, so the running state's rescaling and the row offsets are
+    /// exercised at every size; returns the `logp`, `entropy` and `lse` buffers.
+    fn logprob_fwd_chunked(
+        &mut self,
+        z: &[f32],
+        t: &[u32],
+        v: usize,
+        temp: f64,
+    ) -> (Buffer, Buffer, Buffer) {
+        let rows = t.len();
+        let tb = self.up_u(t);
+        let (lp, ent, lse, st) = (
+            self.zeros(rows),
+            self.zeros(rows),
+            self.zeros(rows),
+            self.zeros(4 * rows),
+        );
+        let out = gpu::LogprobBufs {
+            state: &st,
+            logp: &lp,
+            entropy: &ent,
+            lse: &lse,
+        };
+        for c in vocab_chunks(rows, v) {
+            let zb = self.up(&chunk_of(z, v, c));
+            gpu::logprob_fwd(&mut self.ex, out, &zb, &tb, c, c.v0 == 0, temp);
+        }
+        gpu::logprob_fwd_finish(&mut self.ex, out, 0, rows);
+        self.run();
+        (lp, ent, lse)
+    }
+}
+
+/// Rows per block of the op-level log-prob tests.
+const CHUNK_ROWS: usize = 4;
+
+/// The (row block, vocabulary chunk) launches over `z[rows, v]`, rows outermost.
+fn vocab_chunks(rows: usize, v: usize) -> Vec<gpu::VocabChunk> {
+    let cols = v.div_ceil(3).max(1);
+    let mut out = Vec::new();
+    for row0 in (0..rows).step_by(CHUNK_ROWS) {
+        for v0 in (0..v).step_by(cols) {
+            out.push(gpu::VocabChunk {
+                row0,
+                rows: CHUNK_ROWS.min(rows - row0),
+                v0,
+                cols: cols.min(v - v0),
+            });
+        }
+    }
+    out
+}
+
+/// The block of `z[rows, v]` that chunk `c` covers, as a contiguous `[c.rows, c.cols]`.
+fn chunk_of(z: &[f32], v: usize, c: gpu::VocabChunk) -> Vec<f32> {
+    (c.row0..c.row0 + c.rows)
+        .flat_map(|r| z[r * v + c.v0..r * v + c.v0 + c.cols].iter().copied())
+        .collect()
 }

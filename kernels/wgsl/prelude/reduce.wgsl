@@ -1,4 +1,4 @@
-// Prelude `reduce` (prepended by the kernels crate to grad_norm, logprob_fwd, logprob_bwd,
+// Prelude `reduce` (prepended by the kernels crate to grad_norm, logprob_fwd,
 // sample):
 // tree reductions over one 256-thread workgroup. Every thread of the workgroup must call a
 // helper (each contains barriers); all get the same value back.
