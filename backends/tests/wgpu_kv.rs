@@ -12,6 +12,8 @@ mod check;
 mod device;
 #[path = "support/engine.rs"]
 mod engine;
+#[path = "support/wgpu_small.rs"]
+mod small;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -19,40 +21,14 @@ use std::sync::Arc;
 use check::{assert_close, rand_vec, tol};
 use engine::{
     assert_same_outputs as assert_same, drain, overlap_reference, overlap_start, params,
-    peaked_weights, poll_until_done,
+    poll_until_done,
 };
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::SeedableRng;
+use rolloutpipe_backends::wgpu::Exec;
 use rolloutpipe_backends::wgpu::kv::{KvPool, PAGE, StepRows};
-use rolloutpipe_backends::wgpu::{Exec, Gpu, WgpuBackend};
 use rolloutpipe_backends::*;
-
-/// GQA 2:1 with 32-wide heads, two layers, peaked weights.
-fn setup(seed: u64) -> Option<(ModelConfig, Weights, Arc<Gpu>)> {
-    let g = device::gpu()?;
-    let cfg = ModelConfig {
-        vocab_size: 96,
-        hidden_size: 64,
-        intermediate_size: 96,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 32,
-        max_position_embeddings: 256,
-        ..ModelConfig::tiny()
-    };
-    let w = peaked_weights(&cfg, seed);
-    Some((cfg, w, g))
-}
-
-fn engine(cfg: &ModelConfig, w: &Weights, g: &Arc<Gpu>) -> WgpuBackend {
-    WgpuBackend::with_gpu(Arc::clone(g), cfg, w).expect("wgpu backend")
-}
-
-/// A prompt of two whole pages and 5 positions: 32 positions are shared.
-fn prompt() -> Vec<u32> {
-    (0..2 * PAGE as u32 + 5).map(|t| (t * 7 + 3) % 96).collect()
-}
+use small::{engine, prompt, setup};
 
 #[test]
 fn group_references_the_shared_prefix_and_matches_independent_requests_bit_for_bit() {

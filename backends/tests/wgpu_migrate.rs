@@ -9,41 +9,16 @@
 mod device;
 #[path = "support/engine.rs"]
 mod engine;
+#[path = "support/wgpu_small.rs"]
+mod small;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use engine::{assert_same_outputs as assert_same, drain, params, peaked_weights};
-use rolloutpipe_backends::wgpu::kv::PAGE;
+use engine::{assert_same_outputs as assert_same, drain, params};
 use rolloutpipe_backends::wgpu::{Gpu, WgpuBackend};
 use rolloutpipe_backends::*;
-
-/// GQA 2:1 with 32-wide heads, two layers, peaked weights (as `wgpu_kv`).
-fn setup(seed: u64) -> Option<(ModelConfig, Weights, Arc<Gpu>)> {
-    let g = device::gpu()?;
-    let cfg = ModelConfig {
-        vocab_size: 96,
-        hidden_size: 64,
-        intermediate_size: 96,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 32,
-        max_position_embeddings: 256,
-        ..ModelConfig::tiny()
-    };
-    let w = peaked_weights(&cfg, seed);
-    Some((cfg, w, g))
-}
-
-fn engine(cfg: &ModelConfig, w: &Weights, g: &Arc<Gpu>) -> WgpuBackend {
-    WgpuBackend::with_gpu(Arc::clone(g), cfg, w).expect("wgpu backend")
-}
-
-/// A prompt of two whole pages and 5 positions: a group shares 32 of them.
-fn prompt() -> Vec<u32> {
-    (0..2 * PAGE as u32 + 5).map(|t| (t * 7 + 3) % 96).collect()
-}
+use small::{engine, prompt, setup};
 
 /// Engine `a` runs a group of three samples (0-2) on shared prompt pages, engine `b` a lone
 /// request (3). Every `hop` steps sample 0 (or else sample 2) moves from `a` to `b` and

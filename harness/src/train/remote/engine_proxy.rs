@@ -143,6 +143,33 @@ impl EngineProxy {
         });
     }
 
+    /// Sends `msg` on `route` and decodes the reply. A host's `Fatal` is reported (`Stop`); a
+    /// failed call means the host is gone, and its requests are reported preempted (`Lost`).
+    fn ask(&mut self, route: Route, msg: Vec<u8>) -> Asked {
+        let reply =
+            (self.link.call(&route, msg)).and_then(|b| Ok(wire::decode::<EngineReply>(&b)?.0));
+        match reply {
+            Ok(EngineReply::Fatal(m)) => {
+                self.emit(Event::Fatal(m));
+                Asked::Stop
+            }
+            Ok(r) => Asked::Reply(r),
+            Err(e) => {
+                self.lose(&e);
+                Asked::Lost
+            }
+        }
+    }
+
+    /// Reports a reply of the wrong kind (a bug on one side); always false (stop).
+    fn unexpected(&self, other: &EngineReply, what: &str) -> bool {
+        self.emit(Event::Fatal(format!(
+            "engine {} answered {other:?} to {what}",
+            self.engine
+        )));
+        false
+    }
+
     /// One `Step` round trip; false when the run must stop (the error was reported).
     fn step(&mut self, q: Queued, decode: bool) -> bool {
         let msg = wire::encode(
@@ -154,12 +181,8 @@ impl EngineProxy {
             },
             &[],
         );
-        let reply = self
-            .link
-            .call(&Route::Engine(self.engine), msg)
-            .and_then(|b| Ok(wire::decode::<EngineReply>(&b)?.0));
-        match reply {
-            Ok(EngineReply::Stepped {
+        match self.ask(Route::Engine(self.engine), msg) {
+            Asked::Reply(EngineReply::Stepped {
                 outs,
                 active,
                 reprefilled,
@@ -187,21 +210,9 @@ impl EngineProxy {
                 }
                 true
             }
-            Ok(EngineReply::Fatal(m)) => {
-                self.emit(Event::Fatal(m));
-                false
-            }
-            Ok(other) => {
-                self.emit(Event::Fatal(format!(
-                    "engine {} answered {other:?} to Step",
-                    self.engine
-                )));
-                false
-            }
-            Err(e) => {
-                self.lose(&e);
-                true
-            }
+            Asked::Reply(other) => self.unexpected(&other, "Step"),
+            Asked::Lost => true,
+            Asked::Stop => false,
         }
     }
 
@@ -223,12 +234,8 @@ impl EngineProxy {
         let seqs = (seqs.into_iter()).map(|s| (s.prompt, s.response)).collect();
         let msg = wire::encode(&EngineMsg::RefLogprobs { seqs, temperature }, &[]);
         let started = Instant::now();
-        let reply = self
-            .link
-            .call(&Route::Engine(engine), msg)
-            .and_then(|b| Ok(wire::decode::<EngineReply>(&b)?.0));
-        match reply {
-            Ok(EngineReply::RefLogprobs { logprobs }) => {
+        match self.ask(Route::Engine(engine), msg) {
+            Asked::Reply(EngineReply::RefLogprobs { logprobs }) => {
                 self.emit(Event::RefLogprobs {
                     engine,
                     step,
@@ -239,21 +246,12 @@ impl EngineProxy {
                 });
                 true
             }
-            Ok(EngineReply::Fatal(m)) => {
-                self.emit(Event::Fatal(m));
-                false
-            }
-            Ok(other) => {
-                self.emit(Event::Fatal(format!(
-                    "engine {engine} answered {other:?} to RefLogprobs"
-                )));
-                false
-            }
-            Err(e) => {
-                self.lose(&e);
+            Asked::Reply(other) => self.unexpected(&other, "RefLogprobs"),
+            Asked::Lost => {
                 self.emit(Event::RefLost { engine });
                 true
             }
+            Asked::Stop => false,
         }
     }
 
@@ -265,29 +263,17 @@ impl EngineProxy {
         let mut moved = None;
         if !self.dead {
             let msg = wire::encode(&EngineMsg::Migrate { min_generated }, &[]);
-            let reply = self
-                .link
-                .call(&Route::Engine(engine), msg)
-                .and_then(|b| Ok(wire::decode::<EngineReply>(&b)?.0));
-            match reply {
-                Ok(EngineReply::Migrated { moved: m }) => {
+            match self.ask(Route::Engine(engine), msg) {
+                Asked::Reply(EngineReply::Migrated { moved: m }) => {
                     moved = m.map(|r| {
                         let (rid, st) = r.into_state();
                         self.started.remove(&rid);
                         (rid, Box::new(st))
                     });
                 }
-                Ok(EngineReply::Fatal(m)) => {
-                    self.emit(Event::Fatal(m));
-                    return false;
-                }
-                Ok(other) => {
-                    self.emit(Event::Fatal(format!(
-                        "engine {engine} answered {other:?} to Migrate"
-                    )));
-                    return false;
-                }
-                Err(e) => self.lose(&e),
+                Asked::Reply(other) => return self.unexpected(&other, "Migrate"),
+                Asked::Lost => {}
+                Asked::Stop => return false,
             }
         }
         self.emit(Event::Migrated { engine, moved });
@@ -307,26 +293,14 @@ impl EngineProxy {
                 return false;
             }
             let msg = wire::encode(&EngineMsg::Sync { version }, &[]);
-            let reply = self
-                .link
-                .call(&Route::EngineSync(engine), msg)
-                .and_then(|b| Ok(wire::decode::<EngineReply>(&b)?.0));
-            match reply {
-                Ok(EngineReply::Synced { decode }) => {
+            match self.ask(Route::EngineSync(engine), msg) {
+                Asked::Reply(EngineReply::Synced { decode }) => {
                     self.emit(Event::Synced { engine, decode });
                     return true;
                 }
-                Ok(EngineReply::Fatal(m)) => {
-                    self.emit(Event::Fatal(m));
-                    return false;
-                }
-                Ok(other) => {
-                    self.emit(Event::Fatal(format!(
-                        "engine {engine} answered {other:?} to Sync"
-                    )));
-                    return false;
-                }
-                Err(e) => self.lose(&e),
+                Asked::Reply(other) => return self.unexpected(&other, "Sync"),
+                Asked::Lost => {}
+                Asked::Stop => return false,
             }
         }
         // A lost engine "syncs" at once, as a failed in-process engine does.
@@ -336,6 +310,16 @@ impl EngineProxy {
         });
         true
     }
+}
+
+/// What a round trip to the host came to.
+enum Asked {
+    /// The host's reply (not `Fatal`).
+    Reply(EngineReply),
+    /// The host is gone (already reported).
+    Lost,
+    /// The run must stop (already reported).
+    Stop,
 }
 
 /// Commands an engine proxy batches into its next `Step`, in the host's order: adds, resumes,
