@@ -16,7 +16,7 @@ use super::model::{Model, check_tokens, fit};
 use super::ops::*;
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
-use crate::seam::{FinishReason, GenOutput, GenRequest, RequestKey, ResumeState};
+use crate::seam::{FinishReason, GenOutput, GenRequest, RequestKey, ResumeState, SamplingParams};
 
 /// One active request and its KV cache.
 #[derive(Debug)]
@@ -158,11 +158,30 @@ pub(crate) fn validate_request(cfg: &ModelConfig, req: &GenRequest) -> Result<()
     Ok(())
 }
 
-fn not_started(id: RequestKey) -> BackendError {
+/// `export_request`'s refusal of a request that has no token to move yet.
+pub(crate) fn not_started(id: RequestKey) -> BackendError {
     BackendError::invalid(
         "export_request",
         format!("request {id} has not generated a token yet; cancel and re-add it instead"),
     )
+}
+
+/// An exported request's state (`prompt` as it was asked), with its stream's position in `rng`.
+/// Both backends' exports build it here, so they hand over the same thing.
+pub(crate) fn exported(
+    id: RequestKey,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    rng: &ChaCha8Rng,
+) -> ResumeState {
+    ResumeState {
+        request: GenRequest { id, prompt, params },
+        tokens,
+        logprobs,
+        stream_words: rng.get_word_pos(),
+    }
 }
 
 /// Checks an exported state before it is resumed: a valid request that generated at least one
@@ -245,16 +264,9 @@ impl Generator {
         let mut a = self.active.remove(i);
         self.free.push((a.k, a.v));
         a.prompt.truncate(a.orig);
-        Ok(ResumeState {
-            request: GenRequest {
-                id: a.id,
-                prompt: a.prompt,
-                params: a.params,
-            },
-            tokens: a.tokens,
-            logprobs: a.logprobs,
-            stream_words: a.rng.get_word_pos(),
-        })
+        Ok(exported(
+            a.id, a.prompt, a.params, a.tokens, a.logprobs, &a.rng,
+        ))
     }
 
     /// Queues an exported request: the next step prefills its prompt and generated tokens in

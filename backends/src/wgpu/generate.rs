@@ -40,7 +40,7 @@ use crate::seam::{GenOutput, GenRequest, Rejected, RequestKey, ResumeState, Samp
 
 // The CPU reference's draw and finish rule, shared so both backends sample the same stream
 // and end requests alike (requests are checked by the backend, with the CPU's checks).
-use crate::cpu::generate::{finish_reason, uniform};
+use crate::cpu::generate::{exported, finish_reason, not_started, uniform};
 
 /// Positions of a group's prompt stored once for all samples: the whole pages before the
 /// prompt's last position (whose logits each sample needs, so each computes it).
@@ -325,25 +325,14 @@ impl Generator {
             .position(|a| a.id == id)
             .ok_or(BackendError::UnknownRequest(id))?;
         if self.active[i].tokens.is_empty() {
-            return Err(BackendError::invalid(
-                "export_request",
-                format!("request {id} has not generated a token yet; cancel and re-add it instead"),
-            ));
+            return Err(not_started(id));
         }
         let mut a = self.active.remove(i);
         self.release(&a);
-        let stream_words = a.rng.get_word_pos();
         a.prompt.truncate(a.orig);
-        Ok(ResumeState {
-            request: GenRequest {
-                id: a.id,
-                prompt: a.prompt,
-                params: a.params,
-            },
-            tokens: a.tokens,
-            logprobs: a.logprobs,
-            stream_words,
-        })
+        Ok(exported(
+            a.id, a.prompt, a.params, a.tokens, a.logprobs, &a.rng,
+        ))
     }
 
     /// Queues an exported request (validated by the caller): the next step prefills its

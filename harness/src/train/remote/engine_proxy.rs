@@ -48,14 +48,7 @@ impl EngineProxy {
                         prompt,
                         params,
                     } => {
-                        if self.dead {
-                            self.emit(Event::EngineFailed {
-                                engine: self.engine,
-                                lost: vec![rid],
-                                preempted: true,
-                            });
-                        } else {
-                            self.started.insert(rid, Instant::now());
+                        if self.take(rid) {
                             q.adds.push(WireAdd {
                                 rid,
                                 prompt: prompt.to_vec(),
@@ -69,14 +62,7 @@ impl EngineProxy {
                         }
                     }
                     EngineCmd::Resume { rid, state } => {
-                        if self.dead {
-                            self.emit(Event::EngineFailed {
-                                engine: self.engine,
-                                lost: vec![rid],
-                                preempted: true,
-                            });
-                        } else {
-                            self.started.insert(rid, Instant::now());
+                        if self.take(rid) {
                             q.resumes.push(WireResume::new(rid, &state));
                         }
                     }
@@ -121,6 +107,21 @@ impl EngineProxy {
                 return;
             }
         }
+    }
+
+    /// Takes request `rid` for the host (true), or, with the host gone, reports it lost and
+    /// preempted at once (false).
+    fn take(&mut self, rid: RequestId) -> bool {
+        if self.dead {
+            self.emit(Event::EngineFailed {
+                engine: self.engine,
+                lost: vec![rid],
+                preempted: true,
+            });
+            return false;
+        }
+        self.started.insert(rid, Instant::now());
+        true
     }
 
     fn emit(&self, ev: Event) {
