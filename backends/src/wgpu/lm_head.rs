@@ -15,6 +15,8 @@
 //! rows, so a row is reduced over the same chunks in the same order in any batch, and its
 //! log-prob is the same alone as among others (`conformance::wgpu_scoring_is_batch_invariant`).
 
+use wgpu::Buffer;
+
 use super::gpu::Exec;
 use super::model::{Acts, DeviceModel};
 use super::ops::{self, LogprobBufs, VocabChunk, Window};
@@ -48,35 +50,37 @@ impl LmPlan {
         self.block.min(m.max(1)) * self.chunk
     }
 
-    /// `(first, count)` of each vocabulary chunk of a `v`-token vocabulary, in order.
-    fn chunks(&self, v: usize) -> impl Iterator<Item = (usize, usize)> + use<> {
-        let c = self.chunk;
-        (0..v).step_by(c).map(move |v0| (v0, c.min(v - v0)))
-    }
-
-    /// `(first, count)` of each block of `m` scored rows, in order.
-    fn blocks(&self, m: usize) -> impl Iterator<Item = (usize, usize)> + use<> {
-        let b = self.block;
-        (0..m).step_by(b).map(move |r0| (r0, b.min(m - r0)))
+    /// Each (block of scored rows, vocabulary chunk) of `m` rows over a `v`-token
+    /// vocabulary: blocks in order, and within a block the chunks in order (the reduction
+    /// order of every row).
+    fn tiles(&self, m: usize, v: usize) -> impl Iterator<Item = VocabChunk> + use<> {
+        let (b, c) = (self.block, self.chunk);
+        (0..m).step_by(b).flat_map(move |row0| {
+            (0..v).step_by(c).map(move |v0| VocabChunk {
+                row0,
+                rows: b.min(m - row0),
+                v0,
+                cols: c.min(v - v0),
+            })
+        })
     }
 }
 
 /// Records the fused forward of the `m` scored rows (`a.hsel`, targets `a.targets`):
 /// `a.logp`, `a.entropy` and `a.lse` at `temperature`.
 pub fn logprob_fwd(ex: &mut Exec, md: &DeviceModel, a: &Acts, m: usize, temperature: f64) {
-    let v = md.cfg.vocab_size;
     let out = bufs(a);
-    for (r0, rows) in a.lm.blocks(m) {
-        for (i, (v0, cols)) in a.lm.chunks(v).enumerate() {
-            chunk_logits(ex, md, a, r0, rows, v0, cols);
-            let c = VocabChunk {
-                row0: r0,
-                rows,
-                v0,
-                cols,
-            };
-            ops::logprob_fwd(ex, out, &a.lm_scratch, &a.targets, c, i == 0, temperature);
-        }
+    for c in a.lm.tiles(m, md.cfg.vocab_size) {
+        chunk_logits(ex, md, a, c);
+        ops::logprob_fwd(
+            ex,
+            out,
+            &a.lm_scratch,
+            &a.targets,
+            c,
+            c.v0 == 0,
+            temperature,
+        );
     }
     ops::logprob_fwd_finish(ex, out, 0, m);
 }
@@ -84,35 +88,27 @@ pub fn logprob_fwd(ex: &mut Exec, md: &DeviceModel, a: &Acts, m: usize, temperat
 /// Records the fused backward given `a.dlogp` (and the forward's `a.lse`): writes `a.dhsel`
 /// and adds into `lm_head`'s gradient, chunk by chunk.
 pub fn logprob_bwd(ex: &mut Exec, md: &DeviceModel, a: &Acts, m: usize, temperature: f64) {
-    let d = md.cfg.hidden_size;
     let (w, dw) = (&md.params[md.lm_head], &md.grads[md.lm_head]);
-    for (r0, rows) in a.lm.blocks(m) {
-        let x = (&a.hsel, (r0 * d * 4) as u64, (rows * d * 4) as u64);
-        let dx = (&a.dhsel, (r0 * d * 4) as u64, (rows * d * 4) as u64);
-        for (i, (v0, cols)) in a.lm.chunks(md.cfg.vocab_size).enumerate() {
-            chunk_logits(ex, md, a, r0, rows, v0, cols);
-            let c = VocabChunk {
-                row0: r0,
-                rows,
-                v0,
-                cols,
-            };
-            ops::logprob_bwd(
-                ex,
-                &a.lm_scratch,
-                &a.dlogp,
-                &a.lse,
-                &a.targets,
-                c,
-                temperature,
-            );
-            let window = Window {
-                first: v0,
-                rows: cols,
-            };
-            let dy = (&a.lm_scratch, 0, 0);
-            ops::matmul_bwd_window(ex, Some((dx, i > 0)), dw, dy, x, w, window, rows, d);
-        }
+    for c in a.lm.tiles(m, md.cfg.vocab_size) {
+        chunk_logits(ex, md, a, c);
+        ops::logprob_bwd(
+            ex,
+            &a.lm_scratch,
+            &a.dlogp,
+            &a.lse,
+            &a.targets,
+            c,
+            temperature,
+        );
+        let window = Window {
+            first: c.v0,
+            rows: c.cols,
+        };
+        let dy = (&a.lm_scratch, 0, 0);
+        let (x, dx) = (rows_of(md, &a.hsel, c), rows_of(md, &a.dhsel, c));
+        // A block's first chunk writes its dx, the later ones add to it.
+        let dx = Some((dx, c.v0 > 0));
+        ops::matmul_bwd_window(ex, dx, dw, dy, x, w, window, c.rows, md.cfg.hidden_size);
     }
 }
 
@@ -121,48 +117,34 @@ pub fn logprob_bwd(ex: &mut Exec, md: &DeviceModel, a: &Acts, m: usize, temperat
 pub fn read_logits(ex: &mut Exec, md: &DeviceModel, a: &Acts, m: usize) -> Result<Vec<f32>> {
     let v = md.cfg.vocab_size;
     let mut out = vec![0.0f32; m * v];
-    for (r0, rows) in a.lm.blocks(m) {
-        for (v0, cols) in a.lm.chunks(v) {
-            chunk_logits(ex, md, a, r0, rows, v0, cols);
-            let t = ex.read_back(&a.lm_scratch, 0, rows * cols * 4);
-            let part = ex.submit()?.get::<f32>(t);
-            for (r, z) in part.chunks(cols).enumerate() {
-                let at = (r0 + r) * v + v0;
-                out[at..at + cols].copy_from_slice(z);
-            }
+    for c in a.lm.tiles(m, v) {
+        chunk_logits(ex, md, a, c);
+        let t = ex.read_back(&a.lm_scratch, 0, c.rows * c.cols * 4);
+        let part = ex.submit()?.get::<f32>(t);
+        for (r, z) in part.chunks(c.cols).enumerate() {
+            let at = (c.row0 + r) * v + c.v0;
+            out[at..at + c.cols].copy_from_slice(z);
         }
     }
     Ok(out)
 }
 
-/// The logits of rows `r0 .. r0 + rows` over vocabulary `v0 .. v0 + cols` into the scratch.
-fn chunk_logits(
-    ex: &mut Exec,
-    md: &DeviceModel,
-    a: &Acts,
-    r0: usize,
-    rows: usize,
-    v0: usize,
-    cols: usize,
-) {
-    let d = md.cfg.hidden_size;
-    let x = (&a.hsel, (r0 * d * 4) as u64, (rows * d * 4) as u64);
+/// The logits of chunk `c`'s rows over its vocabulary columns into the scratch.
+fn chunk_logits(ex: &mut Exec, md: &DeviceModel, a: &Acts, c: VocabChunk) {
     let window = Window {
-        first: v0,
-        rows: cols,
+        first: c.v0,
+        rows: c.cols,
     };
     let w = &md.params[md.lm_head];
-    ops::matmul_fwd_window(
-        ex,
-        (&a.lm_scratch, 0, 0),
-        x,
-        w,
-        md.weights,
-        window,
-        rows,
-        d,
-        false,
-    );
+    let x = rows_of(md, &a.hsel, c);
+    let (y, d) = ((&a.lm_scratch, 0, 0), md.cfg.hidden_size);
+    ops::matmul_fwd_window(ex, y, x, w, md.weights, window, c.rows, d, false);
+}
+
+/// Chunk `c`'s rows of a `[rows, hidden]` buffer.
+fn rows_of<'a>(md: &DeviceModel, b: &'a Buffer, c: VocabChunk) -> ops::Part<'a> {
+    let row = md.cfg.hidden_size * 4;
+    (b, (c.row0 * row) as u64, (c.rows * row) as u64)
 }
 
 fn bufs(a: &Acts) -> LogprobBufs<'_> {
@@ -205,7 +187,8 @@ mod tests {
             chunk: 256,
             block: 64,
         }
-        .chunks(600)
+        .tiles(1, 600)
+        .map(|c| (c.v0, c.cols))
         .collect();
         assert_eq!(chunks, [(0, 256), (256, 256), (512, 88)]);
     }

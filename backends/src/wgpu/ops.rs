@@ -355,17 +355,13 @@ pub fn matmul_fwd_as(
     dout: usize,
     accumulate: bool,
 ) {
-    let window = Window {
-        first: 0,
-        rows: dout,
-    };
     matmul_fwd_window(
         ex,
         (y, 0, 0),
         (x, 0, 0),
         w,
         format,
-        window,
+        Window::all(dout),
         n,
         din,
         accumulate,
@@ -380,6 +376,13 @@ pub struct Window {
     pub first: usize,
     /// Rows of W.
     pub rows: usize,
+}
+
+impl Window {
+    /// All `rows` rows of W.
+    pub fn all(rows: usize) -> Self {
+        Self { first: 0, rows }
+    }
 }
 
 /// `y[n, rows] (+)= x[n, din] · W[first .. first + rows]ᵀ` for a [`Window`] of `w` (the
@@ -472,12 +475,9 @@ pub fn matmul_bwd(
     din: usize,
     dout: usize,
 ) {
-    let window = Window {
-        first: 0,
-        rows: dout,
-    };
     let dx = dx.map(|(b, acc)| ((b, 0, 0), acc));
-    matmul_bwd_window(ex, dx, dw, (dy, 0, 0), (x, 0, 0), w, window, n, din);
+    let all = Window::all(dout);
+    matmul_bwd_window(ex, dx, dw, (dy, 0, 0), (x, 0, 0), w, all, n, din);
 }
 
 /// Backward of [`matmul_fwd_window`] for a window of `w` (and the same rows of `dw`):

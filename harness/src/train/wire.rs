@@ -282,14 +282,14 @@ pub struct WireResume {
 
 impl WireResume {
     /// The wire form of request `rid`'s exported state.
-    pub fn new(rid: RequestId, st: &ResumeState) -> Self {
+    pub fn new(rid: RequestId, st: ResumeState) -> Self {
         WireResume {
             rid,
             key: st.request.id.0,
-            prompt: st.request.prompt.clone(),
             params: (&st.request.params).into(),
-            tokens: st.tokens.clone(),
-            logprobs: st.logprobs.clone(),
+            prompt: st.request.prompt,
+            tokens: st.tokens,
+            logprobs: st.logprobs,
             stream_words: st.stream_words,
         }
     }
@@ -718,7 +718,7 @@ mod tests {
             panic!("{back:?}")
         };
         let (r, st) = resumes[0].clone().into_state();
-        assert_eq!(WireResume::new(r, &st), resumes[0]);
+        assert_eq!(WireResume::new(r, st), resumes[0]);
         let old = br#"{"Step":{"adds":[],"cancels":[],"decode":false}}"#;
         let old: serde_json::Value = serde_json::from_slice(old).unwrap();
         let (m, _): (EngineMsg, _) = decode(&encode(&old, &[])).unwrap();

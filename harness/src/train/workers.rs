@@ -445,6 +445,21 @@ impl EngineReference {
     }
 }
 
+/// An engine's commands: when `block` (it has nothing to run) the next one is waited for,
+/// then whatever else has arrived, taken as the caller gets to it. `None` once the channel
+/// is closed.
+pub(crate) fn commands(
+    rx: &Receiver<EngineCmd>,
+    block: bool,
+) -> Option<impl Iterator<Item = EngineCmd> + '_> {
+    let first = if block { Some(rx.recv().ok()?) } else { None };
+    Some(
+        first
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok())),
+    )
+}
+
 /// Runs one rollout engine until `Shutdown`; `reference` is its reference model when it
 /// multiplexes.
 pub fn engine_thread(
@@ -463,18 +478,10 @@ pub fn engine_thread(
     };
     loop {
         // Block only when idle; while generating, take whatever arrived and keep decoding.
-        let first = if step.has_work() {
-            None
-        } else {
-            match rx.recv() {
-                Ok(c) => Some(c),
-                Err(_) => return,
-            }
+        let Some(cmds) = commands(&rx, !step.has_work()) else {
+            return;
         };
-        for cmd in first
-            .into_iter()
-            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
-        {
+        for cmd in cmds {
             let out = match cmd {
                 EngineCmd::Shutdown => return,
                 EngineCmd::Add {

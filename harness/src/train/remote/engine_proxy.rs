@@ -10,7 +10,7 @@ use rolloutpipe_backends::{Sequence, Weights};
 use rolloutpipe_core::RequestId;
 
 use super::super::wire::{self, EngineMsg, EngineReply, WireAdd, WireResume};
-use super::super::workers::{EngineCmd, Event, report};
+use super::super::workers::{EngineCmd, Event, commands, report};
 use super::{Link, Publisher, Route};
 /// The scheduler's side of one remote engine.
 pub(super) struct EngineProxy {
@@ -28,19 +28,11 @@ impl EngineProxy {
     pub(super) fn run(&mut self, rx: Receiver<EngineCmd>) {
         loop {
             // Block only when the host runs nothing; otherwise keep it decoding.
-            let first = if self.started.is_empty() || self.dead {
-                match rx.recv() {
-                    Ok(c) => Some(c),
-                    Err(_) => return,
-                }
-            } else {
-                None
+            let Some(cmds) = commands(&rx, self.started.is_empty() || self.dead) else {
+                return;
             };
             let mut q = Queued::default();
-            for cmd in first
-                .into_iter()
-                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
-            {
+            for cmd in cmds {
                 match cmd {
                     EngineCmd::Shutdown => return,
                     EngineCmd::Add {
@@ -63,7 +55,7 @@ impl EngineProxy {
                     }
                     EngineCmd::Resume { rid, state } => {
                         if self.take(rid) {
-                            q.resumes.push(WireResume::new(rid, &state));
+                            q.resumes.push(WireResume::new(rid, *state));
                         }
                     }
                     EngineCmd::Migrate { min_generated } => {

@@ -239,7 +239,7 @@ impl EngineHost {
                 let step = self.step.as_mut().ok_or_else(|| not_ready("engine"))?;
                 match step.migrate_out(min_generated) {
                     Ok(moved) => EngineReply::Migrated {
-                        moved: moved.map(|(rid, st)| WireResume::new(rid, &st)),
+                        moved: moved.map(|(rid, st)| WireResume::new(rid, st)),
                     },
                     Err(e) => EngineReply::Fatal(e.to_string()),
                 }
