@@ -920,7 +920,7 @@ fn wgpu_scoring_is_batch_invariant() {
 }
 
 /// Decoding on wgpu is batch-invariant bit for bit: each request's tokens and log-probs are
-/// the same alone (every decode product has one row: `matmul_fwd_rows`) as among 11 others
+/// the same alone (every decode product has one row: `matmul_fwd_gemv`) as among 11 others
 /// (12 rows: the tiled GEMM of the `gemm` prelude), because both sum every output in the same
 /// order. Prompts of different lengths make the joint prefill pack rows differently too.
 #[cfg(feature = "wgpu")]
@@ -1118,4 +1118,57 @@ fn wgpu_rmsnorm_dw_is_bit_reproducible() {
         "dw bits differ between runs"
     );
     assert!(runs[0].iter().any(|&b| b != 0), "dw was computed");
+}
+
+/// The decode GEMV (`matmul_fwd_gemv`, ≤ 8 rows, K split across lanes) gives each row the bits
+/// the tiled GEMM gives it in a 20-row product: both add the same 64-wide chunks of K in the
+/// same order. The inner dimensions cover one partial chunk, K not a multiple of the tiled
+/// body's 8-step, exactly one chunk, one chunk and a bit, and more than one 16-chunk round of
+/// the GEMV's lanes (1,100: 18 chunks; 3,072: 48), at each lane count (1, 8, 16) whatever the
+/// adapter would pick.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_gemv_matches_tiled_gemm_bits() {
+    use rolloutpipe_backends::wgpu::{Exec, ops};
+    let Some(g) = device::gpu() else { return };
+    let mut ex = Exec::new(std::sync::Arc::clone(&g));
+    let mut rng = ChaCha8Rng::seed_from_u64(47);
+    let rows = 20usize;
+    assert!(rows > ops::MATMUL_ROWS_MAX);
+    for &(din, dout) in &[
+        (1usize, 5usize),
+        (7, 17),
+        (63, 16),
+        (64, 40),
+        (65, 300),
+        (1100, 23),
+        (3072, 20),
+    ] {
+        let x = rand_vec(&mut rng, rows * din, 1.0);
+        let w = g.upload("w", &rand_vec(&mut rng, dout * din, 1.0));
+        let (xb, yb) = (g.upload("x", &x), g.buffer("y", rows * dout));
+        ops::matmul_fwd(&mut ex, &yb, &xb, &w, rows, din, dout, false);
+        ex.submit().expect("submit");
+        let full = g.read::<u32>(&yb, rows * dout).expect("read");
+        for lanes in [1, 8, 16] {
+            ex.force_gemv_lanes(Some(lanes));
+            for &(first, m) in &[(0usize, 1usize), (5, 3), (12, 8)] {
+                let part = g.upload("x rows", &x[first * din..(first + m) * din]);
+                let yp = g.buffer("y rows", m * dout);
+                ops::matmul_fwd(&mut ex, &yp, &part, &w, m, din, dout, false);
+                ex.submit().expect("submit");
+                let got = g.read::<u32>(&yp, m * dout).expect("read");
+                let want = &full[first * dout..(first + m) * dout];
+                if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+                    panic!(
+                        "{din}x{dout}, {lanes} lanes: rows {first}..{} element {i}: gemv {} vs tiled {}",
+                        first + m,
+                        f32::from_bits(got[i]),
+                        f32::from_bits(want[i])
+                    );
+                }
+            }
+        }
+        ex.force_gemv_lanes(None);
+    }
 }

@@ -165,7 +165,7 @@ fn half_engine_checks(g: &Arc<Gpu>, dtype: DType) {
 }
 
 /// With 16-bit weights each request decodes to the same tokens and log-prob bits alone (one
-/// row: `matmul_fwd_rows`) as among seven others (the tiled GEMM).
+/// row: `matmul_fwd_gemv`) as among seven others (the tiled GEMM).
 #[test]
 fn half_wgpu_decoding_is_batch_invariant() {
     let Some(g) = device::gpu() else { return };

@@ -161,9 +161,9 @@ kernels! {
     /// RMSNorm backward: `dx` per row; `dw` in two fixed-order stages (partial sums per
     /// chunk of rows and column, then per column).
     RmsnormBwd => "rmsnorm_bwd", ["rmsnorm_bwd", "rmsnorm_bwd_dw", "rmsnorm_bwd_dw_reduce"], 7, ro [1, 2, 3, 4], [64, 1, 1], ["rmsnorm_bwd", "rmsnorm_bwd_dw"];
-    /// `y = x·Wᵀ`, tiled 128x128 per 16x16 workgroup (the `gemm` prelude); a row-strip
-    /// variant for ≤ 8 rows.
-    MatmulFwd => "matmul_fwd" + "gemm" + "weight_f32", ["matmul_fwd", "matmul_fwd_rows"], 3, ro [1, 2], [16, 16, 1], ["matmul_fwd", "matmul_fwd_f32", "matmul_fwd_cast"];
+    /// `y = x·Wᵀ`, tiled 128x128 per 16x16 workgroup (the `gemm` prelude); a split-K GEMV
+    /// for ≤ 8 rows that sums in the tiled body's order.
+    MatmulFwd => "matmul_fwd" + "gemm" + "weight_f32", ["matmul_fwd", "matmul_fwd_gemv"], 3, ro [1, 2], [16, 16, 1], ["matmul_fwd", "matmul_fwd_f32", "matmul_fwd_cast"];
     /// `dx = dy·W` and `dW += dyᵀ·x`, the same GEMM body.
     MatmulBwd => "matmul_bwd" + "gemm", ["matmul_bwd_dx", "matmul_bwd_dw"], 5, ro [1, 2, 3], [16, 16, 1], ["matmul_bwd_dx", "matmul_bwd_dw"];
     /// Rotate-half RoPE in place from cos/sin tables.

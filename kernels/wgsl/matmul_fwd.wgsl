@@ -1,11 +1,10 @@
 // matmul_fwd: y[M, N] (+)= x[M, K] · W[N, K]ᵀ  (W stored [out, in] as in HF checkpoints).
 // Entry matmul_fwd is the shared tiled GEMM of the `gemm` prelude (128x128 per 16x16
 // workgroup, 8x8 per thread; see kernels/wgsl/prelude/gemm.wgsl) in its forward mode.
-// Entry matmul_fwd_rows serves products with at most 8 rows (decode steps), where a 128-row
-// tile would be mostly idle: a workgroup computes 256 columns for all rows, staging x's rows
-// through workgroup memory 256 values of K at a time, so it needs two barriers per 256 of K.
-// Both entries sum each output in the same order (one fma chain over K, ascending), so a
-// decode step's rows come out bit for bit as they would in a larger product.
+// Entry matmul_fwd_gemv serves products with at most 8 rows (decode steps), where a 128-row
+// tile would be mostly idle: a split-K GEMV (below). Both entries sum each output in the
+// same order (ascending fma chains over 64-wide chunks of K, the chunks added in order), so
+// a decode step's rows come out bit for bit as they would in a larger product.
 // A W above the device's storage-binding limit (lm_head at a 151,936 vocabulary: 622 MB) is
 // launched in column chunks by the host: W and y bound from the chunk's first column, y's
 // row stride ldy the full width; each output's sum is unchanged.
@@ -16,7 +15,7 @@ struct Params {
     k: u32,
     accumulate: u32, // 1: y += x·Wᵀ, 0: y = x·Wᵀ
     ldy: u32,        // row stride of y (n, or the full width when launched in column chunks)
-    _p0: u32,
+    lanes: u32,      // matmul_fwd_gemv: lanes per column (1, 8 or 16)
     _p1: u32,
     _p2: u32,
 }
@@ -60,53 +59,119 @@ fn matmul_fwd(
     gemm(GEMM_FWD, wid, lid3.x, lid3.y, lid);
 }
 
-const ROWS_MAX: u32 = 8u;
-const GK: u32 = 256u;
-var<workgroup> x_rows: array<f32, 2048>; // ROWS_MAX * GK
+// matmul_fwd_gemv: a workgroup takes 256 / L columns of y for every row (<= GV_ROWS), with
+// L = p.lanes lanes per column (1, 8 or 16, the host's choice for the adapter: it changes no
+// result). Lane l sums the GEMM_KC chunks l, l + L, ... of K, each as the tiled body does.
+// With L > 1 a round of L chunks is written to workgroup memory and added to the running
+// sum in chunk order by the thread of (row, column); with L = 1 the one thread adds each of
+// its chunks as it finishes it. On a GPU, L = 16 gives a 1,024 x 1,024 projection 64
+// workgroups (one per 16 columns) instead of 4.
+const GV_ROWS: u32 = 8u;
+var<workgroup> gv_part: array<f32, 2048>; // [lane][row][column]: L * GV_ROWS * (256 / L)
 
-@compute @workgroup_size(16, 16)
-fn matmul_fwd_rows(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let c = wid.x * 256u + lid;
-    let m = min(p.m, ROWS_MAX);
+// Adds chunk `ch` of K (GEMM_KC values, zeros past K up to its multiple of GEMM_TK, as in the
+// tiled body) for column c into one fma chain per row, from 0.0.
+fn gemv_chunk(ch: u32, c: u32, m: u32, kpad: u32) -> array<f32, 8> {
     var acc: array<f32, 8>;
-    for (var r = 0u; r < ROWS_MAX; r++) {
+    for (var r = 0u; r < GV_ROWS; r++) {
         acc[r] = 0.0;
     }
-    for (var k0 = 0u; k0 < p.k; k0 += GK) {
-        for (var q = 0u; q < ROWS_MAX; q++) {
-            let e = lid + 256u * q;
-            let r = e / GK;
-            let kk = k0 + e % GK;
-            var xv = 0.0;
-            if (r < m && kk < p.k) {
-                xv = x[r * p.k + kk];
+    let kb = ch * GEMM_KC;
+    if (kb + GEMM_KC <= p.k) {
+        for (var kk = 0u; kk < GEMM_KC; kk++) {
+            let wv = weight(c * p.k + kb + kk);
+            for (var r = 0u; r < GV_ROWS; r++) {
+                var xv = 0.0;
+                if (r < m) {
+                    xv = x[r * p.k + kb + kk];
+                }
+                acc[r] = fma(xv, wv, acc[r]);
             }
-            x_rows[e] = xv;
+        }
+        return acc;
+    }
+    for (var kx = kb; kx < kpad; kx++) {
+        var wv = 0.0;
+        if (kx < p.k) {
+            wv = weight(c * p.k + kx);
+        }
+        for (var r = 0u; r < GV_ROWS; r++) {
+            var xv = 0.0;
+            if (r < m && kx < p.k) {
+                xv = x[r * p.k + kx];
+            }
+            acc[r] = fma(xv, wv, acc[r]);
+        }
+    }
+    return acc;
+}
+
+@compute @workgroup_size(16, 16)
+fn matmul_fwd_gemv(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    // 1, 8 or 16: the sums below need a lane per row (<= 8) whenever L > 1.
+    let lanes = select(select(16u, 8u, p.lanes <= 8u), 1u, p.lanes <= 1u);
+    let cols = 256u / lanes;
+    let col0 = (wid.x + wid.y * nwg.x) * cols;
+    if (col0 >= p.n) {
+        return;
+    }
+    let j = lid % cols; // this thread's column; neighbouring threads share an x read
+    let lane = lid / cols; // its chunk within a round; with L > 1 also its row when adding
+    let c = col0 + j;
+    let m = min(p.m, GV_ROWS);
+    let kpad = (p.k + GEMM_TK - 1u) / GEMM_TK * GEMM_TK;
+    let chunks = (p.k + GEMM_KC - 1u) / GEMM_KC;
+    if (lanes == 1u) {
+        var own: array<f32, 8>;
+        for (var r = 0u; r < GV_ROWS; r++) {
+            own[r] = 0.0;
+        }
+        if (c < p.n) {
+            for (var ch = 0u; ch < chunks; ch++) {
+                let acc = gemv_chunk(ch, c, m, kpad);
+                for (var r = 0u; r < GV_ROWS; r++) {
+                    own[r] += acc[r];
+                }
+            }
+            for (var r = 0u; r < m; r++) {
+                gemv_store(r, c, own[r]);
+            }
+        }
+        return;
+    }
+    var tot = 0.0;
+    for (var c0 = 0u; c0 < chunks; c0 += lanes) {
+        let ch = c0 + lane;
+        var acc: array<f32, 8>;
+        if (ch < chunks && c < p.n) {
+            acc = gemv_chunk(ch, c, m, kpad);
+        }
+        for (var r = 0u; r < GV_ROWS; r++) {
+            gv_part[(lane * GV_ROWS + r) * cols + j] = acc[r];
         }
         workgroupBarrier();
-        if (c < p.n) {
-            let len = min(GK, p.k - k0);
-            let wb = c * p.k + k0;
-            for (var kk = 0u; kk < len; kk++) {
-                let wv = weight(wb + kk);
-                for (var r = 0u; r < ROWS_MAX; r++) {
-                    acc[r] = fma(x_rows[r * GK + kk], wv, acc[r]);
-                }
+        if (lane < m) {
+            let here = min(lanes, chunks - c0);
+            for (var l = 0u; l < here; l++) {
+                tot += gv_part[(l * GV_ROWS + lane) * cols + j];
             }
         }
         workgroupBarrier();
     }
-    if (c < p.n) {
-        for (var r = 0u; r < m; r++) {
-            let o = r * p.ldy + c;
-            if (p.accumulate != 0u) {
-                y[o] += acc[r];
-            } else {
-                y[o] = acc[r];
-            }
-        }
+    if (lane < m && c < p.n) {
+        gemv_store(lane, c, tot);
+    }
+}
+
+fn gemv_store(r: u32, c: u32, v: f32) {
+    let o = r * p.ldy + c;
+    if (p.accumulate != 0u) {
+        y[o] += v;
+    } else {
+        y[o] = v;
     }
 }

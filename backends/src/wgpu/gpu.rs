@@ -384,6 +384,8 @@ pub struct Exec {
     dummy: wgpu::Buffer,
     /// The largest storage binding the chunked ops plan for, in bytes (at most the device's).
     binding_cap: usize,
+    /// Lanes per column of the decode GEMV, when forced ([`Exec::force_gemv_lanes`]).
+    gemv_lanes: Option<usize>,
 }
 
 impl Exec {
@@ -403,7 +405,24 @@ impl Exec {
             read_bytes: 0,
             staging: None,
             binding_cap: usize::MAX,
+            gemv_lanes: None,
         }
+    }
+
+    /// Makes every decode GEMV (`matmul_fwd_gemv`) split K over `lanes` (1, 8 or 16) instead of
+    /// the adapter's choice, so that tests reach every split on any adapter. The split changes
+    /// no result, only the launch geometry.
+    pub fn force_gemv_lanes(&mut self, lanes: Option<usize>) {
+        assert!(
+            matches!(lanes, None | Some(1 | 8 | 16)),
+            "GEMV lanes must be 1, 8 or 16"
+        );
+        self.gemv_lanes = lanes;
+    }
+
+    /// The forced GEMV lane count, if any.
+    pub fn forced_gemv_lanes(&self) -> Option<usize> {
+        self.gemv_lanes
     }
 
     /// The storage-binding size the chunked ops (embedding, lm_head products, AdamW, the

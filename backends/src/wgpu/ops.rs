@@ -408,12 +408,14 @@ pub fn matmul_fwd_window(
     let chunk = rows_per_binding_as(ex.binding_limit(), din, bytes, 256).min(dout.max(1));
     for c0 in (0..dout.max(1)).step_by(chunk) {
         let cols = chunk.min(dout - c0.min(dout));
+        let lanes = gemv_lanes(ex, din);
         let p = Params::new()
             .u(n)
             .u(cols)
             .u(din)
             .u(accumulate as usize)
-            .u(dout);
+            .u(dout)
+            .u(lanes);
         // W bound whole only where the window is all of it: a first chunk of a larger W
         // (the lm_head's first vocabulary chunk) must not bind the rest.
         let whole = chunk >= dout && covers(w, window, din, bytes);
@@ -431,7 +433,14 @@ pub fn matmul_fwd_window(
         };
         let bufs = [x, wb, yb];
         if n <= MATMUL_ROWS_MAX {
-            ex.dispatch_as(Kernel::MatmulFwd, format, 1, &bufs, p, linear(cols, 256));
+            ex.dispatch_as(
+                Kernel::MatmulFwd,
+                format,
+                1,
+                &bufs,
+                p,
+                linear(cols, 256 / lanes),
+            );
         } else {
             ex.dispatch_as(Kernel::MatmulFwd, format, 0, &bufs, p, tiles(cols, n));
         }
@@ -458,8 +467,26 @@ fn sub_part(part: Part<'_>, skip: usize) -> Part<'_> {
     )
 }
 
-/// Products with at most this many rows (decode steps) use `matmul_fwd_rows`.
+/// Products with at most this many rows (decode steps) use `matmul_fwd_gemv`, the split-K
+/// GEMV.
 pub const MATMUL_ROWS_MAX: usize = 8;
+
+/// Lanes per column of `matmul_fwd_gemv` (a workgroup takes 256 / lanes columns), which
+/// changes no result: on a GPU, 16 lanes (8 where K has fewer than 16 chunks of 64), so a
+/// 1,024-wide projection launches 64 workgroups; on a CPU adapter, whose threads are SIMD
+/// lanes of a few cores, one thread walks a column's whole K (idle lanes cost it time).
+fn gemv_lanes(ex: &Exec, din: usize) -> usize {
+    if let Some(l) = ex.forced_gemv_lanes() {
+        return l;
+    }
+    if ex.gpu().adapter_info().device_type == wgpu::DeviceType::Cpu {
+        1
+    } else if din >= 16 * 64 {
+        16
+    } else {
+        8
+    }
+}
 
 /// Backward of [`matmul_fwd`]: `dx (+)= dy·w` when `dx` is given (`(buffer, accumulate)`),
 /// and `dw += dyᵀ·x`.

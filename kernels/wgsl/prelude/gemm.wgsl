@@ -20,10 +20,14 @@
 // keeping the vec4 reads 16-byte aligned; the vec4 reads of a warp are either one broadcast
 // (A) or 16 consecutive vec4s (B), both conflict-free.
 //
-// Every output is one chain of fmas over the inner dimension in ascending order starting
-// from 0.0 (out-of-range k contributes fma(0, 0, acc) = acc), the same order as
-// matmul_fwd_rows, so a row's result does not depend on how many rows share the launch:
-// this is what keeps decoding batch-invariant bit for bit.
+// Summation order. In the backward modes every output is one chain of fmas over the inner
+// dimension in ascending order from 0.0. The forward mode splits the inner dimension into
+// chunks of GEMM_KC = 64 aligned at 0: each chunk is one ascending fma chain from 0.0 (the
+// last one runs to K rounded up to GEMM_TK, the extra terms being fma(0, 0, acc)), and an
+// output is 0.0 + chunk 0 + chunk 1 + ... added in chunk order. matmul_fwd_gemv (the decode
+// path, <= 8 rows) computes its chunks on separate lanes (split-K) and adds them in the same
+// order, so a row's result does not depend on how many rows share the launch or which path
+// serves it: this is what keeps decoding and scoring batch-invariant bit for bit.
 
 const GEMM_FWD: u32 = 0u;
 const GEMM_DX: u32 = 1u;
@@ -31,6 +35,7 @@ const GEMM_DW: u32 = 2u;
 
 const GEMM_T: u32 = 128u; // output tile edge
 const GEMM_TK: u32 = 8u; // inner-dimension step
+const GEMM_KC: u32 = 64u; // forward mode: inner-dimension chunk summed on its own
 const GEMM_S: u32 = 33u; // staged tile row stride in vec4s: 128 floats + 4 of padding
 var<workgroup> gemm_as: array<vec4<f32>, 264>; // GEMM_TK * GEMM_S
 var<workgroup> gemm_bs: array<vec4<f32>, 264>;
@@ -64,8 +69,10 @@ fn gemm(mode: u32, wid: vec3<u32>, tx: u32, ty: u32, lid: u32) {
     let a_along_k = mode != GEMM_DW;
     let b_along_k = mode == GEMM_FWD;
     var acc: array<vec4<f32>, 16>; // [row i of 8][column half h]: acc[2i + h]
+    var tot: array<vec4<f32>, 16>; // forward mode: the sum of the finished chunks
     for (var i = 0u; i < 16u; i++) {
         acc[i] = vec4<f32>(0.0);
+        tot[i] = vec4<f32>(0.0);
     }
     // A thread whose first row or column is past the edge owns no output: it still stages
     // tiles (and meets every barrier) but skips the products.
@@ -104,6 +111,16 @@ fn gemm(mode: u32, wid: vec3<u32>, tx: u32, ty: u32, lid: u32) {
             }
         }
         workgroupBarrier();
+        let chunk_end = (k0 + GEMM_TK) % GEMM_KC == 0u || k0 + GEMM_TK >= dims.z;
+        if (mode == GEMM_FWD && chunk_end) {
+            for (var i = 0u; i < 16u; i++) {
+                tot[i] += acc[i];
+                acc[i] = vec4<f32>(0.0);
+            }
+        }
+    }
+    if (mode == GEMM_FWD) {
+        acc = tot;
     }
     for (var i = 0u; i < 8u; i++) {
         let r = row0 + 4u * ty + (i % 4u) + 64u * (i / 4u);
