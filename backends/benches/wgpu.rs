@@ -103,9 +103,7 @@ fn prod_matmuls() -> Vec<(usize, usize, usize)> {
 fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     let mut ex = Exec::new(Arc::clone(g));
     let mut grp = c.benchmark_group("wgpu_matmul");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     let mut shapes = vec![
         (8, 128, 384),
         (64, 128, 384),
@@ -132,9 +130,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_matmul_bwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     let mut shapes = vec![(512, 128, 384), (1024, 1024, 1024)];
     shapes.extend(prod_matmuls().into_iter().filter(|s| s.0 > 8));
     for (n, din, dout) in shapes {
@@ -157,9 +153,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_rmsnorm_fwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     let (rows, d) = (4096, 128);
     let (x, w, out, rstd) = (
         g.upload("x", &data(rows * d, 4)),
@@ -179,9 +173,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_rmsnorm_bwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     // The small model's 512-token training chunk (hidden 128), its per-head q_norm
     // (512 tokens x 4 heads of 32) and a Qwen3-0.6B-wide row (hidden 1024).
     for (rows, d) in [(512usize, 128usize), (2048, 32), (512, 1024)] {
@@ -206,9 +198,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_embedding_bwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     // 512 training tokens of the small model (vocabulary 64: every row repeats ~8 times),
     // and of a 1024-wide model over 4096 vocabulary rows (each touched row once).
     for (n, d, vocab) in [(512usize, 128usize, 64usize), (512, 1024, 4096)] {
@@ -239,9 +229,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_attention_fwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     // 8 sequences of 64 tokens of the small model (4 heads, 2 kv heads, head_dim 32).
     let (seqs, t, h, kvh, hd) = (8usize, 64usize, 4usize, 2usize, 32usize);
     let n = seqs * t;
@@ -275,9 +263,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     // `wgpu_generate/wgpu/16` (16 rows at position 47) and of `wgpu_generate/wgpu_group/8`
     // (8 rows at position 95), each row on its own pages (the small model's shape).
     let mut grp = c.benchmark_group("wgpu_attention_decode");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     let cfg = ModelConfig::small();
     let (h, hd) = (cfg.num_attention_heads, cfg.head_dim);
     for (rows_n, pos) in [(16usize, 47usize), (8, 95)] {
@@ -324,9 +310,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_logprob_fwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     for (rows, vocab) in [(512usize, 64usize), (64, 151_936)] {
         let (z, tg) = (
             g.upload("logits", &data(rows * vocab, 9)),
@@ -365,9 +349,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_sample");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     for (rows, vocab, top_k, top_p) in [
         (64usize, 64usize, 0usize, 1.0f32),
         (64, 64, 8, 1.0),
@@ -397,9 +379,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_adamw_step");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     let nparam = 1 << 20;
     let (p, gr, m, v) = (
         g.upload("p", &data(nparam, 11)),
@@ -502,9 +482,7 @@ fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
     let mut bf16 =
         WgpuBackend::with_gpu_dtype(Arc::clone(g), &cfg, &w, DType::Bf16).expect("bf16 engine");
     let mut grp = c.benchmark_group("wgpu_generate");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(4));
+    grp.sample_size(10);
     grp.throughput(Throughput::Elements(8 * 32));
     let mut next = 1 << 40;
     grp.bench_function(BenchmarkId::new("wgpu_group", 8), |b| {
@@ -565,9 +543,7 @@ fn bench_train(c: &mut Criterion, g: &Arc<Gpu>) {
     let (seqs, prompt_len, resp_len) = (8usize, 16usize, 48usize);
     let (batch, norm, opt) = grpo_batch(seqs, prompt_len, resp_len, 64);
     let mut grp = c.benchmark_group("wgpu_train");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(4));
+    grp.sample_size(10);
     grp.throughput(Throughput::Elements(
         (seqs * (prompt_len + resp_len)) as u64,
     ));
@@ -764,5 +740,19 @@ fn benches(c: &mut Criterion) {
     bench_e2e(c, &g);
 }
 
-criterion_group!(wgpu_benches, benches);
+/// 0.3 s of warm-up and 2 s of measurement per benchmark unless the command line says
+/// otherwise (`--warm-up-time`, `--measurement-time`: `scripts/device/wgpu.sh --quick`). The
+/// groups set only their sample size, since a group's own times would override the command
+/// line's; the `wgpu_e2e_*` groups alone set theirs (the fewest iterations, any adapter).
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2))
+}
+
+criterion_group! {
+    name = wgpu_benches;
+    config = config();
+    targets = benches
+}
 criterion_main!(wgpu_benches);
