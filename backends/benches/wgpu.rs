@@ -16,14 +16,21 @@
 //! - `wgpu_train/{wgpu,cpu}`: tokens/s (prompt + response) of one GRPO optimizer step on
 //!   8 sequences of 16 + 48 tokens (forward, backward, AdamW), as `cpu_train`.
 //!
+//! - `wgpu_e2e_{0.6b,1.7b}/{generate,train}/<dtype>` (prod shapes only, see `bench_e2e`):
+//!   generate (8 × 64-token prompts, 32 new tokens) and a GRPO train step (4 × 128 tokens)
+//!   at Qwen3-0.6B and 1.7B shapes with random weights; `scripts/device/torch_e2e.py` runs
+//!   the same workloads in PyTorch.
+//!
 //! Run: `cargo bench -p rolloutpipe-backends --features wgpu --bench wgpu`. With
-//! `ROLLOUTPIPE_BENCH_SHAPES=prod` the matrix products also run at Qwen3-0.6B and 1.7B shapes
-//! (for a real GPU: `scripts/device/wgpu.sh`).
+//! `ROLLOUTPIPE_BENCH_SHAPES=prod` the matrix products also run at Qwen3-0.6B and 1.7B shapes,
+//! and the `wgpu_e2e_*` groups run (for a real GPU: `scripts/device/wgpu.sh`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{
+    BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
+};
 use rolloutpipe_backends::wgpu::kv::{self, KvPool, StepRows};
 use rolloutpipe_backends::wgpu::{Exec, Gpu, WgpuBackend, ops};
 use rolloutpipe_backends::*;
@@ -71,11 +78,16 @@ fn timed(ex: &mut Exec, iters: u64, mut launch: impl FnMut(&mut Exec)) -> Durati
     t.elapsed()
 }
 
+/// Whether `ROLLOUTPIPE_BENCH_SHAPES=prod` is set: production shapes on top of the small ones.
+fn prod() -> bool {
+    std::env::var("ROLLOUTPIPE_BENCH_SHAPES").as_deref() == Ok("prod")
+}
+
 /// With `ROLLOUTPIPE_BENCH_SHAPES=prod` (set by `scripts/device/wgpu.sh`): the projections of
 /// Qwen3-0.6B (hidden 1024, MLP 3072) and Qwen3-1.7B (hidden 2048, MLP 6144) as
 /// `(rows, in, out)`, for a decode step of 8 rows and a 512-token prefill or training chunk.
 fn prod_matmuls() -> Vec<(usize, usize, usize)> {
-    if std::env::var("ROLLOUTPIPE_BENCH_SHAPES").as_deref() != Ok("prod") {
+    if !prod() {
         return Vec::new();
     }
     let mut v = Vec::new();
@@ -91,9 +103,7 @@ fn prod_matmuls() -> Vec<(usize, usize, usize)> {
 fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     let mut ex = Exec::new(Arc::clone(g));
     let mut grp = c.benchmark_group("wgpu_matmul");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     let mut shapes = vec![
         (8, 128, 384),
         (64, 128, 384),
@@ -120,9 +130,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_matmul_bwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     let mut shapes = vec![(512, 128, 384), (1024, 1024, 1024)];
     shapes.extend(prod_matmuls().into_iter().filter(|s| s.0 > 8));
     for (n, din, dout) in shapes {
@@ -145,9 +153,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_rmsnorm_fwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     let (rows, d) = (4096, 128);
     let (x, w, out, rstd) = (
         g.upload("x", &data(rows * d, 4)),
@@ -167,9 +173,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_rmsnorm_bwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     // The small model's 512-token training chunk (hidden 128), its per-head q_norm
     // (512 tokens x 4 heads of 32) and a Qwen3-0.6B-wide row (hidden 1024).
     for (rows, d) in [(512usize, 128usize), (2048, 32), (512, 1024)] {
@@ -194,9 +198,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_embedding_bwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     // 512 training tokens of the small model (vocabulary 64: every row repeats ~8 times),
     // and of a 1024-wide model over 4096 vocabulary rows (each touched row once).
     for (n, d, vocab) in [(512usize, 128usize, 64usize), (512, 1024, 4096)] {
@@ -227,9 +229,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_attention_fwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     // 8 sequences of 64 tokens of the small model (4 heads, 2 kv heads, head_dim 32).
     let (seqs, t, h, kvh, hd) = (8usize, 64usize, 4usize, 2usize, 32usize);
     let n = seqs * t;
@@ -263,9 +263,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     // `wgpu_generate/wgpu/16` (16 rows at position 47) and of `wgpu_generate/wgpu_group/8`
     // (8 rows at position 95), each row on its own pages (the small model's shape).
     let mut grp = c.benchmark_group("wgpu_attention_decode");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     let cfg = ModelConfig::small();
     let (h, hd) = (cfg.num_attention_heads, cfg.head_dim);
     for (rows_n, pos) in [(16usize, 47usize), (8, 95)] {
@@ -312,9 +310,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_logprob_fwd");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     for (rows, vocab) in [(512usize, 64usize), (64, 151_936)] {
         let (z, tg) = (
             g.upload("logits", &data(rows * vocab, 9)),
@@ -353,9 +349,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_sample");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     for (rows, vocab, top_k, top_p) in [
         (64usize, 64usize, 0usize, 1.0f32),
         (64, 64, 8, 1.0),
@@ -385,9 +379,7 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 
     let mut grp = c.benchmark_group("wgpu_adamw_step");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2));
+    grp.sample_size(10);
     let nparam = 1 << 20;
     let (p, gr, m, v) = (
         g.upload("p", &data(nparam, 11)),
@@ -417,10 +409,24 @@ fn small(g: &Arc<Gpu>) -> (Box<dyn Policy>, Box<dyn Policy>) {
 }
 
 fn generate(be: &mut dyn Policy, conc: usize, next: &mut u64) {
-    let (prompt_len, new) = (16usize, 32usize);
+    generate_n(be, conc, 16, 32, 64, next)
+}
+
+/// `conc` requests of `prompt_len`-token prompts (ids below `vocab`), `new` tokens each,
+/// decoded to the end.
+fn generate_n(
+    be: &mut dyn Policy,
+    conc: usize,
+    prompt_len: usize,
+    new: usize,
+    vocab: usize,
+    next: &mut u64,
+) {
     for i in 0..conc {
         *next += 1;
-        let prompt = (0..prompt_len).map(|t| ((t * 7 + i) % 64) as u32).collect();
+        let prompt = (0..prompt_len)
+            .map(|t| ((t * 7 + i) % vocab) as u32)
+            .collect();
         let params = SamplingParams {
             max_new_tokens: new,
             seed: *next,
@@ -476,9 +482,7 @@ fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
     let mut bf16 =
         WgpuBackend::with_gpu_dtype(Arc::clone(g), &cfg, &w, DType::Bf16).expect("bf16 engine");
     let mut grp = c.benchmark_group("wgpu_generate");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(4));
+    grp.sample_size(10);
     grp.throughput(Throughput::Elements(8 * 32));
     let mut next = 1 << 40;
     grp.bench_function(BenchmarkId::new("wgpu_group", 8), |b| {
@@ -500,15 +504,22 @@ fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 }
 
-fn bench_train(c: &mut Criterion, g: &Arc<Gpu>) {
-    let (mut gpu, mut cpu) = small(g);
-    let (seqs, prompt_len, resp_len) = (8usize, 16usize, 48usize);
+/// A GRPO batch of `seqs` sequences of `prompt_len` + `resp_len` tokens (ids below `vocab`),
+/// advantages ±1, token-mean aggregation; its normalizer and the optimizer settings.
+fn grpo_batch(
+    seqs: usize,
+    prompt_len: usize,
+    resp_len: usize,
+    vocab: usize,
+) -> (TrainBatch, f64, AdamW) {
     let batch = TrainBatch {
         sequences: (0..seqs)
             .map(|s| {
-                let p = (0..prompt_len).map(|t| ((t * 5 + s) % 64) as u32).collect();
+                let p = (0..prompt_len)
+                    .map(|t| ((t * 5 + s) % vocab) as u32)
+                    .collect();
                 let r = (0..resp_len)
-                    .map(|t| ((t * 3 + 2 * s) % 64) as u32)
+                    .map(|t| ((t * 3 + 2 * s) % vocab) as u32)
                     .collect();
                 TrainSequence::new(
                     p,
@@ -524,10 +535,15 @@ fn bench_train(c: &mut Criterion, g: &Arc<Gpu>) {
         lr: 1e-4,
         ..Default::default()
     };
+    (batch, norm, opt)
+}
+
+fn bench_train(c: &mut Criterion, g: &Arc<Gpu>) {
+    let (mut gpu, mut cpu) = small(g);
+    let (seqs, prompt_len, resp_len) = (8usize, 16usize, 48usize);
+    let (batch, norm, opt) = grpo_batch(seqs, prompt_len, resp_len, 64);
     let mut grp = c.benchmark_group("wgpu_train");
-    grp.sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(4));
+    grp.sample_size(10);
     grp.throughput(Throughput::Elements(
         (seqs * (prompt_len + resp_len)) as u64,
     ));
@@ -544,12 +560,199 @@ fn bench_train(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 }
 
+/// Qwen3 at a Hub model's shape (its `config.json`): 28 layers, 16 query and 8 key/value
+/// heads of 128, vocabulary 151,936, tied embeddings; `hidden` and `mlp` pick the size.
+fn qwen3(hidden: usize, mlp: usize) -> ModelConfig {
+    ModelConfig {
+        vocab_size: 151_936,
+        hidden_size: hidden,
+        intermediate_size: mlp,
+        num_hidden_layers: 28,
+        num_attention_heads: 16,
+        num_key_value_heads: 8,
+        head_dim: 128,
+        rope_theta: 1e6,
+        tie_word_embeddings: true,
+        max_position_embeddings: 40_960,
+        ..ModelConfig::small()
+    }
+}
+
+/// The end-to-end workloads at production shapes (`scripts/device/torch_e2e.py` runs the same).
+const E2E_REQUESTS: usize = 8;
+const E2E_PROMPT: usize = 64;
+const E2E_NEW: usize = 32;
+const E2E_SEQS: usize = 4;
+const E2E_TRAIN_PROMPT: usize = 64;
+const E2E_TRAIN_RESPONSE: usize = 64;
+
+/// One shape's backends, built on first use: criterion calls a benchmark's closure only when
+/// its name passes the filter, so a run of other benchmarks allocates none of this (a 1.7B
+/// f32 trainer holds weights, gradients and two moments: 16 bytes a parameter, ~32 GB).
+struct Lazy {
+    name: &'static str,
+    cfg: ModelConfig,
+    g: Arc<Gpu>,
+    weights: Option<Weights>,
+    f32: Option<WgpuBackend>,
+    bf16: Option<WgpuBackend>,
+}
+
+impl Lazy {
+    /// The f32 backend (generates and trains) or the bf16-storage engine.
+    fn backend(&mut self, dtype: DType) -> &mut WgpuBackend {
+        let slot = match dtype {
+            DType::F32 => &mut self.f32,
+            _ => &mut self.bf16,
+        };
+        if slot.is_none() {
+            let t = Instant::now();
+            let w = self
+                .weights
+                .get_or_insert_with(|| Weights::random(&self.cfg, 0).expect("random weights"));
+            let be = WgpuBackend::with_gpu_dtype(Arc::clone(&self.g), &self.cfg, w, dtype)
+                .unwrap_or_else(|e| panic!("{}: the {dtype:?} backend failed: {e}", self.name));
+            eprintln!(
+                "{}: {dtype:?} backend built in {:.1} s ({} weight bytes)",
+                self.name,
+                t.elapsed().as_secs_f64(),
+                be.weight_bytes()
+            );
+            *slot = Some(be);
+        }
+        slot.as_mut().expect("built above")
+    }
+}
+
+/// Why `cfg` cannot run on this adapter, if it cannot: its largest buffer (the embedding,
+/// `vocab × hidden` in `dtype`) above `max_buffer_size`. Every other tensor is smaller, and
+/// the ops bind the large ones in chunks, so the binding size is no limit.
+fn too_large(g: &Gpu, cfg: &ModelConfig, dtype: DType) -> Option<String> {
+    let elem = if dtype == DType::F32 { 4 } else { 2 };
+    let need = (cfg.vocab_size * cfg.hidden_size * elem) as u64;
+    let have = g.device().limits().max_buffer_size;
+    (need > have).then(|| {
+        format!(
+            "its {dtype:?} embedding is {need} bytes, above this adapter's max_buffer_size {have}"
+        )
+    })
+}
+
+/// Times `f` under criterion and prints its first call's wall time (the warm-up's, with the
+/// kernels' compilation and the KV pool's growth), which on a slow adapter is the one number
+/// a short run gives.
+fn first_timed(what: &str, first: &mut bool, f: impl FnOnce()) {
+    let t = Instant::now();
+    f();
+    if std::mem::take(first) {
+        eprintln!("{what}: first iteration {:.2} s", t.elapsed().as_secs_f64());
+    }
+}
+
+/// `wgpu_e2e_<shape>/{generate,train}/<dtype>` at Qwen3-0.6B and 1.7B shapes (random
+/// weights), with `ROLLOUTPIPE_BENCH_SHAPES=prod` only:
+/// - `generate/{f32,bf16}`: 8 requests of 64-token prompts, 32 new tokens each, prefill
+///   included; throughput in generated tokens (256 an iteration). `f32` is the trainer's
+///   own model generating, `bf16` the 16-bit-storage engine a trainer syncs to.
+/// - `train/f32`: one GRPO optimizer step (zero_grad, accumulate, optimizer_step: forward,
+///   backward, AdamW) on 4 sequences of 64 + 64 tokens; throughput in tokens (512).
+///
+/// `ROLLOUTPIPE_BENCH_E2E` (comma-separated: `0.6b`, `1.7b`) limits the shapes.
+///
+/// Flat sampling with 10 samples: at least 10 timed iterations plus one warm-up, the fewest
+/// criterion allows, so that the whole group stays short on a GPU.
+fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
+    if !prod() {
+        return;
+    }
+    // `ROLLOUTPIPE_BENCH_E2E=0.6b` (`wgpu.sh --quick`) keeps one shape; default both.
+    let only = std::env::var("ROLLOUTPIPE_BENCH_E2E").unwrap_or_default();
+    for (short, name, cfg) in [
+        ("0.6b", "Qwen3-0.6B", qwen3(1024, 3072)),
+        ("1.7b", "Qwen3-1.7B", qwen3(2048, 6144)),
+    ] {
+        if !only.is_empty() && !only.split(',').any(|s| s == short) {
+            continue;
+        }
+        let group = format!("wgpu_e2e_{short}");
+        let mut lazy = Lazy {
+            name,
+            cfg,
+            g: Arc::clone(g),
+            weights: None,
+            f32: None,
+            bf16: None,
+        };
+        let mut grp = c.benchmark_group(&group);
+        grp.sample_size(10)
+            .sampling_mode(SamplingMode::Flat)
+            .warm_up_time(Duration::from_millis(100))
+            .measurement_time(Duration::from_secs(1));
+        let vocab = lazy.cfg.vocab_size;
+        for (dtype, id) in [(DType::F32, "f32"), (DType::Bf16, "bf16")] {
+            if let Some(why) = too_large(g, &lazy.cfg, dtype) {
+                eprintln!("SKIP: {group}/generate/{id}: {why}");
+                continue;
+            }
+            grp.throughput(Throughput::Elements((E2E_REQUESTS * E2E_NEW) as u64));
+            let (mut next, mut first) = (0u64, true);
+            grp.bench_function(BenchmarkId::new("generate", id), |b| {
+                let be = lazy.backend(dtype);
+                b.iter(|| {
+                    first_timed(&format!("{group}/generate/{id}"), &mut first, || {
+                        generate_n(be, E2E_REQUESTS, E2E_PROMPT, E2E_NEW, vocab, &mut next)
+                    })
+                })
+            });
+        }
+        if let Some(why) = too_large(g, &lazy.cfg, DType::F32) {
+            eprintln!("SKIP: {group}/train/f32: {why}");
+        } else {
+            let (batch, norm, opt) =
+                grpo_batch(E2E_SEQS, E2E_TRAIN_PROMPT, E2E_TRAIN_RESPONSE, vocab);
+            grp.throughput(Throughput::Elements(
+                (E2E_SEQS * (E2E_TRAIN_PROMPT + E2E_TRAIN_RESPONSE)) as u64,
+            ));
+            let mut first = true;
+            grp.bench_function(BenchmarkId::new("train", "f32"), |b| {
+                let be = lazy.backend(DType::F32);
+                b.iter(|| {
+                    first_timed(&format!("{group}/train/f32"), &mut first, || {
+                        be.zero_grad().unwrap();
+                        be.accumulate(&batch, &Objective::default())
+                            .expect("accumulate");
+                        be.optimizer_step(norm, &opt).expect("step");
+                    })
+                })
+            });
+        }
+        grp.finish();
+        // The next shape's backends must not share the device with this one's.
+        drop(lazy);
+    }
+}
+
 fn benches(c: &mut Criterion) {
     let Some(g) = gpu() else { return };
     bench_ops(c, &g);
     bench_generate(c, &g);
     bench_train(c, &g);
+    bench_e2e(c, &g);
 }
 
-criterion_group!(wgpu_benches, benches);
+/// 0.3 s of warm-up and 2 s of measurement per benchmark unless the command line says
+/// otherwise (`--warm-up-time`, `--measurement-time`: `scripts/device/wgpu.sh --quick`). The
+/// groups set only their sample size, since a group's own times would override the command
+/// line's; the `wgpu_e2e_*` groups alone set theirs (the fewest iterations, any adapter).
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2))
+}
+
+criterion_group! {
+    name = wgpu_benches;
+    config = config();
+    targets = benches
+}
 criterion_main!(wgpu_benches);

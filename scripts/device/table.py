@@ -1,7 +1,10 @@
-"""One markdown table from criterion's results of the wgpu benchmarks (target/criterion/wgpu_*)
-and, when given, PyTorch's matmul timings (scripts/device/torch_matmul.py's JSON lines).
+"""Markdown tables from criterion's results of the wgpu benchmarks (target/criterion/wgpu_*)
+and, when given, PyTorch's timings: one table of every benchmark (with PyTorch's matmul times
+from scripts/device/torch_matmul.py), then one of end-to-end generate and train tokens/s at
+the default model and at Qwen3-0.6B and 1.7B shapes (with scripts/device/torch_e2e.py's).
 
 Usage: table.py CRITERION_DIR TORCH_JSONL ADAPTER
+TORCH_JSONL holds both scripts' JSON lines: a matmul line has "rows", an end-to-end line "e2e".
 Throughput is criterion's: elements per second are FLOP/s for the matrix products and
 attention, rows or tokens per second for sampling, generate and train; bytes per second for
 the memory-bound ops."""
@@ -13,12 +16,15 @@ import sys
 
 def main():
     crit, torch_path, adapter = sys.argv[1], sys.argv[2], sys.argv[3]
-    torch = {}
+    torch, torch_e2e = {}, {}
     if os.path.exists(torch_path):
         for line in open(torch_path):
             if line.strip():
                 r = json.loads(line)
-                torch[(f"{r['rows']}x{r['in']}x{r['out']}", r["dtype"])] = r["seconds"]
+                if "e2e" in r:
+                    torch_e2e[(r["e2e"], r["case"], r["dtype"])] = r["tokens"] / r["seconds"]
+                else:
+                    torch[(f"{r['rows']}x{r['in']}x{r['out']}", r["dtype"])] = r["seconds"]
     rows = []
     for group in sorted(os.listdir(crit)) if os.path.isdir(crit) else []:
         if not group.startswith("wgpu_"):
@@ -49,6 +55,53 @@ def main():
         rate_s = fmt_rate(rate, unit) if rate else ""
         print(f"| {group} | {name} | {fmt(secs)} | {rate_s} | {fmt(t32)} | {fmt(t16)} | "
               f"{'' if not t32 else f'{t32 / secs:.2f}x'} |")
+    e2e_table({(g, n): rate for g, n, _, rate, _ in rows}, torch_e2e)
+
+
+# (model, workload, torch_e2e.py's shape key, criterion benchmark of wgpu f32, of wgpu bf16);
+# the bf16 train cell stays empty: the wgpu trainer keeps f32 weights.
+E2E = [
+    ("default model", "generate 16 × (16 + 32)", None,
+     ("wgpu_generate", "wgpu/16"), ("wgpu_generate", "wgpu_bf16/16")),
+    ("default model", "GRPO step 8 × (16 + 48)", None,
+     ("wgpu_train", "wgpu/grpo_step_8x64"), None),
+]
+for shape, model in [("0.6b", "Qwen3-0.6B"), ("1.7b", "Qwen3-1.7B")]:
+    E2E += [
+        (model, "generate 8 × (64 + 32)", (shape, "generate"),
+         (f"wgpu_e2e_{shape}", "generate/f32"), (f"wgpu_e2e_{shape}", "generate/bf16")),
+        (model, "GRPO step 4 × (64 + 64)", (shape, "train"),
+         (f"wgpu_e2e_{shape}", "train/f32"), None),
+    ]
+
+
+def e2e_table(rate, torch_e2e):
+    """Tokens/s end to end (generated tokens for generate, prompt + response tokens for a
+    train step) of wgpu and PyTorch, and wgpu's as a fraction of PyTorch's per dtype. A row
+    is printed when criterion or PyTorch measured any of its cells."""
+    print("\nEnd to end, tokens/s (generate: new tokens, prefill included; train: prompt + "
+          "response tokens of one forward, backward and AdamW step; PyTorch bf16 train is "
+          "autocast over f32 weights)\n")
+    print("| model | workload | wgpu f32 | wgpu bf16 | PyTorch f32 | PyTorch bf16 "
+          "| wgpu / PyTorch f32 | wgpu / PyTorch bf16 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for model, work, tkey, b32, b16 in E2E:
+        w32 = rate.get(b32) if b32 else None
+        w16 = rate.get(b16) if b16 else None
+        t32 = torch_e2e.get((*tkey, "float32")) if tkey else None
+        t16 = torch_e2e.get((*tkey, "bfloat16")) if tkey else None
+        if not any([w32, w16, t32, t16]):
+            continue
+        print(f"| {model} | {work} | {fmt_tok(w32)} | {fmt_tok(w16)} | {fmt_tok(t32)} | "
+              f"{fmt_tok(t16)} | {ratio(w32, t32)} | {ratio(w16, t16)} |")
+
+
+def fmt_tok(r):
+    return "" if r is None else f"{r:,.4g}" if r < 1000 else f"{r:,.0f}"
+
+
+def ratio(a, b):
+    return f"{a / b:.3g}x" if a and b else ""
 
 
 def fmt_rate(rate, unit):

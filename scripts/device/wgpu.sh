@@ -5,26 +5,42 @@
 #      that a missing adapter fails instead of skipping;
 #   3. runs the criterion benchmarks of backends/benches/wgpu.rs (every kernel, plus generate
 #      and train tokens/s of the default model), with ROLLOUTPIPE_BENCH_SHAPES=prod so the
-#      matrix products also run at Qwen3-0.6B and 1.7B shapes;
-#   4. times the same matrix products in PyTorch on CUDA (f32 without TF32, and bf16), when a
-#      python with torch and CUDA is present (TORCH_PYTHON, default python3);
-#   5. prints one table (scripts/device/table.py) and writes it to $OUT/wgpu-table.md when
-#      $OUT is set (the device runner's output folder), else to target/device/wgpu-table.md.
+#      matrix products also run at Qwen3-0.6B and 1.7B shapes, and so do end-to-end generate
+#      (8 x 64-token prompts, 32 new tokens; f32 and bf16) and a GRPO train step (4 x 128
+#      tokens, f32) on random weights (the wgpu_e2e_* groups);
+#   4. times the same matrix products (scripts/device/torch_matmul.py) and the same
+#      end-to-end workloads (scripts/device/torch_e2e.py: transformers' Qwen3ForCausalLM, f32
+#      without TF32 and bf16) in PyTorch on CUDA, when a python with torch (and transformers,
+#      for the second) and CUDA is present (TORCH_PYTHON, default python3);
+#   5. prints the tables (scripts/device/table.py: every benchmark, then end-to-end tokens/s
+#      against PyTorch) and writes them to $OUT/wgpu-table.md when $OUT is set (the device
+#      runner's output folder), else to target/device/wgpu-table.md.
+#
+# Time, estimated (not yet measured on a GPU): build ~2 min, conformance ~1 min, kernel and
+# small-model benchmarks ~1.3 min (48 x ~1.6 s), the end-to-end groups ~3 min (mostly the
+# host building random 0.6B and 2B-parameter models, ~20 s and ~70 s; each timed case is 11
+# iterations, of well under a second each if our kernels reach a few TFLOP/s), PyTorch
+# ~1.5 min: ~7-9 min, so the 8-minute budget is not certain; --quick cuts it to ~5 min. The
+# log gives each step's start time, so the first GPU run tells which guess was wrong.
 #
 # Usage: scripts/device/wgpu.sh [--quick]
-#   --quick  shorter criterion measurement (0.5 s per benchmark instead of 2 s), for a check
-#            of the script itself (it also runs on lavapipe, where the numbers mean little).
+#   --quick  shorter criterion measurement (0.5 s per benchmark instead of 1 s) and the
+#            end-to-end cases at Qwen3-0.6B only, for a check of the script itself or a
+#            tight budget (it also runs on lavapipe, where the numbers mean little and a 0.6B
+#            generate iteration takes minutes).
 # Environment: WGPU_BACKEND / WGPU_ADAPTER_NAME pick the adapter (default: high performance);
 # CARGO_NET_OFFLINE=true where the machine has no network (the crates must then be vendored or
 # in ~/.cargo already).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-measure=2
-warm=0.5
+measure=1
+warm=0.3
+e2e_shapes=0.6b,1.7b
 if [ "${1:-}" = "--quick" ]; then
   measure=0.5
   warm=0.2
+  e2e_shapes=0.6b
 elif [ -n "${1:-}" ]; then
   echo "wgpu.sh: unknown argument $1 (only --quick)" >&2
   exit 2
@@ -49,9 +65,10 @@ fi
 
 step "criterion benchmarks"
 rm -rf target/criterion/wgpu_*
-ROLLOUTPIPE_BENCH_SHAPES=prod cargo bench --locked -p rolloutpipe-backends --features wgpu \
-  --bench wgpu -- --warm-up-time "$warm" --measurement-time "$measure" 2>&1 \
-  | tee -a "$log" | grep -E "wgpu adapter|^wgpu_|time:|thrpt:" || true
+ROLLOUTPIPE_BENCH_SHAPES=prod ROLLOUTPIPE_BENCH_E2E="$e2e_shapes" cargo bench --locked \
+  -p rolloutpipe-backends --features wgpu --bench wgpu -- --warm-up-time "$warm" \
+  --measurement-time "$measure" 2>&1 \
+  | tee -a "$log" | grep -E "wgpu adapter|^wgpu_|time:|thrpt:|^Qwen3|first iteration|SKIP" || true
 
 step "PyTorch on CUDA"
 py="${TORCH_PYTHON:-python3}"
@@ -61,6 +78,13 @@ if "$py" scripts/device/torch_matmul.py > "$torch_json" 2>> "$log"; then
 else
   echo "PyTorch with CUDA not available here (see $log); the table has no PyTorch columns" | tee -a "$log"
   : > "$torch_json"
+fi
+step "PyTorch end to end ($e2e_shapes)"
+# Exits 0 without torch, transformers or CUDA, having printed nothing but its reason.
+if "$py" scripts/device/torch_e2e.py --shapes "$e2e_shapes" >> "$torch_json" 2>> "$log"; then
+  echo "PyTorch end-to-end timings: $(grep -c '"e2e"' "$torch_json" || true) cases" | tee -a "$log"
+else
+  echo "torch_e2e.py failed (see $log); the end-to-end table has no PyTorch columns" | tee -a "$log"
 fi
 
 step "table"
