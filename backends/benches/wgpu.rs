@@ -228,36 +228,69 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     }
     grp.finish();
 
-    let mut grp = c.benchmark_group("wgpu_attention_fwd");
-    grp.sample_size(10);
-    // 8 sequences of 64 tokens of the small model (4 heads, 2 kv heads, head_dim 32).
-    let (seqs, t, h, kvh, hd) = (8usize, 64usize, 4usize, 2usize, 32usize);
-    let n = seqs * t;
-    let (q, k, v) = (
-        g.upload("q", &data(n * h * hd, 6)),
-        g.upload("k", &data(n * kvh * hd, 7)),
-        g.upload("v", &data(n * kvh * hd, 8)),
-    );
-    let meta: Vec<u32> = (0..n)
-        .flat_map(|r| [(r / t * t) as u32, (r % t) as u32])
-        .collect();
-    let (qm, out, st) = (
-        g.upload("qmeta", &meta),
-        g.buffer("out", n * h * hd),
-        g.buffer("stats", 2 * n * h),
-    );
-    // Causal: t(t+1)/2 query-key pairs per sequence and head, 4·hd flops each (q·k and p·v).
-    grp.throughput(Throughput::Elements(
-        (seqs * h * t * (t + 1) / 2 * 4 * hd) as u64,
-    ));
-    grp.bench_function(format!("{seqs}x{t}_h{h}_hd{hd}"), |b| {
-        b.iter_custom(|it| {
-            timed(&mut ex, it, |ex| {
-                ops::attention_fwd(ex, &out, &st, &q, &k, &v, &qm, n, n, h, kvh, hd)
-            })
-        })
-    });
-    grp.finish();
+    // Training/scoring attention over packed sequences: the small model's 8 sequences of
+    // 64 tokens (4 heads, 2 kv heads, head_dim 32) and the 0.6B shape on 2 sequences of 256
+    // (16 heads, 8 kv heads, head_dim 128).
+    let shapes = [
+        (8usize, 64usize, 4usize, 2usize, 32usize),
+        (2, 256, 16, 8, 128),
+    ];
+    for bwd in [false, true] {
+        let name = if bwd {
+            "wgpu_attention_bwd"
+        } else {
+            "wgpu_attention_fwd"
+        };
+        let mut grp = c.benchmark_group(name);
+        grp.sample_size(10);
+        for (seqs, t, h, kvh, hd) in shapes {
+            let n = seqs * t;
+            let (q, k, v, dout) = (
+                g.upload("q", &data(n * h * hd, 6)),
+                g.upload("k", &data(n * kvh * hd, 7)),
+                g.upload("v", &data(n * kvh * hd, 8)),
+                g.upload("dout", &data(n * h * hd, 9)),
+            );
+            let meta: Vec<u32> = (0..n)
+                .flat_map(|r| [(r / t * t) as u32, (r % t) as u32])
+                .collect();
+            let rows: Vec<u32> = (0..n)
+                .flat_map(|r| [(r / t * t) as u32, t as u32])
+                .collect();
+            let (qm, rm, out, st) = (
+                g.upload("qmeta", &meta),
+                g.upload("rowmeta", &rows),
+                g.buffer("out", n * h * hd),
+                g.buffer("stats", 2 * n * h),
+            );
+            let (dq, dkv) = (
+                g.buffer("dq", n * h * hd),
+                g.buffer("dkv", 2 * n * kvh * hd),
+            );
+            ops::attention_fwd(&mut ex, &out, &st, &q, &k, &v, &qm, n, n, h, kvh, hd);
+            // Causal: t(t+1)/2 query-key pairs per sequence and head, 4·hd flops each
+            // forward (q·k and p·v), 8·hd backward (q·k, dout·v, dq, dk, dv counted once).
+            let per = if bwd { 8 } else { 4 };
+            grp.throughput(Throughput::Elements(
+                (seqs * h * t * (t + 1) / 2 * per * hd) as u64,
+            ));
+            grp.bench_function(format!("{seqs}x{t}_h{h}_kv{kvh}_hd{hd}"), |b| {
+                b.iter_custom(|it| {
+                    timed(&mut ex, it, |ex| {
+                        if bwd {
+                            let (o, s) = (&out, &st);
+                            ops::attention_bwd(
+                                ex, &dq, &dkv, s, &dout, &q, &k, &v, o, &rm, n, h, kvh, hd,
+                            )
+                        } else {
+                            ops::attention_fwd(ex, &out, &st, &q, &k, &v, &qm, n, n, h, kvh, hd)
+                        }
+                    })
+                })
+            });
+        }
+        grp.finish();
+    }
 
     // Generation's attention over the paged KV pool at the last step of
     // `wgpu_generate/wgpu/16` (16 rows at position 47) and of `wgpu_generate/wgpu_group/8`

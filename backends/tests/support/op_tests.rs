@@ -25,7 +25,8 @@ macro_rules! op_suite {
             use super::*;
             $crate::op_suite!(@tests $make;
                 embedding_fwd_bwd, rmsnorm_fwd_bwd, matmul_fwd_bwd, rope_fwd_bwd,
-                attention_fwd_bwd_packed, attention_fwd_decode_chunk_against_cache,
+                attention_fwd_bwd_packed, attention_rows_are_packing_invariant,
+                attention_fwd_decode_chunk_against_cache,
                 swiglu_and_residual, logprob_fwd_bwd, grpo_loss_fwd_bwd, adamw_three_steps,
                 grad_norm_sum_of_squares, sample_matches_cpu_draws,
                 sample_selection_edge_cases, production_shapes);
@@ -228,6 +229,58 @@ pub fn attention_fwd_bwd_packed(b: &mut impl OpRunner) {
         assert_close(&format!("{what} dq"), &gdq, &dq, tol::ATTENTION);
         assert_close(&format!("{what} dk"), &gdk, &dk, tol::ATTENTION);
         assert_close(&format!("{what} dv"), &gdv, &dv, tol::ATTENTION);
+    }
+}
+
+/// A sequence's attention outputs and gradients are bit-identical whether it is packed
+/// alone or after sequences of odd lengths (which shift where the wgpu kernel's query
+/// tiles fall and which other rows share them): each row must run the same arithmetic
+/// whatever its neighbours.
+pub fn attention_rows_are_packing_invariant(b: &mut impl OpRunner) {
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    for &(h, kvh, hd) in &[(4, 2, 32), (8, 2, 16)] {
+        let (qd, kd) = (h * hd, kvh * hd);
+        let m = 75; // more than one tile and one key chunk, a multiple of neither
+        let (q, k, v, dout) = (
+            rand_vec(&mut rng, m * qd, 1.0),
+            rand_vec(&mut rng, m * kd, 1.0),
+            rand_vec(&mut rng, m * kd, 1.0),
+            rand_vec(&mut rng, m * qd, 1.0),
+        );
+        let alone = b.attention_packed(&q, &k, &v, &dout, &[m], h, kvh, hd);
+        for before in [1usize, 13, 37] {
+            let pad = |x: &[f32], w: usize| {
+                let mut y = rand_vec(
+                    &mut ChaCha8Rng::seed_from_u64(before as u64),
+                    before * w,
+                    1.0,
+                );
+                y.extend_from_slice(x);
+                y
+            };
+            let got = b.attention_packed(
+                &pad(&q, qd),
+                &pad(&k, kd),
+                &pad(&v, kd),
+                &pad(&dout, qd),
+                &[before, m],
+                h,
+                kvh,
+                hd,
+            );
+            let widths = [qd, qd, kd, kd];
+            for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+                let tail = &got[i][before * widths[i]..];
+                let same = tail
+                    .iter()
+                    .zip(&alone[i])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "attention {name} h{h} kvh{kvh} hd{hd}: rows differ after {before}"
+                );
+            }
+        }
     }
 }
 
