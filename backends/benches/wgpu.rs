@@ -593,24 +593,6 @@ fn bench_train(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.finish();
 }
 
-/// Qwen3 at a Hub model's shape (its `config.json`): 28 layers, 16 query and 8 key/value
-/// heads of 128, vocabulary 151,936, tied embeddings; `hidden` and `mlp` pick the size.
-fn qwen3(hidden: usize, mlp: usize) -> ModelConfig {
-    ModelConfig {
-        vocab_size: 151_936,
-        hidden_size: hidden,
-        intermediate_size: mlp,
-        num_hidden_layers: 28,
-        num_attention_heads: 16,
-        num_key_value_heads: 8,
-        head_dim: 128,
-        rope_theta: 1e6,
-        tie_word_embeddings: true,
-        max_position_embeddings: 40_960,
-        ..ModelConfig::small()
-    }
-}
-
 /// The end-to-end workloads at production shapes (`scripts/device/torch_e2e.py` runs the same).
 const E2E_REQUESTS: usize = 8;
 const E2E_PROMPT: usize = 64;
@@ -701,8 +683,8 @@ fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
     // `ROLLOUTPIPE_BENCH_E2E=0.6b` (`wgpu.sh --quick`) keeps one shape; default both.
     let only = std::env::var("ROLLOUTPIPE_BENCH_E2E").unwrap_or_default();
     for (short, name, cfg) in [
-        ("0.6b", "Qwen3-0.6B", qwen3(1024, 3072)),
-        ("1.7b", "Qwen3-1.7B", qwen3(2048, 6144)),
+        ("0.6b", "Qwen3-0.6B", ModelConfig::qwen3_0_6b()),
+        ("1.7b", "Qwen3-1.7B", ModelConfig::qwen3_1_7b()),
     ] {
         if !only.is_empty() && !only.split(',').any(|s| s == short) {
             continue;

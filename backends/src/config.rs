@@ -65,6 +65,37 @@ impl ModelConfig {
         }
     }
 
+    /// Qwen3-0.6B's shape (its Hub `config.json`): vocabulary 151,936, hidden 1,024, MLP
+    /// 3,072, 28 layers, 16 query and 8 key/value heads of 128, tied embeddings, RoPE θ 10⁶,
+    /// 40,960 positions. The shape only: no special tokens, for random-weight tests and
+    /// benchmarks at real size.
+    pub fn qwen3_0_6b() -> Self {
+        Self::qwen3_shape(1024, 3072)
+    }
+
+    /// Qwen3-1.7B's shape: as [`ModelConfig::qwen3_0_6b`] with hidden 2,048 and MLP 6,144.
+    pub fn qwen3_1_7b() -> Self {
+        Self::qwen3_shape(2048, 6144)
+    }
+
+    fn qwen3_shape(hidden: usize, mlp: usize) -> Self {
+        Self {
+            vocab_size: 151_936,
+            hidden_size: hidden,
+            intermediate_size: mlp,
+            num_hidden_layers: 28,
+            num_attention_heads: 16,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            tie_word_embeddings: true,
+            max_position_embeddings: 40_960,
+            bos_token_id: None,
+            eos_token_id: None,
+        }
+    }
+
     /// A very small model for tests: every feature (GQA, two layers) at a size where f64
     /// finite-difference checks over all parameters take milliseconds.
     pub fn tiny() -> Self {

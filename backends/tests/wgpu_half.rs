@@ -267,19 +267,7 @@ fn weight_buffer_bytes_halve_at_the_default_model_and_qwen3_0_6b() {
     use rolloutpipe_backends::cpu::model::Layout;
     use rolloutpipe_backends::wgpu::model::param_buffer_bytes;
     use rolloutpipe_kernels::WeightFormat;
-    let qwen3_0_6b = ModelConfig {
-        vocab_size: 151_936,
-        hidden_size: 1024,
-        intermediate_size: 3072,
-        num_hidden_layers: 28,
-        num_attention_heads: 16,
-        num_key_value_heads: 8,
-        head_dim: 128,
-        tie_word_embeddings: true,
-        max_position_embeddings: 40_960,
-        rope_theta: 1e6,
-        ..ModelConfig::small()
-    };
+    let qwen3_0_6b = ModelConfig::qwen3_0_6b();
     for (what, cfg, f32_bytes, bf16_bytes) in [
         (
             "default model",

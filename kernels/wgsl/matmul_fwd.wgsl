@@ -70,7 +70,9 @@ const GV_ROWS: u32 = 8u;
 var<workgroup> gv_part: array<f32, 2048>; // [lane][row][column]: L * GV_ROWS * (256 / L)
 
 // Adds chunk `ch` of K (GEMM_KC values, zeros past K up to its multiple of GEMM_TK, as in the
-// tiled body) for column c into one fma chain per row, from 0.0.
+// tiled body) for column c into one fma chain per row, from 0.0. Every chunk but the last is
+// whole and takes the first loop, without a bounds test per k; the second loop is the same
+// chain with the tests, for the last chunk.
 fn gemv_chunk(ch: u32, c: u32, m: u32, kpad: u32) -> array<f32, 8> {
     var acc: array<f32, 8>;
     for (var r = 0u; r < GV_ROWS; r++) {

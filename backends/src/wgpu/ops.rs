@@ -406,9 +406,9 @@ pub fn matmul_fwd_window(
     // summation order (256 rows of W start on a 256-byte boundary in any format).
     let bytes = format.bytes();
     let chunk = rows_per_binding_as(ex.binding_limit(), din, bytes, 256).min(dout.max(1));
+    let lanes = gemv_lanes(ex, din);
     for c0 in (0..dout.max(1)).step_by(chunk) {
         let cols = chunk.min(dout - c0.min(dout));
-        let lanes = gemv_lanes(ex, din);
         let p = Params::new()
             .u(n)
             .u(cols)
