@@ -35,7 +35,8 @@ REQUESTS, PROMPT, NEW = 8, 64, 32
 SEQS, TRAIN_PROMPT, TRAIN_RESPONSE = 4, 64, 64
 REPS = 5
 
-# The shapes of backends/benches/wgpu.rs's qwen3(): the Hub models' config.json.
+# The shapes of ModelConfig::qwen3_0_6b() / qwen3_1_7b() (backends/src/config.rs), which the
+# bench's wgpu_e2e_* groups use: the Hub models' config.json.
 SHAPES = {
     "0.6b": dict(hidden_size=1024, intermediate_size=3072),
     "1.7b": dict(hidden_size=2048, intermediate_size=6144),
