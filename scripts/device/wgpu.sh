@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The wgpu backend on a machine with a real GPU, in one go (budget: under 8 minutes):
-#   1. builds the backends crate with wgpu (release, for the tests and the benchmarks);
-#   2. runs the conformance suite on the adapter wgpu picks, with ROLLOUTPIPE_REQUIRE_GPU=1 so
-#      that a missing adapter fails instead of skipping;
+#   1. finds what to run: the release executables of scripts/device/pack.sh (target/device-pack,
+#      built on a machine that has Rust: the lent GPU machine has no toolchain and no network),
+#      or, where cargo exists, builds them (release, for the tests and the benchmarks);
+#      makes the Vulkan loader and NVIDIA's driver manifest reachable (scripts/device/lib.sh);
+#   2. runs the wgpu conformance suite on the adapter wgpu picks, with ROLLOUTPIPE_REQUIRE_GPU=1
+#      so that a missing adapter fails instead of skipping;
 #   3. runs the criterion benchmarks of backends/benches/wgpu.rs (every kernel, plus generate
 #      and train tokens/s of the default model), with ROLLOUTPIPE_BENCH_SHAPES=prod so the
 #      matrix products also run at Qwen3-0.6B and 1.7B shapes, and so do end-to-end generate
@@ -15,36 +18,46 @@
 #   5. prints the tables (scripts/device/table.py: every benchmark, then end-to-end tokens/s
 #      against PyTorch) and writes them to $OUT/wgpu-table.md when $OUT is set (the device
 #      runner's output folder), else to target/device/wgpu-table.md.
+# Each step has its own timeout, so a hang cannot eat the rest of a lease.
 #
-# Time, estimated (not yet measured on a GPU): build ~2 min, conformance ~1 min, kernel and
-# small-model benchmarks ~1.3 min (48 x ~1.6 s), the end-to-end groups ~3 min (mostly the
-# host building random 0.6B and 2B-parameter models, ~20 s and ~70 s; each timed case is 11
-# iterations, of well under a second each if our kernels reach a few TFLOP/s), PyTorch
-# ~1.5 min: ~7-9 min, so the 8-minute budget is not certain; --quick cuts it to ~5 min. The
-# log gives each step's start time, so the first GPU run tells which guess was wrong.
+# Time, estimated (not yet measured on a GPU): conformance ~1 min, kernel and small-model
+# benchmarks ~1.3 min (48 x ~1.6 s), the end-to-end groups ~3 min (mostly the host building
+# random 0.6B and 2B-parameter models, ~20 s and ~70 s; each timed case is 11 iterations, of
+# well under a second each if our kernels reach a few TFLOP/s), PyTorch ~1.5 min: ~6-7 min
+# from a pack (a cargo build adds ~2 min), so the 8-minute budget is not certain; --quick cuts
+# it to ~4 min. The log gives each step's start time, so the first GPU run tells which guess
+# was wrong.
 #
-# Usage: scripts/device/wgpu.sh [--quick]
+# On a lent machine (device tool; docs/device.md): pack here first (bash scripts/device/pack.sh), then
+#   run(command="bash scripts/device/wgpu.sh --quick", carry=["target/device-pack"], timeout_s=420)
+#
+# Usage: scripts/device/wgpu.sh [--quick | --smoke]
 #   --quick  shorter criterion measurement (0.5 s per benchmark instead of 1 s) and the
-#            end-to-end cases at Qwen3-0.6B only, for a check of the script itself or a
-#            tight budget (it also runs on lavapipe, where the numbers mean little and a 0.6B
-#            generate iteration takes minutes).
+#            end-to-end cases at Qwen3-0.6B only, for a tight budget.
+#   --smoke  a rehearsal of the script itself on any adapter (lavapipe included; CI runs it,
+#            scripts/ci.d/device.sh): the backend-level conformance tests (wgpu_backend::),
+#            then a few small-shape kernel benchmarks at 0.1 s each, no production shapes and
+#            no end-to-end groups.
 # Environment: WGPU_BACKEND / WGPU_ADAPTER_NAME pick the adapter (default: high performance);
-# CARGO_NET_OFFLINE=true where the machine has no network (the crates must then be vendored or
-# in ~/.cargo already).
+# ROLLOUTPIPE_DEVICE_PACK another pack folder; CARGO_NET_OFFLINE=true where a machine with cargo
+# has no network (the crates must then be in ~/.cargo already).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 measure=1
 warm=0.3
 e2e_shapes=0.6b,1.7b
-if [ "${1:-}" = "--quick" ]; then
-  measure=0.5
-  warm=0.2
-  e2e_shapes=0.6b
-elif [ -n "${1:-}" ]; then
-  echo "wgpu.sh: unknown argument $1 (only --quick)" >&2
-  exit 2
-fi
+shapes=prod
+filter=
+tests=wgpu
+case "${1:-}" in
+  "") ;;
+  --quick) measure=0.5 warm=0.2 e2e_shapes=0.6b ;;
+  --smoke) measure=0.1 warm=0.05 e2e_shapes= shapes= tests=wgpu_backend:: \
+    filter='^wgpu_(matmul|rmsnorm_fwd|logprob_fwd)/' ;;
+  *) echo "wgpu.sh: unknown argument $1 (only --quick or --smoke)" >&2; exit 2 ;;
+esac
+source scripts/device/lib.sh
 outdir="${OUT:-target/device}"
 mkdir -p "$outdir" target/device
 log="$outdir/wgpu-log.txt"
@@ -52,43 +65,63 @@ log="$outdir/wgpu-log.txt"
 start=$(date +%s)
 step() { echo "== $* ($(( $(date +%s) - start )) s)" | tee -a "$log"; }
 
-step "build"
-cargo build --release --locked -p rolloutpipe-backends --features wgpu --tests --benches 2>&1 | tail -3 | tee -a "$log"
+step "what runs, and the machine's Vulkan"
+device_runner 2>&1 | tee -a "$log"
+[ "${PIPESTATUS[0]}" = 0 ] || exit 2
+setup_vulkan 2>&1 | tee -a "$log"
+if [ "$have_pack" = 0 ]; then
+  step "build"
+  timeout 300 cargo build --release --locked -p rolloutpipe-backends --features wgpu --tests \
+    --benches 2>&1 | tail -3 | tee -a "$log"
+fi
 
 step "conformance (ROLLOUTPIPE_REQUIRE_GPU=1)"
-ROLLOUTPIPE_REQUIRE_GPU=1 cargo test --release --locked -p rolloutpipe-backends --features wgpu \
-  --test conformance 2>&1 | tee -a "$log" | grep -E "adapter|test result|FAILED|panicked" || true
+export ROLLOUTPIPE_REQUIRE_GPU=1
+if [ "$have_pack" = 1 ]; then
+  # From the package's folder, as cargo runs a test.
+  (cd backends && timeout 240 "$bin/conformance" "$tests" 2>&1)
+else
+  timeout 240 cargo test --release --locked -p rolloutpipe-backends --features wgpu \
+    --test conformance -- "$tests" 2>&1
+fi | tee -a "$log" | grep -E "adapter|test result|FAILED|panicked" || true
 if ! grep -q "test result: ok" "$log"; then
   echo "wgpu.sh: the conformance suite failed; see $log" >&2
   exit 1
 fi
 
 step "criterion benchmarks"
-rm -rf target/criterion/wgpu_*
-ROLLOUTPIPE_BENCH_SHAPES=prod ROLLOUTPIPE_BENCH_E2E="$e2e_shapes" cargo bench --locked \
-  -p rolloutpipe-backends --features wgpu --bench wgpu -- --warm-up-time "$warm" \
-  --measurement-time "$measure" 2>&1 \
-  | tee -a "$log" | grep -E "wgpu adapter|^wgpu_|time:|thrpt:|^Qwen3|first iteration|SKIP" || true
+export CRITERION_HOME="$PWD/target/criterion"
+rm -rf "$CRITERION_HOME"/wgpu_*
+bench_args=(--warm-up-time "$warm" --measurement-time "$measure" ${filter:+"$filter"})
+if [ "$have_pack" = 1 ]; then
+  ROLLOUTPIPE_BENCH_SHAPES="$shapes" ROLLOUTPIPE_BENCH_E2E="$e2e_shapes" timeout 360 \
+    "$bin/bench-wgpu" --bench "${bench_args[@]}" 2>&1
+else
+  ROLLOUTPIPE_BENCH_SHAPES="$shapes" ROLLOUTPIPE_BENCH_E2E="$e2e_shapes" timeout 360 cargo bench \
+    --locked -p rolloutpipe-backends --features wgpu --bench wgpu -- "${bench_args[@]}" 2>&1
+fi | tee -a "$log" | grep -E "wgpu adapter|^wgpu_|time:|thrpt:|^Qwen3|first iteration|SKIP" || true
 
 step "PyTorch on CUDA"
 py="${TORCH_PYTHON:-python3}"
 torch_json=target/device/torch.jsonl
-if "$py" scripts/device/torch_matmul.py > "$torch_json" 2>> "$log"; then
+if timeout 150 "$py" scripts/device/torch_matmul.py > "$torch_json" 2>> "$log"; then
   echo "PyTorch timings: $(wc -l < "$torch_json") shapes" | tee -a "$log"
 else
   echo "PyTorch with CUDA not available here (see $log); the table has no PyTorch columns" | tee -a "$log"
   : > "$torch_json"
 fi
-step "PyTorch end to end ($e2e_shapes)"
-# Exits 0 without torch, transformers or CUDA, having printed nothing but its reason.
-if "$py" scripts/device/torch_e2e.py --shapes "$e2e_shapes" >> "$torch_json" 2>> "$log"; then
-  echo "PyTorch end-to-end timings: $(grep -c '"e2e"' "$torch_json" || true) cases" | tee -a "$log"
-else
-  echo "torch_e2e.py failed (see $log); the end-to-end table has no PyTorch columns" | tee -a "$log"
+if [ -n "$e2e_shapes" ]; then
+  step "PyTorch end to end ($e2e_shapes)"
+  # Exits 0 without torch, transformers or CUDA, having printed nothing but its reason.
+  if timeout 240 "$py" scripts/device/torch_e2e.py --shapes "$e2e_shapes" >> "$torch_json" 2>> "$log"; then
+    echo "PyTorch end-to-end timings: $(grep -c '"e2e"' "$torch_json" || true) cases" | tee -a "$log"
+  else
+    echo "torch_e2e.py failed (see $log); the end-to-end table has no PyTorch columns" | tee -a "$log"
+  fi
 fi
 
 step "table"
 adapter=$(grep -m1 "wgpu adapter:" "$log" | sed 's/^wgpu adapter: //' || true)
-python3 scripts/device/table.py target/criterion "$torch_json" "${adapter:-unknown adapter}" \
+python3 scripts/device/table.py "$CRITERION_HOME" "$torch_json" "${adapter:-unknown adapter}" \
   | tee "$outdir/wgpu-table.md"
 step "done"
