@@ -27,41 +27,43 @@ use rolloutpipe_backends::cuda::plan::{self, AdamScalars};
 use rolloutpipe_backends::cuda::{Cuda, CudaBackend, DBuf};
 use rolloutpipe_backends::*;
 
-/// A Qwen3 shape (hidden, intermediate, heads, kv heads, head dim, layers, vocab).
+/// A Qwen3 shape (hidden, intermediate, heads, kv heads, head dim, vocab), read off
+/// `ModelConfig::qwen3_0_6b` / `qwen3_1_7b` (the shapes every bench and script shares).
 #[derive(Clone, Copy)]
 struct Shape {
     name: &'static str,
+    /// The shape's constructor.
+    cfg: fn() -> ModelConfig,
     d: usize,
     f: usize,
     h: usize,
     kvh: usize,
     hd: usize,
-    layers: usize,
     vocab: usize,
 }
 
-const QWEN3: [Shape; 2] = [
-    Shape {
-        name: "Qwen3-0.6B",
-        d: 1024,
-        f: 3072,
-        h: 16,
-        kvh: 8,
-        hd: 128,
-        layers: 28,
-        vocab: 151_936,
-    },
-    Shape {
-        name: "Qwen3-1.7B",
-        d: 2048,
-        f: 6144,
-        h: 16,
-        kvh: 8,
-        hd: 128,
-        layers: 28,
-        vocab: 151_936,
-    },
-];
+impl Shape {
+    fn of(name: &'static str, cfg: fn() -> ModelConfig) -> Self {
+        let c = cfg();
+        Shape {
+            name,
+            cfg,
+            d: c.hidden_size,
+            f: c.intermediate_size,
+            h: c.num_attention_heads,
+            kvh: c.num_key_value_heads,
+            hd: c.head_dim,
+            vocab: c.vocab_size,
+        }
+    }
+}
+
+fn qwen3() -> [Shape; 2] {
+    [
+        Shape::of("Qwen3-0.6B", ModelConfig::qwen3_0_6b),
+        Shape::of("Qwen3-1.7B", ModelConfig::qwen3_1_7b),
+    ]
+}
 
 /// Dense peaks `(bf16 TFLOP/s, f32 TFLOP/s, HBM GB/s)` of known devices (vendor data sheets,
 /// SXM parts, no sparsity).
@@ -148,7 +150,7 @@ fn main() {
     let blas = CudaBlas::new(Arc::clone(c.stream())).expect("cuBLAS");
     let reps = if quick { 5 } else { 20 };
     let tokens = 4096;
-    for s in QWEN3 {
+    for s in qwen3() {
         for &(what, dout, din) in &[
             ("q_proj", s.h * s.hd, s.d),
             ("gate_proj", s.f, s.d),
@@ -159,7 +161,7 @@ fn main() {
         attention_row(&c, &mut t, s, 2048, reps, pk);
     }
     memory_rows(&c, &mut t, 1 << 26, reps, pk);
-    for s in QWEN3 {
+    for s in qwen3() {
         e2e_rows(&c, &mut t, s, quick);
     }
     println!("({} rows)", t.rows.len());
@@ -349,21 +351,12 @@ fn memory_rows(c: &Arc<Cuda>, t: &mut Table, n: usize, reps: usize, pk: Option<(
     row(t, "adamw_step", 28.0 * n as f64, us);
 }
 
+/// The model of shape `s` (as its `ModelConfig` constructor; 4,096 positions are plenty for
+/// the benchmark's sequences and keep the RoPE tables small).
 fn config(s: Shape) -> ModelConfig {
     ModelConfig {
-        vocab_size: s.vocab,
-        hidden_size: s.d,
-        intermediate_size: s.f,
-        num_hidden_layers: s.layers,
-        num_attention_heads: s.h,
-        num_key_value_heads: s.kvh,
-        head_dim: s.hd,
-        rms_norm_eps: 1e-6,
-        rope_theta: 1_000_000.0,
-        tie_word_embeddings: true,
         max_position_embeddings: 4096,
-        bos_token_id: None,
-        eos_token_id: None,
+        ..(s.cfg)()
     }
 }
 

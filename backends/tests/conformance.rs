@@ -25,7 +25,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
 use rolloutpipe_backends::*;
 #[cfg(feature = "cuda")]
-use support::check::assert_close_scaled;
+use support::check::assert_close_dot;
 use support::check::{assert_can_fail, assert_close, rand_ids, rand_vec, tol};
 #[cfg(feature = "wgpu")]
 use support::device;
@@ -1028,15 +1028,30 @@ fn cuda_tensor_core_matmul_matches_cpu_on_bf16_operands() {
         cpu::ops::matmul_fwd(&mut y, &x, &w, n, din, dout);
         let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
         cpu::ops::matmul_bwd(Some(&mut dx), &mut dw, &dy, &x, &w, n, din, dout);
+        // The same sums over the terms' absolute values: each element's own error scale.
+        let ab = |v: &[f32]| v.iter().map(|x| x.abs()).collect::<Vec<_>>();
+        let mut ay = vec![0.0; n * dout];
+        cpu::ops::matmul_fwd(&mut ay, &ab(&x), &ab(&w), n, din, dout);
+        let (mut adx, mut adw) = (ab(&dx0), ab(&dw0));
+        cpu::ops::matmul_bwd(
+            Some(&mut adx),
+            &mut adw,
+            &ab(&dy),
+            &ab(&x),
+            &ab(&w),
+            n,
+            din,
+            dout,
+        );
         let gy = b.matmul_fwd_bf16(&x, &w, n, din, dout);
         let (mut gdx, mut gdw) = (dx0, dw0);
         b.matmul_bwd_bf16(&mut gdx, &mut gdw, &dy, &x, &w, n, din, dout);
-        // Products of bf16 values are exact in f32; only the summation order differs
-        // (MATMUL's reasoning, with sums up to 1024 long: scaled to the largest value).
+        // Products of bf16 values are exact in f32; only the summation order differs. dx and
+        // dW add their sums to the previous gradient: one more term each.
         let what = format!("tensor-core matmul {n}x{din}->{dout}");
-        assert_close_scaled(&format!("{what} y"), &gy, &y, tol::MATMUL);
-        assert_close_scaled(&format!("{what} dx"), &gdx, &dx, tol::MATMUL);
-        assert_close_scaled(&format!("{what} dw"), &gdw, &dw, tol::MATMUL);
+        assert_close_dot(&format!("{what} y"), &gy, &y, &ay, din);
+        assert_close_dot(&format!("{what} dx"), &gdx, &dx, &adx, dout + 1);
+        assert_close_dot(&format!("{what} dw"), &gdw, &dw, &adw, n + 1);
     }
 }
 

@@ -72,10 +72,19 @@ pub fn rand_ids(rng: &mut ChaCha8Rng, n: usize, below: usize) -> Vec<u32> {
 /// The first element of `got` outside `atol + rtol·|want|` of `want` (NaN counts as
 /// outside), with how many are outside: `(index, got, want, limit, count)`.
 pub fn first_mismatch(got: &[f32], want: &[f32], t: Tol) -> Option<(usize, f32, f32, f32, usize)> {
+    first_mismatch_by(got, want, |_, w| t.0 + t.1 * w.abs())
+}
+
+/// As [`first_mismatch`] with element `i`'s limit `lim(i, want[i])`.
+fn first_mismatch_by(
+    got: &[f32],
+    want: &[f32],
+    lim: impl Fn(usize, f32) -> f32,
+) -> Option<(usize, f32, f32, f32, usize)> {
     let mut first = None;
     let mut count = 0;
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let lim = t.0 + t.1 * w.abs();
+        let lim = lim(i, w);
         let err = (g - w).abs();
         // A NaN difference (NaN or opposite infinities) fails too.
         if err.is_nan() || err > lim {
@@ -92,13 +101,59 @@ pub fn first_mismatch(got: &[f32], want: &[f32], t: Tol) -> Option<(usize, f32, 
 /// one's index and values.
 #[track_caller]
 pub fn assert_close(what: &str, got: &[f32], want: &[f32], t: Tol) {
+    let rule = format!("atol {:e} + rtol {:e}·|want|", t.0, t.1);
+    assert_close_by(what, got, want, |_, w| t.0 + t.1 * w.abs(), &rule);
+}
+
+/// Checks a product element by element where each output is a sum of `k` exact products
+/// (bf16 operands multiply exactly in f32) added in an order the test does not know: a
+/// tensor-core accumulator, against the reference's ascending chain. Element i may differ by
+/// `c_k·abs[i]`, with `abs[i]` the same sum over the products' absolute values, so each
+/// element's limit comes from its own terms alone, never from the tensor's largest entry.
+///
+/// `c_k = min(2·γ_k, 4·√k·u)` with `u = 2⁻²³` (f32's epsilon, not the unit roundoff 2⁻²⁴, so
+/// that an accumulator which truncates is covered too) and `γ_k = k·u / (1 − k·u)`:
+/// - `2·γ_k·abs[i]` is the forward-error bound of a summation in any order (Higham, Accuracy
+///   and Stability of Numerical Algorithms, §4.2), once for each side; it holds for any data
+///   but grows with k (0.06 at k = 1,024 for terms in [−1, 1]: it would pass a dropped term);
+/// - `4·√k·u·abs[i]` is the scale of the error when the terms have random signs, as in the
+///   tests that use this: the partial sums then grow as √i, and even a truncating
+///   accumulator's bias, about `u·k^1.5·σ/3` for terms of deviation σ, stays 9x below it. For
+///   terms of one sign (partial sums growing as i) it would not hold.
+#[track_caller]
+#[allow(dead_code)]
+pub fn assert_close_dot(what: &str, got: &[f32], want: &[f32], abs: &[f32], k: usize) {
+    assert_eq!(abs.len(), want.len(), "{what}: length of abs");
+    let (kf, u) = (k as f64, f64::from(f32::EPSILON));
+    assert!(kf * u < 0.5, "{what}: k = {k} is too long for the bound");
+    let c = dot_factor(k);
+    let rule = format!("{c:e}·Σ|terms| (k = {k})");
+    assert_close_by(what, got, want, |i, _| c * abs[i], &rule);
+}
+
+/// [`assert_close_dot`]'s `c_k`, with 1% on top for `abs` itself (summed in f32, its own
+/// relative error is below γ_k, far under 1%).
+fn dot_factor(k: usize) -> f32 {
+    let (kf, u) = (k as f64, f64::from(f32::EPSILON));
+    let gamma = kf * u / (1.0 - kf * u);
+    ((2.0 * gamma).min(4.0 * kf.sqrt() * u) * 1.01) as f32
+}
+
+#[track_caller]
+fn assert_close_by(
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    lim: impl Fn(usize, f32) -> f32,
+    rule: &str,
+) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    let Some((i, g, w, lim, count)) = first_mismatch(got, want, t) else {
+    let Some((i, g, w, l, count)) = first_mismatch_by(got, want, &lim) else {
         return;
     };
     let mut shown = 0;
     for (j, (gj, wj)) in got.iter().zip(want).enumerate() {
-        let limj = t.0 + t.1 * wj.abs();
+        let limj = lim(j, *wj);
         let errj = (gj - wj).abs();
         if (errj.is_nan() || errj > limj) && shown < 5 {
             eprintln!("{what}[{j}]: got {gj} want {wj} (err {errj:e}, limit {limj:e})");
@@ -106,22 +161,10 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], t: Tol) {
         }
     }
     panic!(
-        "{what}[{i}]: got {g} want {w}: |err| {:e} > {lim:e} = atol {:e} + rtol {:e}·|want| \
-         ({count} of {} values outside)",
+        "{what}[{i}]: got {g} want {w}: |err| {:e} > {l:e} = {rule} ({count} of {} values outside)",
         (g - w).abs(),
-        t.0,
-        t.1,
         got.len()
     );
-}
-
-/// As [`assert_close`] with the absolute part scaled by the largest |want|. Only the CUDA
-/// tensor-core test still uses it (sums of up to 1,024 bf16 products, not run here).
-#[cfg(feature = "cuda")]
-#[track_caller]
-pub fn assert_close_scaled(what: &str, got: &[f32], want: &[f32], t: Tol) {
-    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-6);
-    assert_close(what, got, want, Tol(t.0 + t.1 * scale, t.1));
 }
 
 /// `want` with its largest-magnitude element moved just past its limit under `t` (at least
@@ -212,6 +255,44 @@ mod tests {
                 );
             }
             assert_can_fail("table", &want, t);
+        }
+    }
+
+    /// The dot-product bound holds for a sum in another order (here reversed, of products of
+    /// bf16-exact operands), and an element moved just past its own limit fails, also where
+    /// the element is small (row 3: one large product among tiny ones that nearly cancel).
+    #[test]
+    fn dot_bound_accepts_a_reordered_sum_and_rejects_past_its_limit() {
+        let mut rng = <ChaCha8Rng as rand_chacha::rand_core::SeedableRng>::seed_from_u64(5);
+        let k = 3000;
+        let bf = |x: f32| f32::from_bits(x.to_bits() & 0xffff_0000);
+        let a: Vec<f32> = rand_vec(&mut rng, 4 * k, 1.0).into_iter().map(bf).collect();
+        let b: Vec<f32> = rand_vec(&mut rng, 4 * k, 1.0).into_iter().map(bf).collect();
+        let term = |r: usize, i: usize| {
+            let scale = if r == 3 && i > 0 { 1.0 / 1024.0 } else { 1.0 };
+            a[r * k + i] * b[r * k + i] * scale
+        };
+        let (mut want, mut got, mut abs) = (vec![], vec![], vec![]);
+        for r in 0..4 {
+            want.push((0..k).fold(0.0f32, |s, i| s + term(r, i)));
+            got.push((0..k).rev().fold(0.0f32, |s, i| s + term(r, i)));
+            abs.push((0..k).fold(0.0f32, |s, i| s + term(r, i).abs()));
+        }
+        assert_ne!(got, want, "the reversed order rounds differently");
+        assert_close_dot("reordered", &got, &want, &abs, k);
+        // At k = 3,000 the random-sign scale is the smaller one: 4·√k·u·1.01 ≈ 2.638e-5.
+        assert!((dot_factor(k) - 2.638e-5).abs() < 1e-8, "{}", dot_factor(k));
+        assert_eq!(
+            dot_factor(1),
+            (2.0 * f64::from(f32::EPSILON) / (1.0 - f64::from(f32::EPSILON)) * 1.01) as f32
+        );
+        for i in 0..4 {
+            let lim = dot_factor(k) * abs[i];
+            let mut bad = want.clone();
+            bad[i] = want[i] + 1.5 * lim;
+            let (w, a2) = (want.clone(), abs.clone());
+            let msg = panic_message(move || assert_close_dot("p", &bad, &w, &a2, k)).unwrap();
+            assert!(msg.starts_with(&format!("p[{i}]:")), "{msg}");
         }
     }
 
