@@ -44,31 +44,31 @@ setup_cuda_libs
 
 if [ "$have_pack" = 0 ]; then
   step "build (--features cuda, release)"
-  timeout 240 cargo build --release --locked -p rolloutpipe-backends --features cuda \
+  timeout "$(limit 240)" cargo build --release --locked -p rolloutpipe-backends --features cuda \
     --tests --benches 2>&1 | tail -3 || { echo "build failed"; exit 1; }
 fi
 
 step "unit tests + conformance against the CPU reference"
 if [ "$have_pack" = 1 ]; then
   # From the package's folder, as cargo runs a test; both filtered to the CUDA tests.
-  (cd backends; rc=0; timeout 150 "$bin/unit" cuda || rc=$?; timeout 150 "$bin/conformance" cuda || rc=$?; exit $rc) 2>&1
+  (cd backends; rc=0; timeout "$(limit 150)" "$bin/unit" cuda || rc=$?; timeout "$(limit 150)" "$bin/conformance" cuda || rc=$?; exit $rc) 2>&1
 else
-  timeout 150 cargo test --release --locked -p rolloutpipe-backends --features cuda \
+  timeout "$(limit 150)" cargo test --release --locked -p rolloutpipe-backends --features cuda \
     --lib --test conformance -- cuda 2>&1
 fi | tee "$OUT/conformance.log" | grep -E "^test |test result|SKIP|panicked|CUDA device"
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "CONFORMANCE FAILED (see $OUT/conformance.log)"; status=1; }
 
 step "benchmarks"
 if [ "$have_pack" = 1 ]; then
-  timeout 200 "$bin/bench-cuda" --bench $QUICK 2>"$OUT/bench.err"
+  timeout "$(limit 200)" "$bin/bench-cuda" --bench $QUICK 2>"$OUT/bench.err"
 else
-  timeout 200 cargo bench --locked -p rolloutpipe-backends --features cuda --bench cuda -- $QUICK \
+  timeout "$(limit 200)" cargo bench --locked -p rolloutpipe-backends --features cuda --bench cuda -- $QUICK \
     2>"$OUT/bench.err"
 fi | tee "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "BENCHMARK FAILED (see $OUT/bench.err)"; tail -5 "$OUT/bench.err"; status=1; }
 
 step "PyTorch eager on the same shapes"
-timeout 120 python3 scripts/device/torch_eager.py $QUICK 2>&1 | tee "$OUT/torch.txt" || true
+timeout "$(limit 120)" python3 scripts/device/torch_eager.py $QUICK 2>&1 | tee "$OUT/torch.txt" || true
 
 step "done"
 echo "conformance: $(grep -h 'test result' "$OUT/conformance.log" | tr '\n' ' ')"

@@ -11,6 +11,18 @@ if [ -x "$pack/bin/conformance" ]; then
   bin="$(cd "$pack/bin" && pwd)"
 fi
 
+# A step's timeout: `n` seconds, or what is left before ROLLOUTPIPE_DEVICE_DEADLINE (epoch
+# seconds, set by all.sh so that both scripts fit one device call) when that is less; at least 1.
+limit() {
+  local n=$1 rem
+  if [ -n "${ROLLOUTPIPE_DEVICE_DEADLINE:-}" ]; then
+    rem=$((ROLLOUTPIPE_DEVICE_DEADLINE - $(date +%s)))
+    [ "$rem" -lt "$n" ] && n=$rem
+  fi
+  [ "$n" -lt 1 ] && n=1
+  echo "$n"
+}
+
 # Says what will run; fails in one line when there is neither a pack nor cargo.
 device_runner() {
   if [ "$have_pack" = 1 ]; then
@@ -56,6 +68,11 @@ setup_vulkan() {
     export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
   fi
   ldconfig -p 2>/dev/null | grep -m1 'libvulkan\.so\.1 ' || echo "no libvulkan.so.1 on this machine: wgpu can only find a GL adapter"
+  # On an NVIDIA machine, Vulkan: wgpu could otherwise also find the same GPU through EGL.
+  if [ -z "${WGPU_BACKEND:-}" ] && command -v nvidia-smi >/dev/null; then
+    export WGPU_BACKEND=vulkan
+    echo "WGPU_BACKEND=vulkan"
+  fi
 }
 
 # cudarc loads the driver, cuBLAS and NVRTC at run time by names such as libcublas.so or

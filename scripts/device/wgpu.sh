@@ -30,6 +30,7 @@
 #
 # On a lent machine (device tool; docs/device.md): pack here first (bash scripts/device/pack.sh), then
 #   run(command="bash scripts/device/wgpu.sh --quick", carry=["target/device-pack"], timeout_s=420)
+# or both backends in one call: scripts/device/all.sh.
 #
 # Usage: scripts/device/wgpu.sh [--quick | --smoke]
 #   --quick  shorter criterion measurement (0.5 s per benchmark instead of 1 s) and the
@@ -71,7 +72,7 @@ device_runner 2>&1 | tee -a "$log"
 setup_vulkan 2>&1 | tee -a "$log"
 if [ "$have_pack" = 0 ]; then
   step "build"
-  timeout 300 cargo build --release --locked -p rolloutpipe-backends --features wgpu --tests \
+  timeout "$(limit 300)" cargo build --release --locked -p rolloutpipe-backends --features wgpu --tests \
     --benches 2>&1 | tail -3 | tee -a "$log"
 fi
 
@@ -79,9 +80,9 @@ step "conformance (ROLLOUTPIPE_REQUIRE_GPU=1)"
 export ROLLOUTPIPE_REQUIRE_GPU=1
 if [ "$have_pack" = 1 ]; then
   # From the package's folder, as cargo runs a test.
-  (cd backends && timeout 240 "$bin/conformance" "$tests" 2>&1)
+  (cd backends && timeout "$(limit 240)" "$bin/conformance" "$tests" 2>&1)
 else
-  timeout 240 cargo test --release --locked -p rolloutpipe-backends --features wgpu \
+  timeout "$(limit 240)" cargo test --release --locked -p rolloutpipe-backends --features wgpu \
     --test conformance -- "$tests" 2>&1
 fi | tee -a "$log" | grep -E "adapter|test result|FAILED|panicked" || true
 if ! grep -q "test result: ok" "$log"; then
@@ -94,17 +95,17 @@ export CRITERION_HOME="$PWD/target/criterion"
 rm -rf "$CRITERION_HOME"/wgpu_*
 bench_args=(--warm-up-time "$warm" --measurement-time "$measure" ${filter:+"$filter"})
 if [ "$have_pack" = 1 ]; then
-  ROLLOUTPIPE_BENCH_SHAPES="$shapes" ROLLOUTPIPE_BENCH_E2E="$e2e_shapes" timeout 360 \
+  ROLLOUTPIPE_BENCH_SHAPES="$shapes" ROLLOUTPIPE_BENCH_E2E="$e2e_shapes" timeout "$(limit 360)" \
     "$bin/bench-wgpu" --bench "${bench_args[@]}" 2>&1
 else
-  ROLLOUTPIPE_BENCH_SHAPES="$shapes" ROLLOUTPIPE_BENCH_E2E="$e2e_shapes" timeout 360 cargo bench \
+  ROLLOUTPIPE_BENCH_SHAPES="$shapes" ROLLOUTPIPE_BENCH_E2E="$e2e_shapes" timeout "$(limit 360)" cargo bench \
     --locked -p rolloutpipe-backends --features wgpu --bench wgpu -- "${bench_args[@]}" 2>&1
 fi | tee -a "$log" | grep -E "wgpu adapter|^wgpu_|time:|thrpt:|^Qwen3|first iteration|SKIP" || true
 
 step "PyTorch on CUDA"
 py="${TORCH_PYTHON:-python3}"
 torch_json=target/device/torch.jsonl
-if timeout 150 "$py" scripts/device/torch_matmul.py > "$torch_json" 2>> "$log"; then
+if timeout "$(limit 150)" "$py" scripts/device/torch_matmul.py > "$torch_json" 2>> "$log"; then
   echo "PyTorch timings: $(wc -l < "$torch_json") shapes" | tee -a "$log"
 else
   echo "PyTorch with CUDA not available here (see $log); the table has no PyTorch columns" | tee -a "$log"
@@ -113,7 +114,7 @@ fi
 if [ -n "$e2e_shapes" ]; then
   step "PyTorch end to end ($e2e_shapes)"
   # Exits 0 without torch, transformers or CUDA, having printed nothing but its reason.
-  if timeout 240 "$py" scripts/device/torch_e2e.py --shapes "$e2e_shapes" >> "$torch_json" 2>> "$log"; then
+  if timeout "$(limit 240)" "$py" scripts/device/torch_e2e.py --shapes "$e2e_shapes" >> "$torch_json" 2>> "$log"; then
     echo "PyTorch end-to-end timings: $(grep -c '"e2e"' "$torch_json" || true) cases" | tee -a "$log"
   else
     echo "torch_e2e.py failed (see $log); the end-to-end table has no PyTorch columns" | tee -a "$log"
