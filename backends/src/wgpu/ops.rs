@@ -643,7 +643,7 @@ const ATTN_SC: usize = 256;
 /// The [`AttentionFwdTiling`] for `h` query heads on `kvh` kv heads of `hd` (1 ..= 1024).
 pub fn attention_fwd_tiling(h: usize, kvh: usize, hd: usize) -> AttentionFwdTiling {
     assert!(
-        (1..=1024).contains(&hd) && kvh > 0 && h % kvh == 0,
+        (1..=1024).contains(&hd) && kvh > 0 && h.is_multiple_of(kvh),
         "attention_fwd: head_dim {hd} (1..=1024), heads {h} / kv heads {kvh}"
     );
     let td = hd.div_ceil(8).next_power_of_two();
@@ -1220,5 +1220,49 @@ mod tests {
             assert!(rows.div_ceil(chunk) <= chunk, "{rows}");
             assert!(rmsnorm_dw_chunk(rows) <= rmsnorm_dw_chunk(rows + 1));
         }
+    }
+
+    #[test]
+    fn attention_fwd_tiling_fits_the_kernel() {
+        // The host's copies of the kernel's sizes are the kernel's.
+        let src = Kernel::AttentionFwd.wgsl();
+        for (name, n) in [
+            ("WG", ATTN_WG),
+            ("QS_LEN", ATTN_QS),
+            ("KV_LEN", ATTN_KV),
+            ("SC_LEN", ATTN_SC),
+        ] {
+            assert!(
+                src.contains(&format!("const {name}: u32 = {n}u;")),
+                "{name}"
+            );
+        }
+        assert!(src.contains(&format!("@workgroup_size({ATTN_WG})")));
+        // Workgroup memory: the four f32 arrays, rpos[WG] and three u32s.
+        let bytes = 4 * (ATTN_QS + ATTN_KV + 2 * ATTN_SC + ATTN_WG + 3);
+        assert!(bytes <= 16_384, "{bytes}");
+        for hd in 1..=1024 {
+            for (h, kvh) in [(1, 1), (2, 1), (16, 8), (8, 2), (16, 1), (40, 8), (64, 1)] {
+                let t = attention_fwd_tiling(h, kvh, hd);
+                let g = h / kvh;
+                assert!(t.td.is_power_of_two() && t.td * t.slots == ATTN_WG, "{hd}");
+                assert!(hd.div_ceil(t.td) <= 8, "{hd}: more than 8 dims a thread");
+                assert!(t.slots * (hd + 1) <= ATTN_QS, "{hd}");
+                assert!(t.ck >= 1 && t.ck * (hd + 1) <= ATTN_KV, "{hd}");
+                assert!(t.slots * t.ck <= ATTN_SC, "{hd}");
+                assert!(t.hg * t.qt <= t.slots && t.qt >= 1, "{hd} {g}");
+                assert!(t.hg * t.parts >= g && t.hg * (t.parts - 1) < g, "{hd} {g}");
+                // What fixes a row's arithmetic depends on head_dim only.
+                let one = attention_fwd_tiling(1, 1, hd);
+                assert_eq!((t.td, t.slots, t.ck), (one.td, one.slots, one.ck));
+            }
+        }
+        // Qwen3 (head_dim 128, 16 / 8 heads): 16 threads of 8 dims, 4 rows × 2 heads a
+        // tile, chunks of 16 keys.
+        let t = attention_fwd_tiling(16, 8, 128);
+        assert_eq!(
+            (t.td, t.slots, t.ck, t.hg, t.qt, t.parts),
+            (16, 8, 16, 2, 4, 1)
+        );
     }
 }
