@@ -174,8 +174,10 @@ kernels! {
     /// every head of its GQA group, and the KV-append that writes a step's rows in place.
     /// wgpu only: no PTX twin.
     AttentionDecode => "attention_decode", ["attention_decode", "attention_decode_append"], 8, ro [1, 2, 3, 4, 5], [64, 1, 1], [];
-    /// Causal GQA attention with online softmax, per (query, head); saves log-sum-exp.
-    AttentionFwd => "attention_fwd", ["attention_fwd"], 6, ro [1, 2, 3, 4], [64, 1, 1], ["attention_fwd"];
+    /// Causal GQA attention with online softmax, per (query tile, kv head) with K/V chunks
+    /// staged once in workgroup memory for the tile's rows and the group's heads, head_dim
+    /// split over several threads per (row, head); saves log-sum-exp.
+    AttentionFwd => "attention_fwd", ["attention_fwd"], 6, ro [1, 2, 3, 4], [128, 1, 1], ["attention_fwd"];
     /// Attention backward: `dq` per (query, head), then `dk, dv` per (key, kv head).
     AttentionBwd => "attention_bwd", ["attention_bwd_dq", "attention_bwd_dkv"], 9, ro [1, 2, 3, 4, 6, 9], [64, 1, 1], ["attention_bwd_dq", "attention_bwd_dkv"];
     /// `silu(gate) * up`.

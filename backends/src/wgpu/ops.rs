@@ -611,9 +611,63 @@ pub fn attention_scale(hd: usize) -> f32 {
     (1.0 / (hd as f64).sqrt()) as f32
 }
 
+/// The launch shape of [`attention_fwd`] (see `kernels/wgsl/attention_fwd.wgsl`): a (row,
+/// head) "slot" of `td` threads, each owning at most 8 of the head's output dims; `slots`
+/// of them per workgroup, holding `hg` query heads of one kv head's group for up to `qt`
+/// rows of one sequence; keys staged in chunks of `ck`. `td`, `slots` and `ck` depend on
+/// head_dim only, so a row's arithmetic does not depend on the group size either.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionFwdTiling {
+    /// Threads per (row, head): a power of two `>= head_dim / 8`.
+    pub td: usize,
+    /// (row, head) slots per workgroup: `ATTN_WG / td`.
+    pub slots: usize,
+    /// Keys per staged K/V chunk.
+    pub ck: usize,
+    /// Query heads per workgroup: `min(G, slots)`.
+    pub hg: usize,
+    /// Query rows per tile: `slots / hg`.
+    pub qt: usize,
+    /// Workgroups per (tile, kv head): `ceil(G / hg)`.
+    pub parts: usize,
+}
+
+/// `attention_fwd`'s workgroup size and workgroup-memory arrays (floats), as declared in the
+/// kernel (`WG`, `QS_LEN`, `KV_LEN`, `SC_LEN`): 15,104 bytes of them whatever head_dim, so
+/// the kernel fits WebGPU's guaranteed 16 KiB on any adapter.
+const ATTN_WG: usize = 128;
+const ATTN_QS: usize = 1152;
+const ATTN_KV: usize = 2112;
+const ATTN_SC: usize = 256;
+
+/// The [`AttentionFwdTiling`] for `h` query heads on `kvh` kv heads of `hd` (1 ..= 1024).
+pub fn attention_fwd_tiling(h: usize, kvh: usize, hd: usize) -> AttentionFwdTiling {
+    assert!(
+        (1..=1024).contains(&hd) && kvh > 0 && h.is_multiple_of(kvh),
+        "attention_fwd: head_dim {hd} (1..=1024), heads {h} / kv heads {kvh}"
+    );
+    let td = hd.div_ceil(8).next_power_of_two();
+    let slots = ATTN_WG / td;
+    // Padded rows (hd + 1 floats) in qs and kv; one score and one p per (slot, key).
+    let ck = (ATTN_KV / (hd + 1)).min(ATTN_SC / slots);
+    debug_assert!(slots * (hd + 1) <= ATTN_QS && ck >= 1);
+    let g = h / kvh;
+    let hg = g.min(slots);
+    AttentionFwdTiling {
+        td,
+        slots,
+        ck,
+        hg,
+        qt: slots / hg,
+        parts: g.div_ceil(hg),
+    }
+}
+
 /// Causal GQA attention of `n_q` query rows; query `i` attends key rows
 /// `qmeta[2i] ..= qmeta[2i] + qmeta[2i+1]` of `k`, `v` (`n_k` rows). Writes `out` and the
-/// log-sum-exp into the first `n_q·h` entries of `stats`.
+/// log-sum-exp into the first `n_q·h` entries of `stats`. One workgroup per (row, kv head,
+/// part of its group's heads): the kernel tiles runs of a sequence's rows itself, and a
+/// row's result does not depend on its tile (see `attention_fwd.wgsl`).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fwd(
     ex: &mut Exec,
@@ -629,19 +683,24 @@ pub fn attention_fwd(
     kvh: usize,
     hd: usize,
 ) {
+    let t = attention_fwd_tiling(h, kvh, hd);
     let p = Params::new()
         .u(n_q)
         .u(h)
         .u(kvh)
         .u(hd)
         .u(n_k)
-        .f(attention_scale(hd));
+        .f(attention_scale(hd))
+        .u(t.td)
+        .u(t.ck)
+        .u(t.hg)
+        .u(t.qt);
     ex.dispatch(
         Kernel::AttentionFwd,
         0,
         &[q, k, v, qmeta, out, stats],
         p,
-        groups(n_q * h),
+        groups(n_q * kvh * t.parts),
     );
 }
 
@@ -1161,5 +1220,49 @@ mod tests {
             assert!(rows.div_ceil(chunk) <= chunk, "{rows}");
             assert!(rmsnorm_dw_chunk(rows) <= rmsnorm_dw_chunk(rows + 1));
         }
+    }
+
+    #[test]
+    fn attention_fwd_tiling_fits_the_kernel() {
+        // The host's copies of the kernel's sizes are the kernel's.
+        let src = Kernel::AttentionFwd.wgsl();
+        for (name, n) in [
+            ("WG", ATTN_WG),
+            ("QS_LEN", ATTN_QS),
+            ("KV_LEN", ATTN_KV),
+            ("SC_LEN", ATTN_SC),
+        ] {
+            assert!(
+                src.contains(&format!("const {name}: u32 = {n}u;")),
+                "{name}"
+            );
+        }
+        assert!(src.contains(&format!("@workgroup_size({ATTN_WG})")));
+        // Workgroup memory: the four f32 arrays, rpos[WG] and three u32s.
+        let bytes = 4 * (ATTN_QS + ATTN_KV + 2 * ATTN_SC + ATTN_WG + 3);
+        assert!(bytes <= 16_384, "{bytes}");
+        for hd in 1..=1024 {
+            for (h, kvh) in [(1, 1), (2, 1), (16, 8), (8, 2), (16, 1), (40, 8), (64, 1)] {
+                let t = attention_fwd_tiling(h, kvh, hd);
+                let g = h / kvh;
+                assert!(t.td.is_power_of_two() && t.td * t.slots == ATTN_WG, "{hd}");
+                assert!(hd.div_ceil(t.td) <= 8, "{hd}: more than 8 dims a thread");
+                assert!(t.slots * (hd + 1) <= ATTN_QS, "{hd}");
+                assert!(t.ck >= 1 && t.ck * (hd + 1) <= ATTN_KV, "{hd}");
+                assert!(t.slots * t.ck <= ATTN_SC, "{hd}");
+                assert!(t.hg * t.qt <= t.slots && t.qt >= 1, "{hd} {g}");
+                assert!(t.hg * t.parts >= g && t.hg * (t.parts - 1) < g, "{hd} {g}");
+                // What fixes a row's arithmetic depends on head_dim only.
+                let one = attention_fwd_tiling(1, 1, hd);
+                assert_eq!((t.td, t.slots, t.ck), (one.td, one.slots, one.ck));
+            }
+        }
+        // Qwen3 (head_dim 128, 16 / 8 heads): 16 threads of 8 dims, 4 rows × 2 heads a
+        // tile, chunks of 16 keys.
+        let t = attention_fwd_tiling(16, 8, 128);
+        assert_eq!(
+            (t.td, t.slots, t.ck, t.hg, t.qt, t.parts),
+            (16, 8, 16, 2, 4, 1)
+        );
     }
 }

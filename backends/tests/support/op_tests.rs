@@ -26,6 +26,7 @@ macro_rules! op_suite {
             $crate::op_suite!(@tests $make;
                 embedding_fwd_bwd, rmsnorm_fwd_bwd, matmul_fwd_bwd, rope_fwd_bwd,
                 attention_fwd_bwd_packed, attention_rows_are_packing_invariant,
+                attention_rows_are_tile_invariant,
                 attention_fwd_decode_chunk_against_cache,
                 swiglu_and_residual, logprob_fwd_bwd, grpo_loss_fwd_bwd, adamw_three_steps,
                 grad_norm_sum_of_squares, sample_matches_cpu_draws,
@@ -232,54 +233,98 @@ pub fn attention_fwd_bwd_packed(b: &mut impl OpRunner) {
     }
 }
 
+/// The (heads, kv heads, head_dim) of the attention invariance tests: G = 1, 2, 4 and 16
+/// (more query heads than the wgpu kernel's workgroup holds at head_dim 128, so a group's
+/// heads are split), head_dim 16, 32, 128 and 256 (one to four output dims a thread,
+/// tiles of 1 to 32 rows).
+const ATTENTION_INVARIANCE_SHAPES: [(usize, usize, usize); 6] = [
+    (4, 2, 32),
+    (8, 2, 16),
+    (2, 2, 128),
+    (8, 2, 128),
+    (16, 1, 128),
+    (4, 2, 256),
+];
+
 /// A sequence's attention outputs and gradients are bit-identical whether it is packed
-/// alone or after sequences of odd lengths (which shift where the wgpu kernel's query
-/// tiles fall and which other rows share them): each row must run the same arithmetic
-/// whatever its neighbours.
+/// alone or after sequences of odd lengths and before another one (which shift where the
+/// wgpu kernel's query tiles fall in the launch and which other rows share it): each row
+/// must run the same arithmetic whatever its neighbours. Sequences of 75 rows (more than
+/// one tile and one key chunk, a multiple of neither) and of 3 (shorter than a tile).
 pub fn attention_rows_are_packing_invariant(b: &mut impl OpRunner) {
     let mut rng = ChaCha8Rng::seed_from_u64(17);
-    for &(h, kvh, hd) in &[(4, 2, 32), (8, 2, 16)] {
+    for &(h, kvh, hd) in &ATTENTION_INVARIANCE_SHAPES {
         let (qd, kd) = (h * hd, kvh * hd);
-        let m = 75; // more than one tile and one key chunk, a multiple of neither
+        for m in [75usize, 3] {
+            let (q, k, v, dout) = (
+                rand_vec(&mut rng, m * qd, 1.0),
+                rand_vec(&mut rng, m * kd, 1.0),
+                rand_vec(&mut rng, m * kd, 1.0),
+                rand_vec(&mut rng, m * qd, 1.0),
+            );
+            let alone = b.attention_packed(&q, &k, &v, &dout, &[m], h, kvh, hd);
+            let after = 6;
+            for before in [1usize, 13, 37] {
+                let pad = |x: &[f32], w: usize| {
+                    let mut r = ChaCha8Rng::seed_from_u64(before as u64);
+                    let mut y = rand_vec(&mut r, before * w, 1.0);
+                    y.extend_from_slice(x);
+                    y.extend(rand_vec(&mut r, after * w, 1.0));
+                    y
+                };
+                let got = b.attention_packed(
+                    &pad(&q, qd),
+                    &pad(&k, kd),
+                    &pad(&v, kd),
+                    &pad(&dout, qd),
+                    &[before, m, after],
+                    h,
+                    kvh,
+                    hd,
+                );
+                let widths = [qd, qd, kd, kd];
+                for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+                    let mid = &got[i][before * widths[i]..(before + m) * widths[i]];
+                    let same = mid
+                        .iter()
+                        .zip(&alone[i])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "attention {name} h{h} kvh{kvh} hd{hd} m{m}: rows differ after {before}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A row's attention output is bit-identical whether all of its sequence's rows are
+/// queried (packed training/scoring) or only the last few (a prefill chunk against the KV
+/// cache, whose first query is not at the start of a wgpu query tile): the tiles that rows
+/// share then differ, so this catches arithmetic that depends on the tile's first row.
+pub fn attention_rows_are_tile_invariant(b: &mut impl OpRunner) {
+    let mut rng = ChaCha8Rng::seed_from_u64(19);
+    for &(h, kvh, hd) in &ATTENTION_INVARIANCE_SHAPES {
+        let (qd, kd) = (h * hd, kvh * hd);
+        let m = 75;
         let (q, k, v, dout) = (
             rand_vec(&mut rng, m * qd, 1.0),
             rand_vec(&mut rng, m * kd, 1.0),
             rand_vec(&mut rng, m * kd, 1.0),
             rand_vec(&mut rng, m * qd, 1.0),
         );
-        let alone = b.attention_packed(&q, &k, &v, &dout, &[m], h, kvh, hd);
-        for before in [1usize, 13, 37] {
-            let pad = |x: &[f32], w: usize| {
-                let mut y = rand_vec(
-                    &mut ChaCha8Rng::seed_from_u64(before as u64),
-                    before * w,
-                    1.0,
-                );
-                y.extend_from_slice(x);
-                y
-            };
-            let got = b.attention_packed(
-                &pad(&q, qd),
-                &pad(&k, kd),
-                &pad(&v, kd),
-                &pad(&dout, qd),
-                &[before, m],
-                h,
-                kvh,
-                hd,
+        let [all, ..] = b.attention_packed(&q, &k, &v, &dout, &[m], h, kvh, hd);
+        for nq in [1usize, 5, 62] {
+            let got = b.attention_chunk_fwd(&q[(m - nq) * qd..], &k, &v, nq, m, h, kvh, hd);
+            let same = got
+                .iter()
+                .zip(&all[(m - nq) * qd..])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "attention out h{h} kvh{kvh} hd{hd}: the last {nq} rows queried alone differ"
             );
-            let widths = [qd, qd, kd, kd];
-            for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
-                let tail = &got[i][before * widths[i]..];
-                let same = tail
-                    .iter()
-                    .zip(&alone[i])
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(
-                    same,
-                    "attention {name} h{h} kvh{kvh} hd{hd}: rows differ after {before}"
-                );
-            }
         }
     }
 }
