@@ -704,9 +704,68 @@ pub fn attention_fwd(
     );
 }
 
+/// The launch shape of [`attention_bwd`] (see `kernels/wgsl/attention_bwd.wgsl`): slots of
+/// `td` threads as in [`AttentionFwdTiling`] (`slots = ATTN_WG / td`). `attention_bwd_dq`
+/// holds `hg` query heads of `qt` rows a tile (`parts` workgroups a tile when G > slots) and
+/// stages keys in chunks of `ck`; `attention_bwd_dkv` holds `slots` keys a tile and stages
+/// (query row, head) items in chunks of `cq`. `td`, `slots`, `ck` and `cq` depend on head_dim
+/// only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionBwdTiling {
+    /// Threads per slot: a power of two `>= head_dim / 8`.
+    pub td: usize,
+    /// Slots per workgroup: `ATTN_WG / td`; also the keys of a `dkv` tile.
+    pub slots: usize,
+    /// Keys per staged K/V chunk (`dq`).
+    pub ck: usize,
+    /// (query row, head) items per staged q/dout chunk (`dkv`).
+    pub cq: usize,
+    /// Query heads per `dq` workgroup: `min(G, slots)`.
+    pub hg: usize,
+    /// Query rows per `dq` tile: `slots / hg`.
+    pub qt: usize,
+    /// `dq` workgroups per (tile, kv head): `ceil(G / hg)`.
+    pub parts: usize,
+}
+
+/// `attention_bwd`'s f32 arena (`SM_LEN`, as declared in the kernel), partitioned per entry:
+/// with `red[WG]` and three u32s, 15,884 bytes, within WebGPU's guaranteed 16 KiB.
+const ATTN_BWD_SM: usize = 3840;
+
+/// The [`AttentionBwdTiling`] for `h` query heads on `kvh` kv heads of `hd` (1 ..= 512).
+pub fn attention_bwd_tiling(h: usize, kvh: usize, hd: usize) -> AttentionBwdTiling {
+    assert!(
+        (1..=512).contains(&hd) && kvh > 0 && h.is_multiple_of(kvh),
+        "attention_bwd: head_dim {hd} (1..=512), heads {h} / kv heads {kvh}"
+    );
+    let td = hd.div_ceil(8).next_power_of_two();
+    let slots = ATTN_WG / td;
+    let hs = hd + 1;
+    // Both entries stage two padded rows a slot; the rest of the arena holds the chunks:
+    // dq a K and a V row a key and one dS a (slot, key); dkv a q and a dout row, lse and
+    // delta an item and P and dS a (slot, item).
+    let rest = ATTN_BWD_SM - 2 * slots * hs;
+    let ck = rest / (2 * hs + slots);
+    let cq = rest / (2 * hs + 2 + 2 * slots);
+    debug_assert!(ck >= 1 && cq >= 1);
+    let g = h / kvh;
+    let hg = g.min(slots);
+    AttentionBwdTiling {
+        td,
+        slots,
+        ck,
+        cq,
+        hg,
+        qt: slots / hg,
+        parts: g.div_ceil(hg),
+    }
+}
+
 /// Backward of [`attention_fwd`] over `n` packed rows (`meta_rows[2r..2r+2]` = start and
 /// length of row r's sequence): writes `dq` and `dkv = [dk, dv]`; `stats` holds the
-/// forward's log-sum-exp and receives the row sums `delta` in its second half.
+/// forward's log-sum-exp and receives the row sums `delta` in its second half. `dq` runs
+/// per (query tile, kv head, head part), `dk, dv` per (key tile, kv head); the kernel finds
+/// its tiles itself and no output depends on its tile (see `attention_bwd.wgsl`).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd(
     ex: &mut Exec,
@@ -724,9 +783,20 @@ pub fn attention_bwd(
     kvh: usize,
     hd: usize,
 ) {
-    let p = Params::new().u(n).u(h).u(kvh).u(hd).f(attention_scale(hd));
+    let t = attention_bwd_tiling(h, kvh, hd);
+    let p = Params::new()
+        .u(n)
+        .u(h)
+        .u(kvh)
+        .u(hd)
+        .f(attention_scale(hd))
+        .u(t.td)
+        .u(t.ck)
+        .u(t.hg)
+        .u(t.qt)
+        .u(t.cq);
     let b = [q, k, v, out, stats, dout, dq, dkv, meta_rows];
-    ex.dispatch(Kernel::AttentionBwd, 0, &b, p, groups(n * h));
+    ex.dispatch(Kernel::AttentionBwd, 0, &b, p, groups(n * kvh * t.parts));
     ex.dispatch(Kernel::AttentionBwd, 1, &b, p, groups(n * kvh));
 }
 
@@ -1263,6 +1333,49 @@ mod tests {
         assert_eq!(
             (t.td, t.slots, t.ck, t.hg, t.qt, t.parts),
             (16, 8, 16, 2, 4, 1)
+        );
+    }
+
+    #[test]
+    fn attention_bwd_tiling_fits_the_kernel() {
+        let src = Kernel::AttentionBwd.wgsl();
+        for (name, n) in [("WG", ATTN_WG), ("SM_LEN", ATTN_BWD_SM)] {
+            assert!(
+                src.contains(&format!("const {name}: u32 = {n}u;")),
+                "{name}"
+            );
+        }
+        assert!(src.contains(&format!("@workgroup_size({ATTN_WG})")));
+        // Workgroup memory: the arena, red[WG] and three u32s.
+        let bytes = 4 * (ATTN_BWD_SM + ATTN_WG + 3);
+        assert!(bytes <= 16_384, "{bytes}");
+        for hd in 1..=512 {
+            for (h, kvh) in [(1, 1), (2, 1), (16, 8), (8, 2), (16, 1), (40, 8), (64, 1)] {
+                let t = attention_bwd_tiling(h, kvh, hd);
+                let g = h / kvh;
+                let hs = hd + 1;
+                assert!(t.td.is_power_of_two() && t.td * t.slots == ATTN_WG, "{hd}");
+                assert!(hd.div_ceil(t.td) <= 8, "{hd}: more than 8 dims a thread");
+                // The kernel's arena offsets, per entry.
+                let dq = 2 * t.slots * hs + 2 * t.ck * hs + t.slots * t.ck;
+                let dkv = 2 * t.slots * hs + 2 * t.cq * hs + 2 * t.cq + 2 * t.slots * t.cq;
+                assert!(t.ck >= 1 && dq <= ATTN_BWD_SM, "{hd}: dq {dq}");
+                assert!(t.cq >= 1 && dkv <= ATTN_BWD_SM, "{hd}: dkv {dkv}");
+                assert!(t.hg * t.qt <= t.slots && t.qt >= 1, "{hd} {g}");
+                assert!(t.hg * t.parts >= g && t.hg * (t.parts - 1) < g, "{hd} {g}");
+                let one = attention_bwd_tiling(1, 1, hd);
+                assert_eq!(
+                    (t.td, t.slots, t.ck, t.cq),
+                    (one.td, one.slots, one.ck, one.cq)
+                );
+            }
+        }
+        // Qwen3 (head_dim 128, 16 / 8 heads): 8 slots of 16 threads; dq tiles of 4 rows ×
+        // 2 heads with 6-key chunks, dkv tiles of 8 keys with 6-item chunks.
+        let t = attention_bwd_tiling(16, 8, 128);
+        assert_eq!(
+            (t.td, t.slots, t.ck, t.cq, t.hg, t.qt, t.parts),
+            (16, 8, 6, 6, 2, 4, 1)
         );
     }
 }
