@@ -21,7 +21,7 @@
 //     q and dout of the tile's slots are staged once; the keys come in chunks of CK rows
 //     aligned at the sequence's start, K and V of a chunk staged once for every slot.
 //   attention_bwd_dkv: one workgroup per (key tile, kv head); a slot is a key row, the tile
-//     up to WG / TD keys of one sequence. k and v of the tile's keys are staged once; the
+//     up to KT <= WG / TD keys of one sequence. k and v of the tile's keys are staged once; the
 //     query side comes as "items" (query row i, head hi of the group) in the order
 //     (i ascending, hi ascending) from the tile's first key to the sequence's end, in
 //     chunks of CQ items, q, dout, lse and delta of a chunk staged once for every key.
@@ -52,7 +52,7 @@ struct Params {
     hg: u32, // query heads per workgroup (dq)
     qt: u32, // query rows per tile (dq)
     cq: u32, // items per chunk (dkv)
-    _p0: u32,
+    kt: u32, // key rows per tile (dkv), <= WG / TD
     _p1: u32,
 }
 
@@ -84,6 +84,30 @@ var<workgroup> end_s: u32;
 fn seq_of(r: u32) -> vec2<u32> {
     let s = min(meta_rows[2u * r], r);
     return vec2<u32>(s, clamp(s + meta_rows[2u * r + 1u], r + 1u, p.n));
+}
+
+// (a · b, c · e) over hd floats of the arena from a, b, c, e: two ascending chains from
+// 0.0, unrolled by 4 (same order) to keep loop trips low: llvmpipe stops a loop nest after
+// 65,535 iterations in all, so a long sequence must not need more.
+fn dot2(a: u32, b: u32, c: u32, e: u32, hd: u32) -> vec2<f32> {
+    var x = 0.0;
+    var y = 0.0;
+    var d = 0u;
+    for (; d + 4u <= hd; d += 4u) {
+        x += sm[a + d] * sm[b + d];
+        x += sm[a + d + 1u] * sm[b + d + 1u];
+        x += sm[a + d + 2u] * sm[b + d + 2u];
+        x += sm[a + d + 3u] * sm[b + d + 3u];
+        y += sm[c + d] * sm[e + d];
+        y += sm[c + d + 1u] * sm[e + d + 1u];
+        y += sm[c + d + 2u] * sm[e + d + 2u];
+        y += sm[c + d + 3u] * sm[e + d + 3u];
+    }
+    for (; d < hd; d++) {
+        x += sm[a + d] * sm[b + d];
+        y += sm[c + d] * sm[e + d];
+    }
+    return vec2<f32>(x, y);
 }
 
 // Run by one thread: the tile led by row r0 (cnt_s = 0 when r0 leads none), its
@@ -210,24 +234,20 @@ fn attention_bwd_dq(
         }
         workgroupBarrier();
         for (var j = t; j < nk; j += td) {
-            var sdot = 0.0;
-            var pdot = 0.0;
-            for (var d = 0u; d < hd; d++) {
-                sdot += sm[sr * hs + d] * sm[o_k + j * hs + d];
-                pdot += sm[o_do + sr * hs + d] * sm[o_v + j * hs + d];
-            }
+            let sp = dot2(sr * hs, o_k + j * hs, o_do + sr * hs, o_v + j * hs, hd);
+            let sdot = sp.x;
+            let pdot = sp.y;
             let pr = exp(sdot * p.scale - lse);
             sm[o_s + sr * ck + j] = pr * (pdot - delta);
         }
         workgroupBarrier();
-        for (var r = 0u; r < DPT; r++) {
-            let d = t + td * r;
-            if (d < hd) {
-                var a = acc[r];
-                for (var j = 0u; j < nk; j++) {
-                    a += sm[o_s + sr * ck + j] * sm[o_k + j * hs + d];
+        for (var j = 0u; j < nk; j++) {
+            let dsj = sm[o_s + sr * ck + j];
+            for (var r = 0u; r < DPT; r++) {
+                let d = t + td * r;
+                if (d < hd) {
+                    acc[r] += dsj * sm[o_k + j * hs + d];
                 }
-                acc[r] = a;
             }
         }
         workgroupBarrier();
@@ -257,7 +277,7 @@ fn attention_bwd_dkv(
     let td = p.td;
     let slots = WG / td;
     if (lid == 0u) {
-        find_tile(j0, slots);
+        find_tile(j0, p.kt);
     }
     let cnt = workgroupUniformLoad(&cnt_s);
     if (cnt == 0u) {
@@ -324,28 +344,23 @@ fn attention_bwd_dkv(
             lo = max(first, c) - c;
         }
         for (var e = lo + t; e < m; e += td) {
-            var sdot = 0.0;
-            var pdot = 0.0;
-            for (var d = 0u; d < hd; d++) {
-                sdot += sm[o_q + e * hs + d] * sm[sr * hs + d];
-                pdot += sm[o_d + e * hs + d] * sm[o_v + sr * hs + d];
-            }
+            let sp = dot2(o_q + e * hs, sr * hs, o_d + e * hs, o_v + sr * hs, hd);
+            let sdot = sp.x;
+            let pdot = sp.y;
             let pr = exp(sdot * p.scale - sm[o_l + e]);
             sm[o_p + sr * cq + e] = pr;
             sm[o_s + sr * cq + e] = pr * (pdot - sm[o_dl + e]);
         }
         workgroupBarrier();
-        for (var r = 0u; r < DPT; r++) {
-            let d = t + td * r;
-            if (d < hd) {
-                var ak = acc_k[r];
-                var av = acc_v[r];
-                for (var e = lo; e < m; e++) {
-                    ak += sm[o_s + sr * cq + e] * sm[o_q + e * hs + d];
-                    av += sm[o_p + sr * cq + e] * sm[o_d + e * hs + d];
+        for (var e = lo; e < m; e++) {
+            let dse = sm[o_s + sr * cq + e];
+            let pe = sm[o_p + sr * cq + e];
+            for (var r = 0u; r < DPT; r++) {
+                let d = t + td * r;
+                if (d < hd) {
+                    acc_k[r] += dse * sm[o_q + e * hs + d];
+                    acc_v[r] += pe * sm[o_d + e * hs + d];
                 }
-                acc_k[r] = ak;
-                acc_v[r] = av;
             }
         }
         workgroupBarrier();

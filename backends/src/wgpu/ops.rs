@@ -726,6 +726,8 @@ pub struct AttentionBwdTiling {
     pub qt: usize,
     /// `dq` workgroups per (tile, kv head): `ceil(G / hg)`.
     pub parts: usize,
+    /// Keys per `dkv` tile: `slots` (fewer only in tests, to move where tiles begin).
+    pub kt: usize,
 }
 
 /// `attention_bwd`'s f32 arena (`SM_LEN`, as declared in the kernel), partitioned per entry:
@@ -758,6 +760,7 @@ pub fn attention_bwd_tiling(h: usize, kvh: usize, hd: usize) -> AttentionBwdTili
         hg,
         qt: slots / hg,
         parts: g.div_ceil(hg),
+        kt: slots,
     }
 }
 
@@ -784,6 +787,44 @@ pub fn attention_bwd(
     hd: usize,
 ) {
     let t = attention_bwd_tiling(h, kvh, hd);
+    attention_bwd_tiled(
+        ex, dq, dkv, stats, dout, q, k, v, out, meta_rows, n, h, kvh, hd, t,
+    );
+}
+
+/// [`attention_bwd`] with the tiling `t`: [`attention_bwd_tiling`]'s, or in tests one with
+/// the same `td` and smaller `hg`, `qt`, `ck`, `cq`, `kt` (`parts = ceil(G / hg)`), which
+/// must give bit-identical outputs.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_tiled(
+    ex: &mut Exec,
+    dq: &Buffer,
+    dkv: &Buffer,
+    stats: &Buffer,
+    dout: &Buffer,
+    q: &Buffer,
+    k: &Buffer,
+    v: &Buffer,
+    out: &Buffer,
+    meta_rows: &Buffer,
+    n: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+    t: AttentionBwdTiling,
+) {
+    let d = attention_bwd_tiling(h, kvh, hd);
+    assert!(
+        t.td == d.td
+            && t.slots == d.slots
+            && (1..=d.ck).contains(&t.ck)
+            && (1..=d.cq).contains(&t.cq)
+            && (1..=d.hg).contains(&t.hg)
+            && (1..=t.slots / t.hg).contains(&t.qt)
+            && t.parts == (h / kvh).div_ceil(t.hg)
+            && (1..=t.slots).contains(&t.kt),
+        "attention_bwd: tiling {t:?} does not fit {d:?}"
+    );
     let p = Params::new()
         .u(n)
         .u(h)
@@ -794,7 +835,8 @@ pub fn attention_bwd(
         .u(t.ck)
         .u(t.hg)
         .u(t.qt)
-        .u(t.cq);
+        .u(t.cq)
+        .u(t.kt);
     let b = [q, k, v, out, stats, dout, dq, dkv, meta_rows];
     ex.dispatch(Kernel::AttentionBwd, 0, &b, p, groups(n * kvh * t.parts));
     ex.dispatch(Kernel::AttentionBwd, 1, &b, p, groups(n * kvh));
@@ -1377,5 +1419,119 @@ mod tests {
             (t.td, t.slots, t.ck, t.cq, t.hg, t.qt, t.parts),
             (16, 8, 6, 6, 2, 4, 1)
         );
+    }
+
+    /// The backward's outputs are bit-identical under other tilings (smaller query and key
+    /// tiles, fewer heads a workgroup, shorter chunks): tiles and chunks then begin at other
+    /// rows, keys and items, which the packing tests (whose tiles always align at a
+    /// sequence's start) cannot move. Sequences shorter than a tile, ending mid-tile and
+    /// mid-chunk; G = 1, 2, 16 (more heads than slots at head_dim 128). Chunks of one key
+    /// and one item at G = 16 also make the kernel's loops run the most trips a row: this
+    /// caught llvmpipe's cap of 65,535 loop iterations a loop nest (see `dot2`).
+    #[test]
+    fn attention_bwd_outputs_do_not_depend_on_the_tiling() {
+        let Some(g) = crate::wgpu::Gpu::new().expect("wgpu device") else {
+            assert!(
+                !std::env::var("ROLLOUTPIPE_REQUIRE_GPU").is_ok_and(|v| v == "1"),
+                "no wgpu adapter and ROLLOUTPIPE_REQUIRE_GPU=1"
+            );
+            eprintln!("SKIP: no wgpu adapter");
+            return;
+        };
+        let mut seed = 0x9e37_79b9_u32;
+        let mut rand = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 17;
+                    seed ^= seed << 5;
+                    (seed >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+                })
+                .collect()
+        };
+        let lens = [2usize, 29, 1, 11];
+        let n: usize = lens.iter().sum();
+        let mut rows = Vec::new();
+        let mut meta = Vec::new();
+        let mut s = 0;
+        for &m in &lens {
+            for t in 0..m {
+                rows.extend([s as u32, m as u32]);
+                meta.extend([s as u32, t as u32]);
+            }
+            s += m;
+        }
+        for (h, kvh, hd) in [
+            (4, 2, 32),
+            (2, 2, 16),
+            (16, 8, 128),
+            (16, 1, 128),
+            (2, 1, 256),
+        ] {
+            let (qd, kd) = (h * hd, kvh * hd);
+            let (q, k, v, dout) = (
+                g.upload("q", &rand(n * qd)),
+                g.upload("k", &rand(n * kd)),
+                g.upload("v", &rand(n * kd)),
+                g.upload("dout", &rand(n * qd)),
+            );
+            let (qm, rm) = (g.upload("qmeta", &meta), g.upload("rows", &rows));
+            let (out, st) = (g.buffer("out", n * qd), g.buffer("stats", 2 * n * h));
+            let mut ex = Exec::new(std::sync::Arc::clone(&g));
+            attention_fwd(&mut ex, &out, &st, &q, &k, &v, &qm, n, n, h, kvh, hd);
+            ex.submit().expect("forward");
+            let d = attention_bwd_tiling(h, kvh, hd);
+            let grp = h / kvh;
+            let hg1 = d.hg.div_ceil(2);
+            let tilings = [
+                d,
+                AttentionBwdTiling {
+                    hg: hg1,
+                    qt: (d.slots / hg1).min(3),
+                    parts: grp.div_ceil(hg1),
+                    ck: d.ck.min(5).max(d.ck / 3),
+                    cq: d.cq.min(4).max(d.cq / 3),
+                    kt: d.slots.min(3),
+                    ..d
+                },
+                AttentionBwdTiling {
+                    hg: 1,
+                    qt: 1,
+                    parts: grp,
+                    ck: 1,
+                    cq: 1,
+                    kt: 1,
+                    ..d
+                },
+            ];
+            let mut first: Option<[Vec<u32>; 2]> = None;
+            for t in tilings {
+                let (dq, dkv) = (g.buffer("dq", n * qd), g.buffer("dkv", 2 * n * kd));
+                // (delta, in stats' second half, is rewritten alike by each run)
+                let mut ex = Exec::new(std::sync::Arc::clone(&g));
+                attention_bwd_tiled(
+                    &mut ex, &dq, &dkv, &st, &dout, &q, &k, &v, &out, &rm, n, h, kvh, hd, t,
+                );
+                ex.submit().expect("backward");
+                let got = [
+                    g.read::<u32>(&dq, n * qd).expect("dq"),
+                    g.read::<u32>(&dkv, 2 * n * kd).expect("dkv"),
+                ];
+                assert!(got[0].iter().all(|&b| f32::from_bits(b).is_finite()));
+                match &first {
+                    None => first = Some(got),
+                    Some(f) => {
+                        assert!(
+                            f[0] == got[0],
+                            "dq h{h} kvh{kvh} hd{hd} differs under {t:?}"
+                        );
+                        assert!(
+                            f[1] == got[1],
+                            "dk/dv h{h} kvh{kvh} hd{hd} differs under {t:?}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }
