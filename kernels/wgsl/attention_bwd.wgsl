@@ -53,7 +53,11 @@ struct Params {
     qt: u32, // query rows per tile (dq)
     cq: u32, // items per chunk (dkv)
     kt: u32, // key rows per tile (dkv), <= WG / TD
+    w0: u32, // this launch's window: keys (dq, from the sequence's start) or items (dkv,
+    w1: u32, // from the tile's first key) w0 .. w1, multiples of CK resp. CQ
     _p1: u32,
+    _p2: u32,
+    _p3: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -87,21 +91,30 @@ fn seq_of(r: u32) -> vec2<u32> {
 }
 
 // (a · b, c · e) over hd floats of the arena from a, b, c, e: two ascending chains from
-// 0.0, unrolled by 4 (same order) to keep loop trips low: llvmpipe stops a loop nest after
-// 65,535 iterations in all, so a long sequence must not need more.
+// 0.0, unrolled by 8 (same order) to keep loop trips low: llvmpipe stops a loop nest after
+// 65,535 iterations in all, silently, so a long sequence must not need more. For the same
+// reason the accumulations below spell out their DPT = 8 dims instead of looping over them.
 fn dot2(a: u32, b: u32, c: u32, e: u32, hd: u32) -> vec2<f32> {
     var x = 0.0;
     var y = 0.0;
     var d = 0u;
-    for (; d + 4u <= hd; d += 4u) {
+    for (; d + 8u <= hd; d += 8u) {
         x += sm[a + d] * sm[b + d];
         x += sm[a + d + 1u] * sm[b + d + 1u];
         x += sm[a + d + 2u] * sm[b + d + 2u];
         x += sm[a + d + 3u] * sm[b + d + 3u];
+        x += sm[a + d + 4u] * sm[b + d + 4u];
+        x += sm[a + d + 5u] * sm[b + d + 5u];
+        x += sm[a + d + 6u] * sm[b + d + 6u];
+        x += sm[a + d + 7u] * sm[b + d + 7u];
         y += sm[c + d] * sm[e + d];
         y += sm[c + d + 1u] * sm[e + d + 1u];
         y += sm[c + d + 2u] * sm[e + d + 2u];
         y += sm[c + d + 3u] * sm[e + d + 3u];
+        y += sm[c + d + 4u] * sm[e + d + 4u];
+        y += sm[c + d + 5u] * sm[e + d + 5u];
+        y += sm[c + d + 6u] * sm[e + d + 6u];
+        y += sm[c + d + 7u] * sm[e + d + 7u];
     }
     for (; d < hd; d++) {
         x += sm[a + d] * sm[b + d];
@@ -183,6 +196,12 @@ fn attention_bwd_dq(
     let pos = qi - start;
     // Rows of a tile are consecutive: the last has the largest pos.
     let pmax = q0 + cnt - 1u - start;
+    if (p.w0 > pmax) {
+        return;
+    }
+    // Rows with keys in this window; one whose keys go on past it leaves its sum unscaled
+    // in dq for the next window to continue.
+    let live = mine && pos >= p.w0;
     // sm: q [slots][hs], dout [slots][hs], K chunk [ck][hs], V chunk [ck][hs], dS [slots][ck]
     // (rows padded to head_dim + 1: the lanes of a slot read different keys at one d).
     let o_do = slots * hs;
@@ -217,8 +236,12 @@ fn attention_bwd_dq(
     var acc: array<f32, DPT>;
     for (var r = 0u; r < DPT; r++) {
         acc[r] = 0.0;
+        let d = t + td * r;
+        if (live && p.w0 > 0u && d < hd) {
+            acc[r] = dq[row * hd + d];
+        }
     }
-    for (var c = 0u; c <= pmax; c += ck) {
+    for (var c = p.w0; c <= pmax && c < p.w1; c += ck) {
         let rows = min(ck, pmax + 1u - c);
         // This slot's keys of the chunk: start + c .. start + c + nk - 1 <= start + pos.
         var nk = 0u;
@@ -243,20 +266,43 @@ fn attention_bwd_dq(
         workgroupBarrier();
         for (var j = 0u; j < nk; j++) {
             let dsj = sm[o_s + sr * ck + j];
-            for (var r = 0u; r < DPT; r++) {
-                let d = t + td * r;
-                if (d < hd) {
-                    acc[r] += dsj * sm[o_k + j * hs + d];
-                }
+            let kr = o_k + j * hs;
+            if (t + td * 0u < hd) {
+                acc[0] += dsj * sm[kr + t + td * 0u];
+            }
+            if (t + td * 1u < hd) {
+                acc[1] += dsj * sm[kr + t + td * 1u];
+            }
+            if (t + td * 2u < hd) {
+                acc[2] += dsj * sm[kr + t + td * 2u];
+            }
+            if (t + td * 3u < hd) {
+                acc[3] += dsj * sm[kr + t + td * 3u];
+            }
+            if (t + td * 4u < hd) {
+                acc[4] += dsj * sm[kr + t + td * 4u];
+            }
+            if (t + td * 5u < hd) {
+                acc[5] += dsj * sm[kr + t + td * 5u];
+            }
+            if (t + td * 6u < hd) {
+                acc[6] += dsj * sm[kr + t + td * 6u];
+            }
+            if (t + td * 7u < hd) {
+                acc[7] += dsj * sm[kr + t + td * 7u];
             }
         }
         workgroupBarrier();
     }
-    if (mine) {
+    if (live) {
+        var f = 1.0;
+        if (pos + 1u <= p.w1) {
+            f = p.scale;
+        }
         for (var r = 0u; r < DPT; r++) {
             let d = t + td * r;
             if (d < hd) {
-                dq[row * hd + d] = acc[r] * p.scale;
+                dq[row * hd + d] = acc[r] * f;
             }
         }
     }
@@ -311,18 +357,32 @@ fn attention_bwd_dkv(
         sm[j * hs + d] = k[g];
         sm[o_v + j * hs + d] = v[g];
     }
+    // Item it = (query row j0 + it / grp, head kvh * grp + it % grp); key kj sees the items
+    // from (kj - j0) * grp (query rows i >= kj) to the sequence's end.
+    let items = (end - j0) * grp;
+    let first = (kj - j0) * grp;
+    if (p.w0 >= items) {
+        return;
+    }
+    // Keys with items in this window; one whose items started in an earlier window
+    // continues the unscaled sums it left in dkv.
+    let live = mine && first < p.w1;
+    let cont = live && first < p.w0;
+    let kb = (kj * p.kv_heads + kvh) * hd;
+    let dv_off = p.n * p.kv_heads * hd;
     var acc_k: array<f32, DPT>;
     var acc_v: array<f32, DPT>;
     for (var r = 0u; r < DPT; r++) {
         acc_k[r] = 0.0;
         acc_v[r] = 0.0;
+        let d = t + td * r;
+        if (cont && d < hd) {
+            acc_k[r] = dkv[kb + d];
+            acc_v[r] = dkv[dv_off + kb + d];
+        }
     }
-    // Item it = (query row j0 + it / grp, head kvh * grp + it % grp); key kj sees the items
-    // from (kj - j0) * grp (query rows i >= kj) to the sequence's end.
-    let items = (end - j0) * grp;
-    let first = (kj - j0) * grp;
     let hq0 = kvh * grp;
-    for (var c = 0u; c < items; c += cq) {
+    for (var c = p.w0; c < items && c < p.w1; c += cq) {
         let m = min(cq, items - c);
         for (var e = lid; e < m * hd; e += WG) {
             let it = c + e / hd;
@@ -355,23 +415,52 @@ fn attention_bwd_dkv(
         for (var e = lo; e < m; e++) {
             let dse = sm[o_s + sr * cq + e];
             let pe = sm[o_p + sr * cq + e];
-            for (var r = 0u; r < DPT; r++) {
-                let d = t + td * r;
-                if (d < hd) {
-                    acc_k[r] += dse * sm[o_q + e * hs + d];
-                    acc_v[r] += pe * sm[o_d + e * hs + d];
-                }
+            let qr = o_q + e * hs;
+            let dr = o_d + e * hs;
+            if (t + td * 0u < hd) {
+                acc_k[0] += dse * sm[qr + t + td * 0u];
+                acc_v[0] += pe * sm[dr + t + td * 0u];
+            }
+            if (t + td * 1u < hd) {
+                acc_k[1] += dse * sm[qr + t + td * 1u];
+                acc_v[1] += pe * sm[dr + t + td * 1u];
+            }
+            if (t + td * 2u < hd) {
+                acc_k[2] += dse * sm[qr + t + td * 2u];
+                acc_v[2] += pe * sm[dr + t + td * 2u];
+            }
+            if (t + td * 3u < hd) {
+                acc_k[3] += dse * sm[qr + t + td * 3u];
+                acc_v[3] += pe * sm[dr + t + td * 3u];
+            }
+            if (t + td * 4u < hd) {
+                acc_k[4] += dse * sm[qr + t + td * 4u];
+                acc_v[4] += pe * sm[dr + t + td * 4u];
+            }
+            if (t + td * 5u < hd) {
+                acc_k[5] += dse * sm[qr + t + td * 5u];
+                acc_v[5] += pe * sm[dr + t + td * 5u];
+            }
+            if (t + td * 6u < hd) {
+                acc_k[6] += dse * sm[qr + t + td * 6u];
+                acc_v[6] += pe * sm[dr + t + td * 6u];
+            }
+            if (t + td * 7u < hd) {
+                acc_k[7] += dse * sm[qr + t + td * 7u];
+                acc_v[7] += pe * sm[dr + t + td * 7u];
             }
         }
         workgroupBarrier();
     }
-    if (mine) {
-        let kb = (kj * p.kv_heads + kvh) * hd;
-        let dv_off = p.n * p.kv_heads * hd;
+    if (live) {
+        var f = 1.0;
+        if (items <= p.w1) {
+            f = p.scale;
+        }
         for (var r = 0u; r < DPT; r++) {
             let d = t + td * r;
             if (d < hd) {
-                dkv[kb + d] = acc_k[r] * p.scale;
+                dkv[kb + d] = acc_k[r] * f;
                 dkv[dv_off + kb + d] = acc_v[r];
             }
         }

@@ -728,7 +728,16 @@ pub struct AttentionBwdTiling {
     pub parts: usize,
     /// Keys per `dkv` tile: `slots` (fewer only in tests, to move where tiles begin).
     pub kt: usize,
+    /// Keys per `dq` launch (a multiple of `ck`): rows with more keys continue their sums in
+    /// the next launch, so that no invocation's loops pass llvmpipe's 65,535-trip cap.
+    pub wk: usize,
+    /// (query row, head) items per `dkv` launch (a multiple of `cq`), likewise.
+    pub wi: usize,
 }
+
+/// Keys or items per launch of an `attention_bwd` entry, rounded down to whole chunks: at
+/// most about 35 loop trips a chunk (46 at head_dim 256) stay far below llvmpipe's cap.
+const ATTN_BWD_WINDOW: usize = 2048;
 
 /// `attention_bwd`'s f32 arena (`SM_LEN`, as declared in the kernel), partitioned per entry:
 /// with `red[WG]` and three u32s, 15,884 bytes, within WebGPU's guaranteed 16 KiB.
@@ -761,6 +770,8 @@ pub fn attention_bwd_tiling(h: usize, kvh: usize, hd: usize) -> AttentionBwdTili
         qt: slots / hg,
         parts: g.div_ceil(hg),
         kt: slots,
+        wk: ck * (ATTN_BWD_WINDOW / ck),
+        wi: cq * (ATTN_BWD_WINDOW / cq),
     }
 }
 
@@ -822,7 +833,13 @@ pub fn attention_bwd_tiled(
             && (1..=d.hg).contains(&t.hg)
             && (1..=t.slots / t.hg).contains(&t.qt)
             && t.parts == (h / kvh).div_ceil(t.hg)
-            && (1..=t.slots).contains(&t.kt),
+            && (1..=t.slots).contains(&t.kt)
+            && t.wk >= t.ck
+            && t.wk.is_multiple_of(t.ck)
+            && t.wk <= d.wk
+            && t.wi >= t.cq
+            && t.wi.is_multiple_of(t.cq)
+            && t.wi <= d.wi,
         "attention_bwd: tiling {t:?} does not fit {d:?}"
     );
     let p = Params::new()
@@ -838,8 +855,16 @@ pub fn attention_bwd_tiled(
         .u(t.cq)
         .u(t.kt);
     let b = [q, k, v, out, stats, dout, dq, dkv, meta_rows];
-    ex.dispatch(Kernel::AttentionBwd, 0, &b, p, groups(n * kvh * t.parts));
-    ex.dispatch(Kernel::AttentionBwd, 1, &b, p, groups(n * kvh));
+    // A row has at most n keys and a key tile at most n·G items; launches past a tile's
+    // last window return at once (one launch each at training sizes).
+    for w in (0..n.max(1)).step_by(t.wk) {
+        let pw = p.u(w).u(w + t.wk);
+        ex.dispatch(Kernel::AttentionBwd, 0, &b, pw, groups(n * kvh * t.parts));
+    }
+    for w in (0..(n * (h / kvh)).max(1)).step_by(t.wi) {
+        let pw = p.u(w).u(w + t.wi);
+        ex.dispatch(Kernel::AttentionBwd, 1, &b, pw, groups(n * kvh));
+    }
 }
 
 /// `out = silu(gate)·up` over `n` values.
@@ -1405,6 +1430,14 @@ mod tests {
                 assert!(t.cq >= 1 && dkv <= ATTN_BWD_SM, "{hd}: dkv {dkv}");
                 assert!(t.hg * t.qt <= t.slots && t.qt >= 1, "{hd} {g}");
                 assert!(t.hg * t.parts >= g && t.hg * (t.parts - 1) < g, "{hd} {g}");
+                assert!(
+                    t.wk.is_multiple_of(t.ck) && t.wk > ATTN_BWD_WINDOW - t.ck,
+                    "{hd}"
+                );
+                assert!(
+                    t.wi.is_multiple_of(t.cq) && t.wi > ATTN_BWD_WINDOW - t.cq,
+                    "{hd}"
+                );
                 let one = attention_bwd_tiling(1, 1, hd);
                 assert_eq!(
                     (t.td, t.slots, t.ck, t.cq),
@@ -1425,9 +1458,9 @@ mod tests {
     /// tiles, fewer heads a workgroup, shorter chunks): tiles and chunks then begin at other
     /// rows, keys and items, which the packing tests (whose tiles always align at a
     /// sequence's start) cannot move. Sequences shorter than a tile, ending mid-tile and
-    /// mid-chunk; G = 1, 2, 16 (more heads than slots at head_dim 128). Chunks of one key
-    /// and one item at G = 16 also make the kernel's loops run the most trips a row: this
-    /// caught llvmpipe's cap of 65,535 loop iterations a loop nest (see `dot2`).
+    /// mid-chunk; G = 1, 2, 16 (more heads than slots at head_dim 128); short launch windows
+    /// (`wk`, `wi`), so sums continue across launches. Chunks of one key and one item at
+    /// G = 16 in one window first caught llvmpipe's cap of 65,535 loop trips a loop nest.
     #[test]
     fn attention_bwd_outputs_do_not_depend_on_the_tiling() {
         let Some(g) = crate::wgpu::Gpu::new().expect("wgpu device") else {
@@ -1492,6 +1525,8 @@ mod tests {
                     ck: d.ck.min(5).max(d.ck / 3),
                     cq: d.cq.min(4).max(d.cq / 3),
                     kt: d.slots.min(3),
+                    wk: 4 * d.ck.min(5).max(d.ck / 3),
+                    wi: 3 * d.cq.min(4).max(d.cq / 3),
                     ..d
                 },
                 AttentionBwdTiling {
@@ -1501,6 +1536,8 @@ mod tests {
                     ck: 1,
                     cq: 1,
                     kt: 1,
+                    wk: 2,
+                    wi: 5,
                     ..d
                 },
             ];
