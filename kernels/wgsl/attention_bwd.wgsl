@@ -40,6 +40,11 @@
 //   dk_j, dv_j: one sequential sum over the items (i >= j ascending, head ascending) —
 //     heads inner, so the order does not depend on where chunks begin.
 // Masked pairs (a key after its query) are never read, not even as 0 · x.
+// Launch windows: the host launches each entry once per window w0 .. w1 of keys (dq, from
+// the sequence's start) or items (dkv, from the tile's first key), whole chunks, so that
+// no invocation passes llvmpipe's cap of 65,535 loop trips a loop nest (which it enforces
+// silently). An output whose range goes past w1 is stored unscaled and the next window
+// loads and continues it, the scale applied in its last window: the same sequential sum.
 
 struct Params {
     n: u32,
