@@ -704,9 +704,82 @@ pub fn attention_fwd(
     );
 }
 
+/// The launch shape of [`attention_bwd`] (see `kernels/wgsl/attention_bwd.wgsl`): slots of
+/// `td` threads as in [`AttentionFwdTiling`] (`slots = ATTN_WG / td`). `attention_bwd_dq`
+/// holds `hg` query heads of `qt` rows a tile (`parts` workgroups a tile when G > slots) and
+/// stages keys in chunks of `ck`; `attention_bwd_dkv` holds `slots` keys a tile and stages
+/// (query row, head) items in chunks of `cq`. `td`, `slots`, `ck` and `cq` depend on head_dim
+/// only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionBwdTiling {
+    /// Threads per slot: a power of two `>= head_dim / 8`.
+    pub td: usize,
+    /// Slots per workgroup: `ATTN_WG / td`; also the keys of a `dkv` tile.
+    pub slots: usize,
+    /// Keys per staged K/V chunk (`dq`).
+    pub ck: usize,
+    /// (query row, head) items per staged q/dout chunk (`dkv`).
+    pub cq: usize,
+    /// Query heads per `dq` workgroup: `min(G, slots)`.
+    pub hg: usize,
+    /// Query rows per `dq` tile: `slots / hg`.
+    pub qt: usize,
+    /// `dq` workgroups per (tile, kv head): `ceil(G / hg)`.
+    pub parts: usize,
+    /// Keys per `dkv` tile: `slots` (fewer only in tests, to move where tiles begin).
+    pub kt: usize,
+    /// Keys per `dq` launch (a multiple of `ck`): rows with more keys continue their sums in
+    /// the next launch, so that no invocation's loops pass llvmpipe's 65,535-trip cap.
+    pub wk: usize,
+    /// (query row, head) items per `dkv` launch (a multiple of `cq`), likewise.
+    pub wi: usize,
+}
+
+/// Keys or items per launch of an `attention_bwd` entry, rounded down to whole chunks: at
+/// most about 35 loop trips a chunk (46 at head_dim 256) stay far below llvmpipe's cap.
+const ATTN_BWD_WINDOW: usize = 2048;
+
+/// `attention_bwd`'s f32 arena (`SM_LEN`, as declared in the kernel), partitioned per entry:
+/// with `red[WG]` and three u32s, 15,884 bytes, within WebGPU's guaranteed 16 KiB.
+const ATTN_BWD_SM: usize = 3840;
+
+/// The [`AttentionBwdTiling`] for `h` query heads on `kvh` kv heads of `hd` (1 ..= 512).
+pub fn attention_bwd_tiling(h: usize, kvh: usize, hd: usize) -> AttentionBwdTiling {
+    assert!(
+        (1..=512).contains(&hd) && kvh > 0 && h.is_multiple_of(kvh),
+        "attention_bwd: head_dim {hd} (1..=512), heads {h} / kv heads {kvh}"
+    );
+    let td = hd.div_ceil(8).next_power_of_two();
+    let slots = ATTN_WG / td;
+    let hs = hd + 1;
+    // Both entries stage two padded rows a slot; the rest of the arena holds the chunks:
+    // dq a K and a V row a key and one dS a (slot, key); dkv a q and a dout row, lse and
+    // delta an item and P and dS a (slot, item).
+    let rest = ATTN_BWD_SM - 2 * slots * hs;
+    let ck = rest / (2 * hs + slots);
+    let cq = rest / (2 * hs + 2 + 2 * slots);
+    debug_assert!(ck >= 1 && cq >= 1);
+    let g = h / kvh;
+    let hg = g.min(slots);
+    AttentionBwdTiling {
+        td,
+        slots,
+        ck,
+        cq,
+        hg,
+        qt: slots / hg,
+        parts: g.div_ceil(hg),
+        kt: slots,
+        wk: ck * (ATTN_BWD_WINDOW / ck),
+        wi: cq * (ATTN_BWD_WINDOW / cq),
+    }
+}
+
 /// Backward of [`attention_fwd`] over `n` packed rows (`meta_rows[2r..2r+2]` = start and
 /// length of row r's sequence): writes `dq` and `dkv = [dk, dv]`; `stats` holds the
-/// forward's log-sum-exp and receives the row sums `delta` in its second half.
+/// forward's log-sum-exp and receives the row sums `delta` in its second half. `dq` runs
+/// per (query tile, kv head, head part), `dk, dv` per (key tile, kv head); the kernel finds
+/// its tiles itself and no output depends on its tile (see `attention_bwd.wgsl`).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd(
     ex: &mut Exec,
@@ -724,10 +797,74 @@ pub fn attention_bwd(
     kvh: usize,
     hd: usize,
 ) {
-    let p = Params::new().u(n).u(h).u(kvh).u(hd).f(attention_scale(hd));
+    let t = attention_bwd_tiling(h, kvh, hd);
+    attention_bwd_tiled(
+        ex, dq, dkv, stats, dout, q, k, v, out, meta_rows, n, h, kvh, hd, t,
+    );
+}
+
+/// [`attention_bwd`] with the tiling `t`: [`attention_bwd_tiling`]'s, or in tests one with
+/// the same `td` and smaller `hg`, `qt`, `ck`, `cq`, `kt` (`parts = ceil(G / hg)`), which
+/// must give bit-identical outputs.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_tiled(
+    ex: &mut Exec,
+    dq: &Buffer,
+    dkv: &Buffer,
+    stats: &Buffer,
+    dout: &Buffer,
+    q: &Buffer,
+    k: &Buffer,
+    v: &Buffer,
+    out: &Buffer,
+    meta_rows: &Buffer,
+    n: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+    t: AttentionBwdTiling,
+) {
+    let d = attention_bwd_tiling(h, kvh, hd);
+    assert!(
+        t.td == d.td
+            && t.slots == d.slots
+            && (1..=d.ck).contains(&t.ck)
+            && (1..=d.cq).contains(&t.cq)
+            && (1..=d.hg).contains(&t.hg)
+            && (1..=t.slots / t.hg).contains(&t.qt)
+            && t.parts == (h / kvh).div_ceil(t.hg)
+            && (1..=t.slots).contains(&t.kt)
+            && t.wk >= t.ck
+            && t.wk.is_multiple_of(t.ck)
+            && t.wk <= d.wk
+            && t.wi >= t.cq
+            && t.wi.is_multiple_of(t.cq)
+            && t.wi <= d.wi,
+        "attention_bwd: tiling {t:?} does not fit {d:?}"
+    );
+    let p = Params::new()
+        .u(n)
+        .u(h)
+        .u(kvh)
+        .u(hd)
+        .f(attention_scale(hd))
+        .u(t.td)
+        .u(t.ck)
+        .u(t.hg)
+        .u(t.qt)
+        .u(t.cq)
+        .u(t.kt);
     let b = [q, k, v, out, stats, dout, dq, dkv, meta_rows];
-    ex.dispatch(Kernel::AttentionBwd, 0, &b, p, groups(n * h));
-    ex.dispatch(Kernel::AttentionBwd, 1, &b, p, groups(n * kvh));
+    // A row has at most n keys and a key tile at most n·G items; launches past a tile's
+    // last window return at once (one launch each at training sizes).
+    for w in (0..n.max(1)).step_by(t.wk) {
+        let pw = p.u(w).u(w + t.wk);
+        ex.dispatch(Kernel::AttentionBwd, 0, &b, pw, groups(n * kvh * t.parts));
+    }
+    for w in (0..(n * (h / kvh)).max(1)).step_by(t.wi) {
+        let pw = p.u(w).u(w + t.wi);
+        ex.dispatch(Kernel::AttentionBwd, 1, &b, pw, groups(n * kvh));
+    }
 }
 
 /// `out = silu(gate)·up` over `n` values.
@@ -1264,5 +1401,174 @@ mod tests {
             (t.td, t.slots, t.ck, t.hg, t.qt, t.parts),
             (16, 8, 16, 2, 4, 1)
         );
+    }
+
+    #[test]
+    fn attention_bwd_tiling_fits_the_kernel() {
+        let src = Kernel::AttentionBwd.wgsl();
+        for (name, n) in [("WG", ATTN_WG), ("SM_LEN", ATTN_BWD_SM)] {
+            assert!(
+                src.contains(&format!("const {name}: u32 = {n}u;")),
+                "{name}"
+            );
+        }
+        assert!(src.contains(&format!("@workgroup_size({ATTN_WG})")));
+        // Workgroup memory: the arena, red[WG] and three u32s.
+        let bytes = 4 * (ATTN_BWD_SM + ATTN_WG + 3);
+        assert!(bytes <= 16_384, "{bytes}");
+        for hd in 1..=512 {
+            for (h, kvh) in [(1, 1), (2, 1), (16, 8), (8, 2), (16, 1), (40, 8), (64, 1)] {
+                let t = attention_bwd_tiling(h, kvh, hd);
+                let g = h / kvh;
+                let hs = hd + 1;
+                assert!(t.td.is_power_of_two() && t.td * t.slots == ATTN_WG, "{hd}");
+                assert!(hd.div_ceil(t.td) <= 8, "{hd}: more than 8 dims a thread");
+                // The kernel's arena offsets, per entry.
+                let dq = 2 * t.slots * hs + 2 * t.ck * hs + t.slots * t.ck;
+                let dkv = 2 * t.slots * hs + 2 * t.cq * hs + 2 * t.cq + 2 * t.slots * t.cq;
+                assert!(t.ck >= 1 && dq <= ATTN_BWD_SM, "{hd}: dq {dq}");
+                assert!(t.cq >= 1 && dkv <= ATTN_BWD_SM, "{hd}: dkv {dkv}");
+                assert!(t.hg * t.qt <= t.slots && t.qt >= 1, "{hd} {g}");
+                assert!(t.hg * t.parts >= g && t.hg * (t.parts - 1) < g, "{hd} {g}");
+                assert!(
+                    t.wk.is_multiple_of(t.ck) && t.wk > ATTN_BWD_WINDOW - t.ck,
+                    "{hd}"
+                );
+                assert!(
+                    t.wi.is_multiple_of(t.cq) && t.wi > ATTN_BWD_WINDOW - t.cq,
+                    "{hd}"
+                );
+                let one = attention_bwd_tiling(1, 1, hd);
+                assert_eq!(
+                    (t.td, t.slots, t.ck, t.cq),
+                    (one.td, one.slots, one.ck, one.cq)
+                );
+            }
+        }
+        // Qwen3 (head_dim 128, 16 / 8 heads): 8 slots of 16 threads; dq tiles of 4 rows ×
+        // 2 heads with 6-key chunks, dkv tiles of 8 keys with 6-item chunks.
+        let t = attention_bwd_tiling(16, 8, 128);
+        assert_eq!(
+            (t.td, t.slots, t.ck, t.cq, t.hg, t.qt, t.parts),
+            (16, 8, 6, 6, 2, 4, 1)
+        );
+    }
+
+    /// The backward's outputs are bit-identical under other tilings (smaller query and key
+    /// tiles, fewer heads a workgroup, shorter chunks): tiles and chunks then begin at other
+    /// rows, keys and items, which the packing tests (whose tiles always align at a
+    /// sequence's start) cannot move. Sequences shorter than a tile, ending mid-tile and
+    /// mid-chunk; G = 1, 2, 16 (more heads than slots at head_dim 128); short launch windows
+    /// (`wk`, `wi`), so sums continue across launches. Chunks of one key and one item at
+    /// G = 16 in one window first caught llvmpipe's cap of 65,535 loop trips a loop nest.
+    #[test]
+    fn attention_bwd_outputs_do_not_depend_on_the_tiling() {
+        let Some(g) = crate::wgpu::Gpu::new().expect("wgpu device") else {
+            assert!(
+                !std::env::var("ROLLOUTPIPE_REQUIRE_GPU").is_ok_and(|v| v == "1"),
+                "no wgpu adapter and ROLLOUTPIPE_REQUIRE_GPU=1"
+            );
+            eprintln!("SKIP: no wgpu adapter");
+            return;
+        };
+        let mut seed = 0x9e37_79b9_u32;
+        let mut rand = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 17;
+                    seed ^= seed << 5;
+                    (seed >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+                })
+                .collect()
+        };
+        let lens = [2usize, 29, 1, 11];
+        let n: usize = lens.iter().sum();
+        let mut rows = Vec::new();
+        let mut meta = Vec::new();
+        let mut s = 0;
+        for &m in &lens {
+            for t in 0..m {
+                rows.extend([s as u32, m as u32]);
+                meta.extend([s as u32, t as u32]);
+            }
+            s += m;
+        }
+        for (h, kvh, hd) in [
+            (4, 2, 32),
+            (2, 2, 16),
+            (16, 8, 128),
+            (16, 1, 128),
+            (2, 1, 256),
+        ] {
+            let (qd, kd) = (h * hd, kvh * hd);
+            let (q, k, v, dout) = (
+                g.upload("q", &rand(n * qd)),
+                g.upload("k", &rand(n * kd)),
+                g.upload("v", &rand(n * kd)),
+                g.upload("dout", &rand(n * qd)),
+            );
+            let (qm, rm) = (g.upload("qmeta", &meta), g.upload("rows", &rows));
+            let (out, st) = (g.buffer("out", n * qd), g.buffer("stats", 2 * n * h));
+            let mut ex = Exec::new(std::sync::Arc::clone(&g));
+            attention_fwd(&mut ex, &out, &st, &q, &k, &v, &qm, n, n, h, kvh, hd);
+            ex.submit().expect("forward");
+            let d = attention_bwd_tiling(h, kvh, hd);
+            let grp = h / kvh;
+            let hg1 = d.hg.div_ceil(2);
+            let tilings = [
+                d,
+                AttentionBwdTiling {
+                    hg: hg1,
+                    qt: (d.slots / hg1).min(3),
+                    parts: grp.div_ceil(hg1),
+                    ck: d.ck.min(5).max(d.ck / 3),
+                    cq: d.cq.min(4).max(d.cq / 3),
+                    kt: d.slots.min(3),
+                    wk: 4 * d.ck.min(5).max(d.ck / 3),
+                    wi: 3 * d.cq.min(4).max(d.cq / 3),
+                    ..d
+                },
+                AttentionBwdTiling {
+                    hg: 1,
+                    qt: 1,
+                    parts: grp,
+                    ck: 1,
+                    cq: 1,
+                    kt: 1,
+                    wk: 2,
+                    wi: 5,
+                    ..d
+                },
+            ];
+            let mut first: Option<[Vec<u32>; 2]> = None;
+            for t in tilings {
+                let (dq, dkv) = (g.buffer("dq", n * qd), g.buffer("dkv", 2 * n * kd));
+                // (delta, in stats' second half, is rewritten alike by each run)
+                let mut ex = Exec::new(std::sync::Arc::clone(&g));
+                attention_bwd_tiled(
+                    &mut ex, &dq, &dkv, &st, &dout, &q, &k, &v, &out, &rm, n, h, kvh, hd, t,
+                );
+                ex.submit().expect("backward");
+                let got = [
+                    g.read::<u32>(&dq, n * qd).expect("dq"),
+                    g.read::<u32>(&dkv, 2 * n * kd).expect("dkv"),
+                ];
+                assert!(got[0].iter().all(|&b| f32::from_bits(b).is_finite()));
+                match &first {
+                    None => first = Some(got),
+                    Some(f) => {
+                        assert!(
+                            f[0] == got[0],
+                            "dq h{h} kvh{kvh} hd{hd} differs under {t:?}"
+                        );
+                        assert!(
+                            f[1] == got[1],
+                            "dk/dv h{h} kvh{kvh} hd{hd} differs under {t:?}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }
