@@ -318,15 +318,18 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
             g.upload("pages", &pages),
             g.buffer("out", rows_n * cfg.q_dim()),
         );
+        let state = g.buffer("state", 2 * rows_n * h);
         let rows = StepRows {
             q: &q,
             out: &out,
+            state: &state,
             k: &k,
             v: &v,
             meta: &mb,
             pages: &pb,
             n: rows_n,
             pages_len: pages.len(),
+            max_pos: pos,
         };
         // 4·hd flops per (row, head, key): q·k and p·v.
         grp.throughput(Throughput::Elements(

@@ -199,16 +199,18 @@ fn attention_decode_over_pages_matches_cpu_attention() {
     let n = na + nb;
     let (qb, kb, vb) = (g.upload("q", &q), g.upload("k", &k), g.upload("v", &v));
     let (mb, pb) = (g.upload("meta", &meta), g.upload("pages", &pages));
-    let out = g.buffer("out", n * qd);
+    let (out, state) = (g.buffer("out", n * qd), g.buffer("state", 2 * n * h));
     let rows = StepRows {
         q: &qb,
         out: &out,
+        state: &state,
         k: &kb,
         v: &vb,
         meta: &mb,
         pages: &pb,
         n,
         pages_len: pages.len(),
+        max_pos: (na - 1).max(b0 + nb - 1),
     };
     rows.kv_append(&mut ex, &pool, 0, &cfg).expect("append");
     rows.attention_decode(&mut ex, &pool, 0, &cfg)
@@ -254,4 +256,108 @@ fn attention_decode_over_pages_matches_cpu_attention() {
         &want_b,
         tol::ATTENTION,
     );
+}
+
+/// One decode row at position `len - 1` of a single request whose every position was
+/// appended to the pool, run with `window` keys per launch (`None`: the adapter's choice):
+/// the row's attention output, with the inputs the CPU reference needs to check it.
+fn long_decode(
+    g: &Arc<rolloutpipe_backends::wgpu::Gpu>,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+    len: usize,
+    window: Option<usize>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let cfg = ModelConfig {
+        num_attention_heads: h,
+        num_key_value_heads: kvh,
+        head_dim: hd,
+        max_position_embeddings: len,
+        ..ModelConfig::tiny()
+    };
+    let (qd, kd) = (h * hd, kvh * hd);
+    let mut rng = ChaCha8Rng::seed_from_u64(len as u64);
+    let q = rand_vec(&mut rng, qd, 1.0);
+    let k = rand_vec(&mut rng, len * kd, 1.0);
+    let v = rand_vec(&mut rng, len * kd, 1.0);
+    let mut ex = Exec::new(Arc::clone(g));
+    ex.force_decode_window(window);
+    let mut pool = KvPool::new(g, &cfg).expect("pool");
+    let table = pool.alloc(len.div_ceil(PAGE)).expect("pages");
+    pool.ensure_built(g, &mut ex, &cfg);
+    // Every position appended as its own row (as a prefill's rows reach the pool), then one
+    // decode row at the last position.
+    let meta: Vec<u32> = (0..len as u32).flat_map(|t| [0, t]).collect();
+    let (kb, vb) = (g.upload("k", &k), g.upload("v", &v));
+    let (mb, pb) = (g.upload("meta", &meta), g.upload("pages", &table));
+    let (qall, outall) = (g.buffer("q", len * qd), g.buffer("out", len * qd));
+    let state = g.buffer("state", 2 * len * h);
+    let append = StepRows {
+        q: &qall,
+        out: &outall,
+        state: &state,
+        k: &kb,
+        v: &vb,
+        meta: &mb,
+        pages: &pb,
+        n: len,
+        pages_len: table.len(),
+        max_pos: len - 1,
+    };
+    append.kv_append(&mut ex, &pool, 0, &cfg).expect("append");
+    let (qb, out) = (g.upload("q1", &q), g.buffer("out1", qd));
+    let m1 = g.upload("meta1", &[0u32, (len - 1) as u32]);
+    let row = StepRows {
+        q: &qb,
+        out: &out,
+        meta: &m1,
+        n: 1,
+        ..append
+    };
+    row.attention_decode(&mut ex, &pool, 0, &cfg)
+        .expect("attention");
+    ex.submit().expect("submit");
+    (g.read::<f32>(&out, qd).expect("read"), q, k, v)
+}
+
+/// Decode rows at long contexts against the CPU reference. One launch over all keys runs
+/// past llvmpipe's 65,535 loop iterations per invocation (after which it silently stops
+/// loops) at about 1,250 keys with GQA 8:1 and head_dim 128, and 5,500 with 2:1 (measured:
+/// those launches gave wrong outputs), so on llvmpipe the kernel is launched in windows of
+/// keys that carry each row's softmax state; elsewhere in one launch.
+#[test]
+fn attention_decode_matches_cpu_at_long_context() {
+    let Some(g) = device::gpu() else { return };
+    for (h, kvh, len) in [(8usize, 1usize, 1500usize), (2, 1, 6000)] {
+        let hd = 128;
+        let (got, q, k, v) = long_decode(&g, h, kvh, hd, len, None);
+        let mut want = vec![0.0; h * hd];
+        let mut att = vec![0.0; h * len];
+        rolloutpipe_backends::cpu::ops::attention_fwd(
+            &mut want, &mut att, &q, &k, &v, 1, len, h, kvh, hd,
+        );
+        let what = format!(
+            "decode at position {} (G {}, head_dim {hd})",
+            len - 1,
+            h / kvh
+        );
+        assert_close(&what, &got, &want, tol::ATTENTION);
+    }
+}
+
+/// Splitting a row's keys over launches changes no bit: windows of one chunk, of three, and
+/// one launch for all 700 keys (below llvmpipe's limit) give the same output.
+#[test]
+fn attention_decode_windows_give_the_same_bits() {
+    let Some(g) = device::gpu() else { return };
+    let whole = long_decode(&g, 8, 2, 64, 700, Some(1 << 20)).0;
+    for w in [64, 192] {
+        let split = long_decode(&g, 8, 2, 64, 700, Some(w)).0;
+        let same = split
+            .iter()
+            .zip(&whole)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "window {w}: decode output differs from one launch");
+    }
 }

@@ -173,7 +173,7 @@ kernels! {
     /// Generation attention against the paged KV pool, one workgroup per (row, kv head) for
     /// every head of its GQA group, and the KV-append that writes a step's rows in place.
     /// wgpu only: no PTX twin.
-    AttentionDecode => "attention_decode", ["attention_decode", "attention_decode_append"], 8, ro [1, 2, 3, 4, 5], [64, 1, 1], [];
+    AttentionDecode => "attention_decode", ["attention_decode", "attention_decode_append"], 9, ro [1, 2, 3, 4, 5], [64, 1, 1], [];
     /// Causal GQA attention with online softmax, per (query tile, kv head) with K/V chunks
     /// staged once in workgroup memory for the tile's rows and the group's heads, head_dim
     /// split over several threads per (row, head); saves log-sum-exp.

@@ -16,6 +16,14 @@
 // of 64 with an online softmax per head; each thread owns head_dim / 64 (<= 4) output
 // dimensions of every head, hence head_dim <= 256. The result of a row depends only on its
 // own q, its keys and values, never on the other rows of the step (batch invariance).
+// Windows: one launch covers keys k0 .. k0 + kw - 1 of every row (kw a multiple of 64, so the
+// chunks are those of one launch). A row whose keys run past the window leaves its running
+// max and sum in `state` and its unnormalised accumulators in `out`; the next launch (k0 + kw)
+// loads them and continues the same operations, and only the launch that holds a row's last
+// key divides by the sum. So any number of launches gives the same bits as one. The host
+// splits only on adapters that stop long loops: llvmpipe ends a shader's loops after 65,535
+// iterations in all (its loop limiter), silently, which one launch over thousands of keys
+// passes (GQA 8:1 at head_dim 128: about 1,250 keys); elsewhere kw covers every key.
 
 struct Params {
     n_q: u32,
@@ -26,6 +34,10 @@ struct Params {
     page: u32,
     pages_len: u32,
     scale: f32,
+    k0: u32, // first key of this launch
+    kw: u32, // keys per launch (a multiple of 64; at least every key when not split)
+    _p0: u32,
+    _p1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -37,6 +49,8 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> kpool: array<f32>;
 @group(0) @binding(7) var<storage, read_write> vpool: array<f32>;
 @group(0) @binding(8) var<storage, read_write> out: array<f32>;
+// [n_q, heads, 2]: running max and sum of each (row, head) between launches.
+@group(0) @binding(9) var<storage, read_write> state: array<f32>;
 
 const WG: u32 = 64u;
 const GMAX: u32 = 8u;
@@ -75,6 +89,12 @@ fn attention_decode(
     // Broadcast through workgroup memory: values read from a storage buffer are not
     // uniform to the compiler, and the loop below holds barriers.
     let pos = workgroupUniformLoad(&pos_s);
+    if (pos < p.k0) {
+        return; // finished by an earlier launch
+    }
+    // This launch's last key of the row, and whether it is the row's last.
+    let kend = min(pos, p.k0 + (p.kw - 1u));
+    let last = kend == pos;
     let kv_stride = p.kv_heads * hd;
     // Query heads kvh * g .. kvh * g + g, contiguous in q.
     let qbase = (qi * p.heads + kvh * g) * hd;
@@ -92,7 +112,20 @@ fn attention_decode(
     for (var a = 0u; a < 32u; a++) {
         acc[a] = 0.0;
     }
-    for (var c = 0u; c <= pos; c += WG) {
+    let sbase = (qi * p.heads + kvh * g) * 2u;
+    if (p.k0 > 0u) {
+        for (var hh = 0u; hh < g; hh++) {
+            m[hh] = state[sbase + 2u * hh];
+            l[hh] = state[sbase + 2u * hh + 1u];
+            for (var r = 0u; r < 4u; r++) {
+                let d = lid + WG * r;
+                if (d < hd) {
+                    acc[hh * 4u + r] = out[qbase + hh * hd + d];
+                }
+            }
+        }
+    }
+    for (var c = p.k0; c <= kend; c += WG) {
         let j = c + lid;
         let row = pool_row(off, min(j, pos));
         prow[lid] = row;
@@ -145,8 +178,12 @@ fn attention_decode(
         for (var r = 0u; r < 4u; r++) {
             let d = lid + WG * r;
             if (d < hd) {
-                out[qbase + hh * hd + d] = acc[hh * 4u + r] / l[hh];
+                out[qbase + hh * hd + d] = select(acc[hh * 4u + r], acc[hh * 4u + r] / l[hh], last);
             }
+        }
+        if (!last && lid == 0u) {
+            state[sbase + 2u * hh] = m[hh];
+            state[sbase + 2u * hh + 1u] = l[hh];
         }
     }
 }

@@ -118,6 +118,8 @@ struct StepBufs {
     k: Buffer,
     v: Buffer,
     att_out: Buffer,
+    /// Decode attention's running max and sum per (row, head) between split launches.
+    att_state: Buffer,
     tmp: Buffer,
     gate: Buffer,
     up: Buffer,
@@ -154,6 +156,7 @@ impl StepBufs {
             k: b("k", n * kd),
             v: b("v", n * kd),
             att_out: b("att_out", n * qd),
+            att_state: b("attention state", 2 * n * h),
             tmp: b("tmp", n * d),
             gate: b("gate", n * f),
             up: b("up", n * f),
@@ -494,7 +497,8 @@ impl Generator {
         gpu.write(&s.pages, &self.pages);
         gpu.write(&s.last, &self.last);
         gpu.write(&s.rowp, &self.rowp);
-        encode_step(ex, md, s, pool, n, r, np)?;
+        let max_pos = self.pos.iter().copied().max().unwrap_or(0) as usize;
+        encode_step(ex, md, s, pool, n, r, np, max_pos)?;
         let tokens = ex.read_back(&s.tokens, 0, r * 4);
         let logp = ex.read_back(&s.logp, 0, r * 4);
         let run = ex.submit_async()?;
@@ -546,8 +550,9 @@ impl Generator {
     }
 }
 
-/// Records the model's forward over the step's `n` rows and the sampling of its `r`
-/// requests' last rows (`np` page-table entries).
+/// Records the model's forward over the step's `n` rows (positions up to `max_pos`) and the
+/// sampling of its `r` requests' last rows (`np` page-table entries).
+#[allow(clippy::too_many_arguments)]
 fn encode_step(
     ex: &mut Exec,
     md: &DeviceModel,
@@ -556,6 +561,7 @@ fn encode_step(
     n: usize,
     r: usize,
     np: usize,
+    max_pos: usize,
 ) -> Result<()> {
     let c = &md.cfg;
     let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
@@ -568,12 +574,14 @@ fn encode_step(
     let rows = StepRows {
         q: &s.q,
         out: &s.att_out,
+        state: &s.att_state,
         k: &s.k,
         v: &s.v,
         meta: &s.meta,
         pages: &s.pages,
         n,
         pages_len: np,
+        max_pos,
     };
     ops::embedding_fwd_as(ex, &s.x, &s.ids, &p[md.embed], wf, n, d, v);
     for (l, li) in md.layers.iter().enumerate() {

@@ -119,6 +119,14 @@ impl Gpu {
         })
     }
 
+    /// The most loop iterations a shader invocation may run, on adapters that stop loops past
+    /// a limit: Mesa's llvmpipe (lavapipe) ends every loop of an invocation once 65,535
+    /// iterations have run in all (its loop limiter), silently, so kernels whose loops grow
+    /// with a length split their launches there. `None`: no such limit.
+    pub fn loop_cap(&self) -> Option<usize> {
+        self.info.name.contains("llvmpipe").then_some(65_535)
+    }
+
     /// The adapter's name, backend and driver.
     pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
         &self.info
@@ -386,6 +394,8 @@ pub struct Exec {
     binding_cap: usize,
     /// Lanes per column of the decode GEMV, when forced ([`Exec::force_gemv_lanes`]).
     gemv_lanes: Option<usize>,
+    /// Keys per `attention_decode` launch, when forced ([`Exec::force_decode_window`]).
+    decode_window: Option<usize>,
 }
 
 impl Exec {
@@ -406,7 +416,24 @@ impl Exec {
             staging: None,
             binding_cap: usize::MAX,
             gemv_lanes: None,
+            decode_window: None,
         }
+    }
+
+    /// Makes `attention_decode` cover `keys` keys per launch (a multiple of 64) instead of the
+    /// adapter's choice ([`Gpu::loop_cap`]), so that tests split rows over launches on any
+    /// adapter. The split changes no result.
+    pub fn force_decode_window(&mut self, keys: Option<usize>) {
+        assert!(
+            keys.is_none_or(|k| k > 0 && k.is_multiple_of(64)),
+            "decode window must be a positive multiple of 64"
+        );
+        self.decode_window = keys;
+    }
+
+    /// The forced decode window, if any.
+    pub fn forced_decode_window(&self) -> Option<usize> {
+        self.decode_window
     }
 
     /// Makes every decode GEMV (`matmul_fwd_gemv`) split K over `lanes` (1, 8 or 16) instead of
