@@ -7,7 +7,8 @@
 //                   the sequence's first row) and prefill against the KV cache (base is the
 //                   request's slot).
 //   out [n_q, heads, head_dim]; stats[0 .. n_q*heads] = log-sum-exp of the scaled scores,
-//   kept for attention_bwd (which stores its row sums in the second half of stats).
+//   kept for attention_bwd (which stores its row sums in the second half of stats); stats
+//   holds 2 * n_q * heads floats, the second half carrying l between launch windows.
 // Query head h reads kv head h / G, G = heads / kv_heads.
 //
 // Shape (chosen on the host, `attention_fwd_tiling` in backends/src/wgpu/ops.rs, from
@@ -32,6 +33,14 @@
 // p, psum, l, acc) is the same expression in the same order whatever tile the row lands in,
 // whatever rows share it and whichever thread computes it, so its output is bit-identical.
 // The first chunk of every row holds its key base (pos >= 0), so m is finite after it.
+// Launch windows (llvmpipe stops an invocation's loops after 65,535 trips in all, silently):
+// the host launches once per window w0 .. w1 of keys (multiples of CK, so chunks begin where
+// they would in one launch). A row whose pos reaches w1 stores its running max m in
+// stats[row], its sum l in stats[n_q*heads + row] (the half attention_bwd later fills with
+// delta) and its unnormalised accumulators in out; the next launch loads them and continues
+// the same sequence of operations on the same f32 values, so one launch or many give
+// bit-identical out and stats. Only the launch holding a row's last key normalises
+// (acc / l) and writes lse = m + log(l); launches past it leave the row alone.
 
 struct Params {
     n_q: u32,
@@ -44,8 +53,10 @@ struct Params {
     ck: u32, // keys per chunk
     hg: u32, // query heads per workgroup
     qt: u32, // rows per tile
-    _p0: u32,
-    _p1: u32,
+    // This launch's window of keys, relative to a row's base (multiples of ck): chunks
+    // w0 <= c < w1. A row with keys past w1 leaves its state for the next launch.
+    w0: u32,
+    w1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -133,6 +144,10 @@ fn attention_fwd(
     }
     let kbase = workgroupUniformLoad(&base_s);
     let pmax = workgroupUniformLoad(&pmax_s);
+    // Every row of the tile ended before this window.
+    if (pmax < p.w0) {
+        return;
+    }
     let hd = p.head_dim;
     let hs = hd + 1u;
     let td = p.td;
@@ -164,9 +179,24 @@ fn attention_fwd(
     for (var r = 0u; r < DPT; r++) {
         acc[r] = 0.0;
     }
+    let ob = (qi * p.heads + h) * hd;
+    let si = qi * p.heads + h;
+    let nqh = p.n_q * p.heads;
+    // A row continued from the previous window: its state as that launch stored it.
+    let cont = mine && p.w0 > 0u && pos >= p.w0;
+    if (cont) {
+        m = stats[si];
+        l = stats[nqh + si];
+        for (var r = 0u; r < DPT; r++) {
+            let d = t + td * r;
+            if (d < hd) {
+                acc[r] = out[ob + d];
+            }
+        }
+    }
     var alpha = 0.0;
     var m_new = NEG;
-    for (var c = 0u; c <= pmax; c += ck) {
+    for (var c = p.w0; c <= pmax && c < p.w1; c += ck) {
         let rows = min(ck, pmax + 1u - c);
         let live = mine && c <= pos;
         // This slot's keys of the chunk: c .. c + n - 1 <= pos.
@@ -221,16 +251,29 @@ fn attention_fwd(
         }
         workgroupBarrier();
     }
-    if (mine) {
-        let ob = (qi * p.heads + h) * hd;
-        for (var r = 0u; r < DPT; r++) {
-            let d = t + td * r;
-            if (d < hd) {
-                out[ob + d] = acc[r] / l;
+    if (mine && pos >= p.w0) {
+        if (pos < p.w1) {
+            // The row's last key was in this window.
+            for (var r = 0u; r < DPT; r++) {
+                let d = t + td * r;
+                if (d < hd) {
+                    out[ob + d] = acc[r] / l;
+                }
             }
-        }
-        if (t == 0u) {
-            stats[qi * p.heads + h] = m + log(l);
+            if (t == 0u) {
+                stats[si] = m + log(l);
+            }
+        } else {
+            for (var r = 0u; r < DPT; r++) {
+                let d = t + td * r;
+                if (d < hd) {
+                    out[ob + d] = acc[r];
+                }
+            }
+            if (t == 0u) {
+                stats[si] = m;
+                stats[nqh + si] = l;
+            }
         }
     }
 }
