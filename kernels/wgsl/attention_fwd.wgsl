@@ -93,12 +93,29 @@ fn row_meta(i: u32) -> vec2<u32> {
     return vec2<u32>(b, min(qmeta[2u * i + 1u], p.n_k - 1u - b));
 }
 
+// The host launches attention_fwd when one launch covers every row's keys (training and
+// scoring sizes), attention_fwd_window once per window otherwise. The body is one function,
+// inlined into both with `windowed` a constant: the one-launch entry computes the same
+// values without the state loads and stores (w0 = 0, every row finishes).
 @compute @workgroup_size(128)
 fn attention_fwd(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
 ) {
+    attention_fwd_body(wid, nwg, lid, false);
+}
+
+@compute @workgroup_size(128)
+fn attention_fwd_window(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    attention_fwd_body(wid, nwg, lid, true);
+}
+
+fn attention_fwd_body(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, windowed: bool) {
     let grp = p.heads / p.kv_heads;
     let parts = (grp + p.hg - 1u) / p.hg;
     let flat = wid.x + wid.y * nwg.x;
@@ -144,10 +161,6 @@ fn attention_fwd(
     }
     let kbase = workgroupUniformLoad(&base_s);
     let pmax = workgroupUniformLoad(&pmax_s);
-    // Every row of the tile ended before this window.
-    if (pmax < p.w0) {
-        return;
-    }
     let hd = p.head_dim;
     let hs = hd + 1u;
     let td = p.td;
@@ -179,24 +192,25 @@ fn attention_fwd(
     for (var r = 0u; r < DPT; r++) {
         acc[r] = 0.0;
     }
-    let ob = (qi * p.heads + h) * hd;
-    let si = qi * p.heads + h;
-    let nqh = p.n_q * p.heads;
     // A row continued from the previous window: its state as that launch stored it.
-    let cont = mine && p.w0 > 0u && pos >= p.w0;
-    if (cont) {
+    let w0 = select(0u, p.w0, windowed);
+    if (windowed && mine && w0 > 0u && pos >= w0) {
+        let si = qi * p.heads + h;
         m = stats[si];
-        l = stats[nqh + si];
+        l = stats[p.n_q * p.heads + si];
         for (var r = 0u; r < DPT; r++) {
             let d = t + td * r;
             if (d < hd) {
-                acc[r] = out[ob + d];
+                acc[r] = out[si * hd + d];
             }
         }
     }
     var alpha = 0.0;
     var m_new = NEG;
-    for (var c = p.w0; c <= pmax && c < p.w1; c += ck) {
+    // The window's last chunk start (w1 >= ck >= 1). In a launch past every row of the
+    // tile (pmax < w0) no chunk runs and nothing is written.
+    let cend = select(pmax, min(pmax, p.w1 - 1u), windowed);
+    for (var c = w0; c <= cend; c += ck) {
         let rows = min(ck, pmax + 1u - c);
         let live = mine && c <= pos;
         // This slot's keys of the chunk: c .. c + n - 1 <= pos.
@@ -251,28 +265,21 @@ fn attention_fwd(
         }
         workgroupBarrier();
     }
-    if (mine && pos >= p.w0) {
-        if (pos < p.w1) {
-            // The row's last key was in this window.
-            for (var r = 0u; r < DPT; r++) {
-                let d = t + td * r;
-                if (d < hd) {
-                    out[ob + d] = acc[r] / l;
-                }
+    if (mine && pos >= w0) {
+        let si = qi * p.heads + h;
+        let ob = si * hd;
+        // Whether the row's last key was in this window (else its state is stored).
+        let fin = !windowed || pos < p.w1;
+        for (var r = 0u; r < DPT; r++) {
+            let d = t + td * r;
+            if (d < hd) {
+                out[ob + d] = select(acc[r], acc[r] / l, fin);
             }
-            if (t == 0u) {
-                stats[si] = m + log(l);
-            }
-        } else {
-            for (var r = 0u; r < DPT; r++) {
-                let d = t + td * r;
-                if (d < hd) {
-                    out[ob + d] = acc[r];
-                }
-            }
-            if (t == 0u) {
-                stats[si] = m;
-                stats[nqh + si] = l;
+        }
+        if (t == 0u) {
+            stats[si] = select(m, m + log(l), fin);
+            if (!fin) {
+                stats[p.n_q * p.heads + si] = l;
             }
         }
     }

@@ -770,9 +770,12 @@ pub fn attention_fwd_tiled(
         );
     }
     let b = [q, k, v, qmeta, out, stats];
+    // Entry 0 (one launch) skips the state loads and stores; entry 1 runs window w.
+    let entry = usize::from(windows > 1);
     for w in 0..windows {
         let pw = p.u(w * t.wk).u((w + 1) * t.wk);
-        ex.dispatch(Kernel::AttentionFwd, 0, &b, pw, groups(n_q * kvh * t.parts));
+        let wg = groups(n_q * kvh * t.parts);
+        ex.dispatch(Kernel::AttentionFwd, entry, &b, pw, wg);
     }
 }
 
