@@ -177,7 +177,7 @@ kernels! {
     /// Causal GQA attention with online softmax, per (query tile, kv head) with K/V chunks
     /// staged once in workgroup memory for the tile's rows and the group's heads, head_dim
     /// split over several threads per (row, head); saves log-sum-exp.
-    AttentionFwd => "attention_fwd", ["attention_fwd"], 6, ro [1, 2, 3, 4], [128, 1, 1], ["attention_fwd"];
+    AttentionFwd => "attention_fwd", ["attention_fwd", "attention_fwd_window"], 6, ro [1, 2, 3, 4], [128, 1, 1], ["attention_fwd"];
     /// Attention backward: `dq` per (query tile, kv head) with K/V chunks staged once for
     /// the tile, then `dk, dv` per (key tile, kv head) with q/dout chunks staged once.
     AttentionBwd => "attention_bwd", ["attention_bwd_dq", "attention_bwd_dkv"], 9, ro [1, 2, 3, 4, 6, 9], [128, 1, 1], ["attention_bwd_dq", "attention_bwd_dkv"];

@@ -7,7 +7,8 @@
 //                   the sequence's first row) and prefill against the KV cache (base is the
 //                   request's slot).
 //   out [n_q, heads, head_dim]; stats[0 .. n_q*heads] = log-sum-exp of the scaled scores,
-//   kept for attention_bwd (which stores its row sums in the second half of stats).
+//   kept for attention_bwd (which stores its row sums in the second half of stats); stats
+//   holds 2 * n_q * heads floats, the second half carrying l between launch windows.
 // Query head h reads kv head h / G, G = heads / kv_heads.
 //
 // Shape (chosen on the host, `attention_fwd_tiling` in backends/src/wgpu/ops.rs, from
@@ -32,6 +33,14 @@
 // p, psum, l, acc) is the same expression in the same order whatever tile the row lands in,
 // whatever rows share it and whichever thread computes it, so its output is bit-identical.
 // The first chunk of every row holds its key base (pos >= 0), so m is finite after it.
+// Launch windows (llvmpipe stops an invocation's loops after 65,535 trips in all, silently):
+// the host launches once per window w0 .. w1 of keys (multiples of CK, so chunks begin where
+// they would in one launch). A row whose pos reaches w1 stores its running max m in
+// stats[row], its sum l in stats[n_q*heads + row] (the half attention_bwd later fills with
+// delta) and its unnormalised accumulators in out; the next launch loads them and continues
+// the same sequence of operations on the same f32 values, so one launch or many give
+// bit-identical out and stats. Only the launch holding a row's last key normalises
+// (acc / l) and writes lse = m + log(l); launches past it leave the row alone.
 
 struct Params {
     n_q: u32,
@@ -44,8 +53,10 @@ struct Params {
     ck: u32, // keys per chunk
     hg: u32, // query heads per workgroup
     qt: u32, // rows per tile
-    _p0: u32,
-    _p1: u32,
+    // This launch's window of keys, relative to a row's base (multiples of ck): chunks
+    // w0 <= c < w1. A row with keys past w1 leaves its state for the next launch.
+    w0: u32,
+    w1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -82,12 +93,29 @@ fn row_meta(i: u32) -> vec2<u32> {
     return vec2<u32>(b, min(qmeta[2u * i + 1u], p.n_k - 1u - b));
 }
 
+// The host launches attention_fwd when one launch covers every row's keys (training and
+// scoring sizes), attention_fwd_window once per window otherwise. The body is one function,
+// inlined into both with `windowed` a constant: the one-launch entry computes the same
+// values without the state loads and stores (w0 = 0, every row finishes).
 @compute @workgroup_size(128)
 fn attention_fwd(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
 ) {
+    attention_fwd_body(wid, nwg, lid, false);
+}
+
+@compute @workgroup_size(128)
+fn attention_fwd_window(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    attention_fwd_body(wid, nwg, lid, true);
+}
+
+fn attention_fwd_body(wid: vec3<u32>, nwg: vec3<u32>, lid: u32, windowed: bool) {
     let grp = p.heads / p.kv_heads;
     let parts = (grp + p.hg - 1u) / p.hg;
     let flat = wid.x + wid.y * nwg.x;
@@ -164,9 +192,25 @@ fn attention_fwd(
     for (var r = 0u; r < DPT; r++) {
         acc[r] = 0.0;
     }
+    // A row continued from the previous window: its state as that launch stored it.
+    let w0 = select(0u, p.w0, windowed);
+    if (windowed && mine && w0 > 0u && pos >= w0) {
+        let si = qi * p.heads + h;
+        m = stats[si];
+        l = stats[p.n_q * p.heads + si];
+        for (var r = 0u; r < DPT; r++) {
+            let d = t + td * r;
+            if (d < hd) {
+                acc[r] = out[si * hd + d];
+            }
+        }
+    }
     var alpha = 0.0;
     var m_new = NEG;
-    for (var c = 0u; c <= pmax; c += ck) {
+    // The window's last chunk start (w1 >= ck >= 1). In a launch past every row of the
+    // tile (pmax < w0) no chunk runs and nothing is written.
+    let cend = select(pmax, min(pmax, p.w1 - 1u), windowed);
+    for (var c = w0; c <= cend; c += ck) {
         let rows = min(ck, pmax + 1u - c);
         let live = mine && c <= pos;
         // This slot's keys of the chunk: c .. c + n - 1 <= pos.
@@ -221,16 +265,22 @@ fn attention_fwd(
         }
         workgroupBarrier();
     }
-    if (mine) {
-        let ob = (qi * p.heads + h) * hd;
+    if (mine && pos >= w0) {
+        let si = qi * p.heads + h;
+        let ob = si * hd;
+        // Whether the row's last key was in this window (else its state is stored).
+        let fin = !windowed || pos < p.w1;
         for (var r = 0u; r < DPT; r++) {
             let d = t + td * r;
             if (d < hd) {
-                out[ob + d] = acc[r] / l;
+                out[ob + d] = select(acc[r], acc[r] / l, fin);
             }
         }
         if (t == 0u) {
-            stats[qi * p.heads + h] = m + log(l);
+            stats[si] = select(m, m + log(l), fin);
+            if (!fin) {
+                stats[p.n_q * p.heads + si] = l;
+            }
         }
     }
 }

@@ -630,6 +630,31 @@ pub struct AttentionFwdTiling {
     pub qt: usize,
     /// Workgroups per (tile, kv head): `ceil(G / hg)`.
     pub parts: usize,
+    /// Keys per launch (a multiple of `ck`, [`attention_fwd_window`]): rows with more keys
+    /// carry their softmax state to the next launch, so that no invocation's loops pass
+    /// llvmpipe's 65,535-trip cap.
+    pub wk: usize,
+}
+
+/// Loop trips of one launch of `attention_fwd` the windows aim at: half llvmpipe's cap
+/// of 65,535 (one counter per invocation, decremented at every back-edge of every loop that
+/// is not unrolled; at zero the loop exits and the results are silently wrong).
+const ATTN_FWD_TRIPS: usize = 32_768;
+
+/// Loop trips a chunk of `ck` keys costs one invocation of `attention_fwd`, counted
+/// conservatively (every loop counted, the constant 8-trip `DPT` loops too, and every
+/// bound rounded up): the chunk loop, the K and V staging, the score loop with its dot
+/// product, the max, p and psum loops and the 8 accumulator loops over the chunk's keys.
+pub fn attention_fwd_chunk_trips(hd: usize, td: usize, ck: usize) -> usize {
+    let scores = ck.div_ceil(td);
+    1 + 2 * (ck * hd).div_ceil(ATTN_WG) + scores * (1 + hd) + 2 * ck + scores + 8 * (1 + ck)
+}
+
+/// The most keys (whole chunks, at least one) a launch of `attention_fwd` with chunks of
+/// `ck` may cover within [`ATTN_FWD_TRIPS`], beside the prologue's few hundred trips (tile
+/// scan <= 128, q staging <= 9, state load 8). About 1,570 keys at head_dim 128, 690 at 256.
+pub fn attention_fwd_window(hd: usize, td: usize, ck: usize) -> usize {
+    ck * (ATTN_FWD_TRIPS / attention_fwd_chunk_trips(hd, td, ck)).max(1)
 }
 
 /// `attention_fwd`'s workgroup size and workgroup-memory arrays (floats), as declared in the
@@ -660,6 +685,7 @@ pub fn attention_fwd_tiling(h: usize, kvh: usize, hd: usize) -> AttentionFwdTili
         hg,
         qt: slots / hg,
         parts: g.div_ceil(hg),
+        wk: attention_fwd_window(hd, td, ck),
     }
 }
 
@@ -667,7 +693,9 @@ pub fn attention_fwd_tiling(h: usize, kvh: usize, hd: usize) -> AttentionFwdTili
 /// `qmeta[2i] ..= qmeta[2i] + qmeta[2i+1]` of `k`, `v` (`n_k` rows). Writes `out` and the
 /// log-sum-exp into the first `n_q·h` entries of `stats`. One workgroup per (row, kv head,
 /// part of its group's heads): the kernel tiles runs of a sequence's rows itself, and a
-/// row's result does not depend on its tile (see `attention_fwd.wgsl`).
+/// row's result does not depend on its tile (see `attention_fwd.wgsl`). Rows of more keys
+/// than a launch window take several launches, whose state crosses in `out` and the second
+/// half of `stats`, which must hold `2·n_q·h` floats.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fwd(
     ex: &mut Exec,
@@ -684,6 +712,41 @@ pub fn attention_fwd(
     hd: usize,
 ) {
     let t = attention_fwd_tiling(h, kvh, hd);
+    attention_fwd_tiled(ex, out, stats, q, k, v, qmeta, n_q, n_k, h, kvh, hd, t);
+}
+
+/// [`attention_fwd`] with the tiling `t`: [`attention_fwd_tiling`]'s, or in tests one with
+/// the same `td` and smaller `hg`, `qt`, `ck` (`parts = ceil(G / hg)`) and any window `wk`
+/// (a multiple of `ck`) up to [`attention_fwd_window`]`(hd, td, ck)`, which must give
+/// bit-identical outputs. (`wk` above that is let through only to show llvmpipe's cap.)
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd_tiled(
+    ex: &mut Exec,
+    out: &Buffer,
+    stats: &Buffer,
+    q: &Buffer,
+    k: &Buffer,
+    v: &Buffer,
+    qmeta: &Buffer,
+    n_q: usize,
+    n_k: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+    t: AttentionFwdTiling,
+) {
+    let d = attention_fwd_tiling(h, kvh, hd);
+    assert!(
+        t.td == d.td
+            && t.slots == d.slots
+            && (1..=d.ck).contains(&t.ck)
+            && (1..=d.hg).contains(&t.hg)
+            && (1..=t.slots / t.hg).contains(&t.qt)
+            && t.parts == (h / kvh).div_ceil(t.hg)
+            && t.wk >= t.ck
+            && t.wk.is_multiple_of(t.ck),
+        "attention_fwd: tiling {t:?} does not fit {d:?}"
+    );
     let p = Params::new()
         .u(n_q)
         .u(h)
@@ -695,13 +758,25 @@ pub fn attention_fwd(
         .u(t.ck)
         .u(t.hg)
         .u(t.qt);
-    ex.dispatch(
-        Kernel::AttentionFwd,
-        0,
-        &[q, k, v, qmeta, out, stats],
-        p,
-        groups(n_q * kvh * t.parts),
-    );
+    // A row has at most n_k keys; launches past a tile's last key return at once (one
+    // launch at training sizes).
+    let windows = n_k.max(1).div_ceil(t.wk);
+    if windows > 1 {
+        assert!(
+            stats.size() >= (2 * n_q * h * 4) as u64,
+            "attention_fwd: {windows} launch windows carry l in stats' second half: \
+             stats needs 2·n_q·h = {} floats",
+            2 * n_q * h
+        );
+    }
+    let b = [q, k, v, qmeta, out, stats];
+    // Entry 0 (one launch) skips the state loads and stores; entry 1 runs window w.
+    let entry = usize::from(windows > 1);
+    for w in 0..windows {
+        let pw = p.u(w * t.wk).u((w + 1) * t.wk);
+        let wg = groups(n_q * kvh * t.parts);
+        ex.dispatch(Kernel::AttentionFwd, entry, &b, pw, wg);
+    }
 }
 
 /// The launch shape of [`attention_bwd`] (see `kernels/wgsl/attention_bwd.wgsl`): slots of
@@ -1401,6 +1476,16 @@ mod tests {
             (t.td, t.slots, t.ck, t.hg, t.qt, t.parts),
             (16, 8, 16, 2, 4, 1)
         );
+        // Launch windows: whole chunks within the trip budget, one launch at training sizes.
+        for hd in 1..=1024 {
+            let t = attention_fwd_tiling(1, 1, hd);
+            let trips = t.wk / t.ck * attention_fwd_chunk_trips(hd, t.td, t.ck);
+            assert!(t.wk.is_multiple_of(t.ck) && trips <= ATTN_FWD_TRIPS, "{hd}");
+            // (at head_dim <= 256 a window holds the training sizes' few hundred keys)
+            assert!(hd > 256 || t.wk >= 512, "{hd}: {}", t.wk);
+        }
+        assert_eq!(attention_fwd_tiling(16, 8, 128).wk, 1568);
+        assert_eq!(attention_fwd_tiling(2, 1, 256).wk, 688);
     }
 
     #[test]
@@ -1452,6 +1537,216 @@ mod tests {
             (t.td, t.slots, t.ck, t.cq, t.hg, t.qt, t.parts),
             (16, 8, 6, 6, 2, 4, 1)
         );
+    }
+
+    /// f64 reference of attention_fwd for query rows `meta` (base, pos) over `k`, `v`:
+    /// (out [n_q, h, hd], lse [n_q, h]).
+    fn attention_fwd_ref(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        meta: &[u32],
+        h: usize,
+        kvh: usize,
+        hd: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let n_q = meta.len() / 2;
+        let (mut out, mut lse) = (vec![0f32; n_q * h * hd], vec![0f32; n_q * h]);
+        let scale = attention_scale(hd) as f64;
+        for i in 0..n_q {
+            let (b, pos) = (meta[2 * i] as usize, meta[2 * i + 1] as usize);
+            for hh in 0..h {
+                let qi = &q[(i * h + hh) * hd..(i * h + hh + 1) * hd];
+                let kr = |j: usize| ((b + j) * kvh + hh / (h / kvh)) * hd;
+                let s: Vec<f64> = (0..=pos)
+                    .map(|j| {
+                        let kj = &k[kr(j)..kr(j) + hd];
+                        qi.iter()
+                            .zip(kj)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let l: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                for d in 0..hd {
+                    let o: f64 = (0..=pos)
+                        .map(|j| (s[j] - m).exp() * v[kr(j) + d] as f64)
+                        .sum();
+                    out[(i * h + hh) * hd + d] = (o / l) as f32;
+                }
+                lse[i * h + hh] = (m + l.ln()) as f32;
+            }
+        }
+        (out, lse)
+    }
+
+    fn close(what: &str, got: &[f32], want: &[f32]) {
+        let worst = got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            got.len() == want.len() && worst <= 1e-4,
+            "{what}: off by {worst} from the reference"
+        );
+    }
+
+    fn test_gpu() -> Option<std::sync::Arc<crate::wgpu::Gpu>> {
+        let g = crate::wgpu::Gpu::new().expect("wgpu device");
+        if g.is_none() {
+            assert!(
+                !std::env::var("ROLLOUTPIPE_REQUIRE_GPU").is_ok_and(|v| v == "1"),
+                "no wgpu adapter and ROLLOUTPIPE_REQUIRE_GPU=1"
+            );
+            eprintln!("SKIP: no wgpu adapter");
+        }
+        g
+    }
+
+    fn test_rand(seed: &mut u32, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|_| {
+                *seed ^= *seed << 13;
+                *seed ^= *seed >> 17;
+                *seed ^= *seed << 5;
+                (*seed >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// The forward's out and lse match an f64 reference under other tilings and launch
+    /// windows, and are bit-identical among those of the same chunk length (which sets the
+    /// online softmax's steps): the default (one launch here), smaller tiles with windows of
+    /// two chunks, windows of one chunk; chunks of 3 keys in windows of 3 and 12; chunks of
+    /// one key in windows of 60 and the widest they may have. The last would cross llvmpipe's
+    /// cap of 65,535 loop trips an invocation at about 230 keys at head_dim 256 launched as
+    /// one window (281 trips a key): the 300-token sequence catches a forward that does not
+    /// split its launches (ATTN_FWD_ONE_LAUNCH=1 launches that case as one window).
+    #[test]
+    fn attention_fwd_outputs_do_not_depend_on_the_tiling_or_windows() {
+        let Some(g) = test_gpu() else { return };
+        let mut seed = 0x2545_f491_u32;
+        let lens = [300usize, 5, 37, 1];
+        let n: usize = lens.iter().sum();
+        let mut meta = Vec::new();
+        let mut s = 0;
+        for &m in &lens {
+            for t in 0..m {
+                meta.extend([s as u32, t as u32]);
+            }
+            s += m;
+        }
+        for (h, kvh, hd) in [(2, 1, 256), (4, 2, 32), (16, 8, 128)] {
+            let (qd, kd) = (h * hd, kvh * hd);
+            let (qh, kh, vh) = (
+                test_rand(&mut seed, n * qd),
+                test_rand(&mut seed, n * kd),
+                test_rand(&mut seed, n * kd),
+            );
+            let (q, k, v) = (g.upload("q", &qh), g.upload("k", &kh), g.upload("v", &vh));
+            let qm = g.upload("qmeta", &meta);
+            let d = attention_fwd_tiling(h, kvh, hd);
+            let grp = h / kvh;
+            let hg1 = d.hg.div_ceil(2);
+            let ck3 = d.ck.min(3);
+            let one = std::env::var("ATTN_FWD_ONE_LAUNCH").is_ok_and(|v| v == "1");
+            let small = AttentionFwdTiling {
+                hg: hg1,
+                qt: (d.slots / hg1).min(3),
+                parts: grp.div_ceil(hg1),
+                ..d
+            };
+            let tilings = [
+                d,
+                AttentionFwdTiling {
+                    wk: 2 * d.ck,
+                    ..small
+                },
+                AttentionFwdTiling { wk: d.ck, ..d },
+                AttentionFwdTiling {
+                    ck: ck3,
+                    wk: ck3,
+                    ..d
+                },
+                AttentionFwdTiling {
+                    ck: ck3,
+                    wk: 4 * ck3,
+                    ..small
+                },
+                AttentionFwdTiling { ck: 1, wk: 60, ..d },
+                AttentionFwdTiling {
+                    hg: 1,
+                    qt: 1,
+                    parts: grp,
+                    ck: 1,
+                    // (ATTN_FWD_ONE_LAUNCH=1: everything in one launch, as before windows)
+                    wk: if one {
+                        n
+                    } else {
+                        attention_fwd_window(hd, d.td, 1)
+                    },
+                    ..d
+                },
+            ];
+            let (want_o, want_l) = attention_fwd_ref(&qh, &kh, &vh, &meta, h, kvh, hd);
+            let mut first: std::collections::HashMap<usize, [Vec<u32>; 2]> = Default::default();
+            for t in tilings {
+                let (out, st) = (g.buffer("out", n * qd), g.buffer("stats", 2 * n * h));
+                let mut ex = Exec::new(std::sync::Arc::clone(&g));
+                attention_fwd_tiled(&mut ex, &out, &st, &q, &k, &v, &qm, n, n, h, kvh, hd, t);
+                ex.submit().expect("forward");
+                let got = [
+                    g.read::<u32>(&out, n * qd).expect("out"),
+                    g.read::<u32>(&st, n * h).expect("stats"),
+                ];
+                let f = |b: &[u32]| b.iter().map(|&x| f32::from_bits(x)).collect::<Vec<_>>();
+                close(&format!("out h{h} hd{hd} {t:?}"), &f(&got[0]), &want_o);
+                close(&format!("lse h{h} hd{hd} {t:?}"), &f(&got[1]), &want_l);
+                match first.get(&t.ck) {
+                    None => {
+                        first.insert(t.ck, got);
+                    }
+                    Some(f) => {
+                        assert!(f[0] == got[0], "out h{h} hd{hd} differs under {t:?}");
+                        assert!(f[1] == got[1], "lse h{h} hd{hd} differs under {t:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A realistic long row: one head of 128 dims against 4,096 keys (the default tiling's
+    /// three launch windows; as one launch it passes llvmpipe's loop cap at about 3,200
+    /// keys; ATTN_FWD_ONE_LAUNCH=1 launches it so). Only four query rows: it costs little.
+    #[test]
+    fn attention_fwd_long_rows_match_the_reference() {
+        let Some(g) = test_gpu() else { return };
+        let mut seed = 0x6b43_a9b5_u32;
+        let (n_k, hd) = (4096usize, 128usize);
+        let meta = [0u32, 4095, 0, 4094, 0, 3001, 0, 0];
+        let n_q = meta.len() / 2;
+        let (qh, kh, vh) = (
+            test_rand(&mut seed, n_q * hd),
+            test_rand(&mut seed, n_k * hd),
+            test_rand(&mut seed, n_k * hd),
+        );
+        let (q, k, v) = (g.upload("q", &qh), g.upload("k", &kh), g.upload("v", &vh));
+        let qm = g.upload("qmeta", &meta);
+        let (out, st) = (g.buffer("out", n_q * hd), g.buffer("stats", 2 * n_q));
+        let mut t = attention_fwd_tiling(1, 1, hd);
+        // (ATTN_FWD_ONE_LAUNCH=1: all 4,096 keys in one launch, as before windows)
+        if std::env::var("ATTN_FWD_ONE_LAUNCH").is_ok_and(|v| v == "1") {
+            t.wk = n_k;
+        }
+        let mut ex = Exec::new(std::sync::Arc::clone(&g));
+        attention_fwd_tiled(&mut ex, &out, &st, &q, &k, &v, &qm, n_q, n_k, 1, 1, hd, t);
+        ex.submit().expect("forward");
+        let (want_o, want_l) = attention_fwd_ref(&qh, &kh, &vh, &meta, 1, 1, hd);
+        close("out", &g.read::<f32>(&out, n_q * hd).expect("out"), &want_o);
+        close("lse", &g.read::<f32>(&st, n_q).expect("stats"), &want_l);
     }
 
     /// The backward's outputs are bit-identical under other tilings (smaller query and key
