@@ -693,9 +693,10 @@ pub fn attention_fwd_tiling(h: usize, kvh: usize, hd: usize) -> AttentionFwdTili
 /// `qmeta[2i] ..= qmeta[2i] + qmeta[2i+1]` of `k`, `v` (`n_k` rows). Writes `out` and the
 /// log-sum-exp into the first `n_q·h` entries of `stats`. One workgroup per (row, kv head,
 /// part of its group's heads): the kernel tiles runs of a sequence's rows itself, and a
-/// row's result does not depend on its tile (see `attention_fwd.wgsl`). Rows of more keys
-/// than a launch window take several launches, whose state crosses in `out` and the second
-/// half of `stats`, which must hold `2·n_q·h` floats.
+/// row's result does not depend on its tile (see `attention_fwd.wgsl`). On an adapter that
+/// caps loop iterations ([`Gpu::loop_cap`](super::gpu::Gpu::loop_cap): llvmpipe), rows of more keys than a launch window
+/// take several launches, whose state crosses in `out` and the second half of `stats`, which
+/// must then hold `2·n_q·h` floats; elsewhere it is one launch (the same bits).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fwd(
     ex: &mut Exec,
@@ -711,7 +712,11 @@ pub fn attention_fwd(
     kvh: usize,
     hd: usize,
 ) {
-    let t = attention_fwd_tiling(h, kvh, hd);
+    let mut t = attention_fwd_tiling(h, kvh, hd);
+    if ex.gpu().loop_cap().is_none() {
+        // No loop limit to stay under (see `Gpu::loop_cap`): every key in one launch.
+        t.wk = n_k.max(1).next_multiple_of(t.ck);
+    }
     attention_fwd_tiled(ex, out, stats, q, k, v, qmeta, n_q, n_k, h, kvh, hd, t);
 }
 
@@ -854,7 +859,10 @@ pub fn attention_bwd_tiling(h: usize, kvh: usize, hd: usize) -> AttentionBwdTili
 /// length of row r's sequence): writes `dq` and `dkv = [dk, dv]`; `stats` holds the
 /// forward's log-sum-exp and receives the row sums `delta` in its second half. `dq` runs
 /// per (query tile, kv head, head part), `dk, dv` per (key tile, kv head); the kernel finds
-/// its tiles itself and no output depends on its tile (see `attention_bwd.wgsl`).
+/// its tiles itself and no output depends on its tile (see `attention_bwd.wgsl`). Each entry
+/// launches in windows on an adapter that caps loop iterations
+/// ([`Gpu::loop_cap`](super::gpu::Gpu::loop_cap)), once
+/// elsewhere (the same bits).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd(
     ex: &mut Exec,
@@ -872,7 +880,12 @@ pub fn attention_bwd(
     kvh: usize,
     hd: usize,
 ) {
-    let t = attention_bwd_tiling(h, kvh, hd);
+    let mut t = attention_bwd_tiling(h, kvh, hd);
+    if ex.gpu().loop_cap().is_none() {
+        // No loop limit to stay under (see `Gpu::loop_cap`): one launch per entry.
+        t.wk = n.max(1).next_multiple_of(t.ck);
+        t.wi = (n * (h / kvh)).max(1).next_multiple_of(t.cq);
+    }
     attention_bwd_tiled(
         ex, dq, dkv, stats, dout, q, k, v, out, meta_rows, n, h, kvh, hd, t,
     );
@@ -911,10 +924,10 @@ pub fn attention_bwd_tiled(
             && (1..=t.slots).contains(&t.kt)
             && t.wk >= t.ck
             && t.wk.is_multiple_of(t.ck)
-            && t.wk <= d.wk
             && t.wi >= t.cq
             && t.wi.is_multiple_of(t.cq)
-            && t.wi <= d.wi,
+            // Windows above the default pass llvmpipe's loop limit; elsewhere any will do.
+            && (ex.gpu().loop_cap().is_none() || (t.wk <= d.wk && t.wi <= d.wi)),
         "attention_bwd: tiling {t:?} does not fit {d:?}"
     );
     let p = Params::new()
