@@ -417,6 +417,8 @@ fn attention_bwd_dkv(
             sm[o_s + sr * cq + e] = pr * (pdot - sm[o_dl + e]);
         }
         workgroupBarrier();
+        // The 8 accumulators by hand, in the order of a loop over them: one loop trip an item
+        // instead of nine, for llvmpipe's loop cap (header).
         for (var e = lo; e < m; e++) {
             let dse = sm[o_s + sr * cq + e];
             let pe = sm[o_p + sr * cq + e];
