@@ -180,6 +180,9 @@ pub struct StepRows<'a> {
     pub max_pos: usize,
 }
 
+/// A window covering every key (the kernel's `kw` is a u32 multiple of 64).
+const ALL_KEYS: usize = u32::MAX as usize & !63;
+
 /// Keys per `attention_decode` launch for `c` on `ex`'s adapter: every key in one launch,
 /// unless the adapter caps loop iterations ([`Gpu::loop_cap`]). Then as many 64-key chunks
 /// as keep one invocation's loop iterations under half the cap: about `g·(head_dim + 400)`
@@ -200,6 +203,8 @@ pub fn decode_window(ex: &Exec, c: &ModelConfig) -> usize {
 }
 
 impl StepRows<'_> {
+    /// One dispatch of `entry` (0: attention over keys `k0 .. k0 + kw`, 1: the append).
+    #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
         ex: &mut Exec,
@@ -207,46 +212,41 @@ impl StepRows<'_> {
         l: usize,
         c: &ModelConfig,
         entry: usize,
+        k0: usize,
+        kw: usize,
     ) -> Result<()> {
         let (kp, vp) = pool.layer(l)?;
         let grid = match entry {
             0 => groups(self.n * c.num_key_value_heads),
             _ => linear(self.n * c.kv_dim(), 64),
         };
-        // The append is one launch; the attention one per window of keys (one unless split).
-        let window = match entry {
-            0 => decode_window(ex, c).min(u32::MAX as usize & !63),
-            _ => u32::MAX as usize & !63,
-        };
-        for k0 in (0..=self.max_pos).step_by(window) {
-            let p = Params::new()
-                .u(self.n)
-                .u(c.num_attention_heads)
-                .u(c.num_key_value_heads)
-                .u(c.head_dim)
-                .u(pool.rows())
-                .u(PAGE)
-                .u(self.pages_len.max(1))
-                .f(attention_scale(c.head_dim))
-                .u(k0)
-                .u(window);
-            ex.dispatch(
-                Kernel::AttentionDecode,
-                entry,
-                &[
-                    self.q, self.k, self.v, self.meta, self.pages, kp, vp, self.out, self.state,
-                ],
-                p,
-                grid,
-            );
-        }
+        let p = Params::new()
+            .u(self.n)
+            .u(c.num_attention_heads)
+            .u(c.num_key_value_heads)
+            .u(c.head_dim)
+            .u(pool.rows())
+            .u(PAGE)
+            .u(self.pages_len.max(1))
+            .f(attention_scale(c.head_dim))
+            .u(k0)
+            .u(kw);
+        ex.dispatch(
+            Kernel::AttentionDecode,
+            entry,
+            &[
+                self.q, self.k, self.v, self.meta, self.pages, kp, vp, self.out, self.state,
+            ],
+            p,
+            grid,
+        );
         Ok(())
     }
 
     /// Writes the step's new keys and values into layer `l`'s pool, each row at its own
     /// position (the KV-append).
     pub fn kv_append(&self, ex: &mut Exec, pool: &KvPool, l: usize, c: &ModelConfig) -> Result<()> {
-        self.launch(ex, pool, l, c, 1)
+        self.launch(ex, pool, l, c, 1, 0, ALL_KEYS)
     }
 
     /// `out`: each row's attention over positions `0 ..= pos` of its pages in layer `l`
@@ -258,7 +258,12 @@ impl StepRows<'_> {
         l: usize,
         c: &ModelConfig,
     ) -> Result<()> {
-        self.launch(ex, pool, l, c, 0)
+        // One launch per window of keys: one unless the adapter caps loops.
+        let window = decode_window(ex, c).min(ALL_KEYS);
+        for k0 in (0..=self.max_pos).step_by(window) {
+            self.launch(ex, pool, l, c, 0, k0, window)?;
+        }
+        Ok(())
     }
 }
 
