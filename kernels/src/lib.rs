@@ -23,6 +23,12 @@
 //! pairs of 16-bit values packed in `array<u32>`, widened exactly in registers, on any
 //! adapter). Nothing else of the kernel differs between formats.
 //!
+//! One file is not an op of its own: `matmul_fwd_coop.wgsl`, the forward product on
+//! cooperative matrices (tensor cores; f16 operands, f32 sums), which the wgpu backend runs in
+//! place of `matmul_fwd` where the adapter has them and the engine asks for them. Its source
+//! is [`matmul_coop_wgsl`]: a `coop8` or `coop16` prelude for the adapter's fragment shape
+//! ([`CoopTile`]), a weight prelude, then the file.
+//!
 //! Binding convention shared by every file (the wgpu backend builds its layouts from it):
 //! `@group(0) @binding(0)` is a `Params` uniform of at most [`PARAMS_BYTES`] bytes (bound
 //! with a dynamic offset into one arena), and bindings `1..=storage_bindings()` are storage
@@ -282,6 +288,86 @@ impl Kernel {
             }
             _ => None,
         }
+    }
+}
+
+/// The cooperative-matrix fragment shape an adapter offers for f16 x f16 -> f32 products,
+/// which picks the prelude of [`matmul_coop_wgsl`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum CoopTile {
+    /// 8x8x8 fragments (`coop8`: Mesa's lavapipe, Apple simdgroup matrices).
+    T8,
+    /// 16x16x16 fragments (`coop16`: NVIDIA tensor cores, AMD WMMA).
+    T16,
+}
+
+impl CoopTile {
+    /// Both shapes, the small one first.
+    pub const ALL: [CoopTile; 2] = [CoopTile::T8, CoopTile::T16];
+
+    /// The fragment edge.
+    pub const fn edge(self) -> u32 {
+        match self {
+            CoopTile::T8 => 8,
+            CoopTile::T16 => 16,
+        }
+    }
+
+    /// Rows and columns of y one workgroup of `matmul_fwd_coop` computes (4 fragments each
+    /// way: 4 subgroups of 2 x 2).
+    pub const fn workgroup_tile(self) -> u32 {
+        4 * self.edge()
+    }
+
+    /// The prelude (`kernels/wgsl/prelude/<name>.wgsl`) that enables the extensions and
+    /// names the fragment types.
+    pub const fn prelude(self) -> &'static str {
+        match self {
+            CoopTile::T8 => "coop8",
+            CoopTile::T16 => "coop16",
+        }
+    }
+}
+
+/// The one entry point of `kernels/wgsl/matmul_fwd_coop.wgsl`.
+pub const MATMUL_COOP_ENTRY: &str = "matmul_fwd_coop";
+
+/// Subgroups per workgroup of `matmul_fwd_coop`; its workgroup size is this times the
+/// adapter's subgroup size, which the host sets through the pipeline override `SG`.
+pub const MATMUL_COOP_SUBGROUPS: u32 = 4;
+
+macro_rules! coop_variant {
+    ($tile:literal, $fmt:literal) => {
+        concat!(
+            include_str!(concat!("../wgsl/prelude/coop", $tile, ".wgsl")),
+            "\n",
+            include_str!(concat!("../wgsl/prelude/weight_", $fmt, ".wgsl")),
+            "\n",
+            include_str!("../wgsl/matmul_fwd_coop.wgsl")
+        )
+    };
+}
+
+/// The tensor-core forward product `matmul_fwd_coop` (the bindings and `Params` of
+/// [`Kernel::MatmulFwd`], which it replaces where an engine turns tensor cores on): the
+/// `coop8`/`coop16` prelude of `tile`, the `weight_<format>` prelude, then the file. It needs
+/// the adapter features `shader-f16` and `wgpu-cooperative-matrix`, with f16 x f16 -> f32
+/// fragments of `tile`'s shape.
+///
+/// ```
+/// use rolloutpipe_kernels::{matmul_coop_wgsl, CoopTile, WeightFormat, MATMUL_COOP_ENTRY};
+/// let src = matmul_coop_wgsl(CoopTile::T16, WeightFormat::Bf16);
+/// assert!(src.starts_with("// Prelude `coop16`"));
+/// assert!(src.contains("coop_mat16x16<f16, A>") && src.contains(MATMUL_COOP_ENTRY));
+/// ```
+pub const fn matmul_coop_wgsl(tile: CoopTile, format: WeightFormat) -> &'static str {
+    match (tile, format) {
+        (CoopTile::T8, WeightFormat::F32) => coop_variant!("8", "f32"),
+        (CoopTile::T8, WeightFormat::Bf16) => coop_variant!("8", "bf16"),
+        (CoopTile::T8, WeightFormat::F16) => coop_variant!("8", "f16"),
+        (CoopTile::T16, WeightFormat::F32) => coop_variant!("16", "f32"),
+        (CoopTile::T16, WeightFormat::Bf16) => coop_variant!("16", "bf16"),
+        (CoopTile::T16, WeightFormat::F16) => coop_variant!("16", "f16"),
     }
 }
 
