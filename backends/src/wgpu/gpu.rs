@@ -17,7 +17,11 @@ use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use rolloutpipe_kernels::{Kernel, MAX_STORAGE_BINDINGS, PARAMS_BYTES, WeightFormat};
+use rolloutpipe_kernels::{
+    Kernel, MATMUL_COOP_ENTRY, MAX_STORAGE_BINDINGS, PARAMS_BYTES, WeightFormat, matmul_coop_wgsl,
+};
+
+use super::coop::{COOP_FEATURES, CoopSupport};
 
 use super::inflight::InFlight;
 use crate::error::{BackendError, Result};
@@ -30,6 +34,16 @@ pub const MAX_GROUPS: u32 = 65_535;
 
 pub(super) fn dev_err(what: impl std::fmt::Display) -> BackendError {
     BackendError::Device(what.to_string())
+}
+
+/// Which source of a kernel a launch runs: its own file, or (for [`Kernel::MatmulFwd`] only)
+/// the tensor-core product `matmul_fwd_coop`, which has the same bindings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// [`Kernel::wgsl_as`].
+    Plain,
+    /// [`matmul_coop_wgsl`] for the adapter's fragment shape ([`Gpu::coop`]).
+    Coop,
 }
 
 /// A kernel's bind group layout and one pipeline per entry point.
@@ -47,7 +61,9 @@ pub struct Gpu {
     queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
     error: Arc<Mutex<Option<String>>>,
-    compiled: Mutex<HashMap<(Kernel, WeightFormat), Arc<Compiled>>>,
+    compiled: Mutex<HashMap<(Kernel, WeightFormat, Variant), Arc<Compiled>>>,
+    /// The tensor-core support the device was opened with, or why there is none.
+    coop: std::result::Result<CoopSupport, String>,
 }
 
 impl Gpu {
@@ -85,22 +101,67 @@ impl Gpu {
         // The adapter's own limits are all attainable; asking for them lets large
         // vocabularies fit one binding wherever the hardware allows it.
         let limits = have.clone();
-        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
-            label: Some("rolloutpipe"),
-            required_features: wgpu::Features::empty(),
-            required_limits: limits,
-            ..Default::default()
-        }))
-        .map_err(|e| dev_err(format!("request_device: {e}")))?;
-        Ok(Self::from_device(device, queue, adapter.get_info()))
+        let open = |features: wgpu::Features| {
+            let experimental = if features.is_empty() {
+                wgpu::ExperimentalFeatures::disabled()
+            } else {
+                // SAFETY: wgpu's experimental features may have bugs of their own; this opts
+                // into `EXPERIMENTAL_COOPERATIVE_MATRIX` only, requested only where the adapter
+                // reports it with the fragment shape the kernel uses, and its only user is
+                // `matmul_fwd_coop`, run only when an engine turns tensor cores on. The
+                // kernel is validated by naga (kernels/tests/coop.rs) and its results are
+                // checked against the f32 product (tests/wgpu_coop.rs).
+                #[allow(unsafe_code)]
+                unsafe {
+                    wgpu::ExperimentalFeatures::enabled()
+                }
+            };
+            pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+                label: Some("rolloutpipe"),
+                required_features: features,
+                required_limits: limits.clone(),
+                experimental_features: experimental,
+                ..Default::default()
+            }))
+        };
+        let mut coop = CoopSupport::of(adapter);
+        let opened = match coop {
+            Ok(_) => match open(COOP_FEATURES) {
+                Ok(d) => Ok(d),
+                Err(e) => {
+                    // The adapter reported the features but would not open a device with
+                    // them: run without tensor cores, and say why when they are asked for.
+                    coop = Err(format!(
+                        "the device could not be opened with the features shader-f16 and \
+                         wgpu-cooperative-matrix ({e})"
+                    ));
+                    open(wgpu::Features::empty())
+                }
+            },
+            Err(_) => open(wgpu::Features::empty()),
+        };
+        let (device, queue) = opened.map_err(|e| dev_err(format!("request_device: {e}")))?;
+        Ok(Self::with_coop(device, queue, adapter.get_info(), coop))
     }
 
     /// Wraps a device the caller created (tests and embedders bring their own); it must
-    /// allow [`MAX_STORAGE_BINDINGS`] storage buffers per shader stage.
+    /// allow [`MAX_STORAGE_BINDINGS`] storage buffers per shader stage. Tensor cores are off
+    /// on such a device: its fragment shapes are the adapter's to report.
     pub fn from_device(
         device: wgpu::Device,
         queue: wgpu::Queue,
         info: wgpu::AdapterInfo,
+    ) -> Arc<Gpu> {
+        let why = "tensor cores need a device opened by the backend (Gpu::new or \
+                   Gpu::from_adapter), which asks the adapter for its fragment shapes";
+        Self::with_coop(device, queue, info, Err(why.to_string()))
+    }
+
+    fn with_coop(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        info: wgpu::AdapterInfo,
+        coop: std::result::Result<CoopSupport, String>,
     ) -> Arc<Gpu> {
         let error = Arc::new(Mutex::new(None::<String>));
         let sink = Arc::clone(&error);
@@ -116,7 +177,20 @@ impl Gpu {
             info,
             error,
             compiled: Mutex::new(HashMap::new()),
+            coop,
         })
+    }
+
+    /// The adapter's tensor-core support (fragment shape and subgroup size), where the device
+    /// was opened with it ([`super::coop`]).
+    pub fn coop(&self) -> Option<CoopSupport> {
+        self.coop.as_ref().ok().copied()
+    }
+
+    /// Why this device runs no tensor cores, in one line naming what is missing; `None`
+    /// where it does.
+    pub fn coop_refusal(&self) -> Option<&str> {
+        self.coop.as_ref().err().map(String::as_str)
     }
 
     /// The most loop iterations a shader invocation may run, on adapters that stop loops past
@@ -202,17 +276,40 @@ impl Gpu {
     /// Compiles `k` with its weights in `f` now (it is otherwise compiled at its first
     /// launch), so that a format the adapter cannot run is refused when an engine is built.
     pub fn prepare(&self, k: Kernel, f: WeightFormat) -> Result<()> {
-        self.compiled(k, f).map(|_| ())
+        self.compiled(k, f, Variant::Plain).map(|_| ())
     }
 
-    fn compiled(&self, k: Kernel, f: WeightFormat) -> Result<Arc<Compiled>> {
+    /// Compiles the tensor-core product for weights in `f` now; refused in one line where
+    /// the device has no tensor cores ([`Gpu::coop_refusal`]).
+    pub fn prepare_coop(&self, f: WeightFormat) -> Result<()> {
+        self.compiled(Kernel::MatmulFwd, f, Variant::Coop)
+            .map(|_| ())
+    }
+
+    fn compiled(&self, k: Kernel, f: WeightFormat, v: Variant) -> Result<Arc<Compiled>> {
         let mut map = self.compiled.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(c) = map.get(&(k, f)) {
+        if let Some(c) = map.get(&(k, f, v)) {
             return Ok(Arc::clone(c));
         }
-        let src = k
-            .wgsl_as(f)
-            .ok_or_else(|| dev_err(format!("{} reads no {f:?} weights", k.name())))?;
+        let (src, entries_of, subgroup): (&str, &[&str], Option<u32>) = match v {
+            Variant::Plain => (
+                k.wgsl_as(f)
+                    .ok_or_else(|| dev_err(format!("{} reads no {f:?} weights", k.name())))?,
+                k.entry_points(),
+                None,
+            ),
+            Variant::Coop => {
+                let sup = self.coop.as_ref().map_err(|e| dev_err(e.clone()))?;
+                if k != Kernel::MatmulFwd {
+                    return Err(dev_err(format!("{} has no tensor-core variant", k.name())));
+                }
+                (
+                    matmul_coop_wgsl(sup.tile, f),
+                    &[MATMUL_COOP_ENTRY],
+                    Some(sup.subgroup),
+                )
+            }
+        };
         let module = self
             .device
             .create_shader_module(wgpu::ShaderModuleDescriptor {
@@ -256,8 +353,9 @@ impl Gpu {
                 bind_group_layouts: &[Some(&layout)],
                 immediate_size: 0,
             });
-        let pipelines = k
-            .entry_points()
+        let constants: Vec<(&str, f64)> =
+            subgroup.map(|sg| ("SG", sg as f64)).into_iter().collect();
+        let pipelines = entries_of
             .iter()
             .map(|ep| {
                 self.device
@@ -266,14 +364,17 @@ impl Gpu {
                         layout: Some(&pl),
                         module: &module,
                         entry_point: Some(ep),
-                        compilation_options: Default::default(),
+                        compilation_options: wgpu::PipelineCompilationOptions {
+                            constants: &constants,
+                            ..Default::default()
+                        },
                         cache: None,
                     })
             })
             .collect();
         self.check()?;
         let c = Arc::new(Compiled { layout, pipelines });
-        map.insert((k, f), Arc::clone(&c));
+        map.insert((k, f, v), Arc::clone(&c));
         Ok(c)
     }
 }
@@ -329,6 +430,7 @@ enum Cmd {
     Dispatch {
         kernel: Kernel,
         format: WeightFormat,
+        variant: Variant,
         entry: usize,
         bufs: Vec<Bind>,
         groups: [u32; 2],
@@ -383,7 +485,7 @@ pub struct Exec {
     gpu: Arc<Gpu>,
     arena: wgpu::Buffer,
     arena_slots: u64,
-    bind_groups: HashMap<(Kernel, WeightFormat, Vec<Bind>), wgpu::BindGroup>,
+    bind_groups: HashMap<(Kernel, WeightFormat, Variant, Vec<Bind>), wgpu::BindGroup>,
     cmds: Vec<Cmd>,
     params: Vec<u8>,
     reads: Vec<(wgpu::Buffer, u64, u64, Ticket)>,
@@ -396,6 +498,8 @@ pub struct Exec {
     gemv_lanes: Option<usize>,
     /// Keys per `attention_decode` launch, when forced ([`Exec::force_decode_window`]).
     decode_window: Option<usize>,
+    /// Whether forward products run on cooperative matrices ([`Exec::set_tensor_cores`]).
+    tensor_cores: bool,
 }
 
 impl Exec {
@@ -417,7 +521,25 @@ impl Exec {
             binding_cap: usize::MAX,
             gemv_lanes: None,
             decode_window: None,
+            tensor_cores: false,
         }
+    }
+
+    /// Runs every forward product (`matmul_fwd`, at every row count, the lm_head chunks
+    /// included) on the tensor-core kernel `matmul_fwd_coop` (f16 operands, f32 sums), or
+    /// back on the f32 kernels. Turning them on is refused, in one line naming what the
+    /// adapter lacks, where the device has none ([`Gpu::coop_refusal`]).
+    pub fn set_tensor_cores(&mut self, on: bool) -> Result<()> {
+        if on && let Some(why) = self.gpu.coop_refusal() {
+            return Err(BackendError::Device(why.to_string()));
+        }
+        self.tensor_cores = on;
+        Ok(())
+    }
+
+    /// Whether forward products run on tensor cores.
+    pub fn tensor_cores(&self) -> bool {
+        self.tensor_cores
     }
 
     /// Makes `attention_decode` cover `keys` keys per launch (a multiple of 64) instead of the
@@ -528,6 +650,32 @@ impl Exec {
         p: Params,
         groups: [u32; 2],
     ) {
+        self.record(kernel, format, Variant::Plain, entry, bufs, p, groups);
+    }
+
+    /// A launch of the tensor-core product `matmul_fwd_coop` with [`Kernel::MatmulFwd`]'s
+    /// bindings and `Params`, over `groups` tiles of [`CoopSupport::tile`]'s workgroup tile.
+    pub fn dispatch_coop(
+        &mut self,
+        format: WeightFormat,
+        bufs: &[(&wgpu::Buffer, u64, u64)],
+        p: Params,
+        groups: [u32; 2],
+    ) {
+        self.record(Kernel::MatmulFwd, format, Variant::Coop, 0, bufs, p, groups);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &mut self,
+        kernel: Kernel,
+        format: WeightFormat,
+        variant: Variant,
+        entry: usize,
+        bufs: &[(&wgpu::Buffer, u64, u64)],
+        p: Params,
+        groups: [u32; 2],
+    ) {
         let slot = (self.params.len() as u64) / SLOT;
         let mut bytes = [0u8; SLOT as usize];
         bytes[..64].copy_from_slice(bytemuck::cast_slice(&p.words));
@@ -535,6 +683,7 @@ impl Exec {
         self.cmds.push(Cmd::Dispatch {
             kernel,
             format,
+            variant,
             entry,
             bufs: bufs
                 .iter()
@@ -618,13 +767,14 @@ impl Exec {
                     while let Some(Cmd::Dispatch {
                         kernel,
                         format,
+                        variant,
                         entry,
                         bufs,
                         groups,
                         slot,
                     }) = cmds.get(i)
                     {
-                        let c = gpu.compiled(*kernel, *format)?;
+                        let c = gpu.compiled(*kernel, *format, *variant)?;
                         let pipeline = c.pipelines.get(*entry).ok_or_else(|| {
                             dev_err(format!("{} has no entry point #{entry}", kernel.name()))
                         })?;
@@ -636,7 +786,7 @@ impl Exec {
                                 bufs.len()
                             )));
                         }
-                        let key = (*kernel, *format, bufs.clone());
+                        let key = (*kernel, *format, *variant, bufs.clone());
                         if !self.bind_groups.contains_key(&key) {
                             let mut entries = vec![wgpu::BindGroupEntry {
                                 binding: 0,

@@ -432,7 +432,17 @@ pub fn matmul_fwd_window(
             )
         };
         let bufs = [x, wb, yb];
-        if n <= MATMUL_ROWS_MAX {
+        if let Some(t) = ex.tensor_cores().then(|| ex.gpu().coop()).flatten() {
+            // Every row count on the one tensor-core kernel, so that a row's sums do not
+            // depend on its batch (matmul_fwd_coop.wgsl: summation order).
+            let wt = t.tile.workgroup_tile() as usize;
+            ex.dispatch_coop(
+                format,
+                &bufs,
+                p,
+                [cols.div_ceil(wt) as u32, n.div_ceil(wt) as u32],
+            );
+        } else if n <= MATMUL_ROWS_MAX {
             ex.dispatch_as(
                 Kernel::MatmulFwd,
                 format,
