@@ -16,6 +16,11 @@
 //! - `wgpu_train/{wgpu,cpu}`: tokens/s (prompt + response) of one GRPO optimizer step on
 //!   8 sequences of 16 + 48 tokens (forward, backward, AdamW), as `cpu_train`.
 //!
+//! - `tc` variants, where the adapter has tensor cores (cooperative matrices;
+//!   `WgpuBackend::set_tensor_cores`): `wgpu_matmul/tc_<shape>`, `wgpu_generate/wgpu_bf16_tc/N`,
+//!   `wgpu_train/wgpu_tc/..`, `wgpu_e2e_*/generate/bf16_tc` and `train/f32_tc`. On lavapipe
+//!   the cooperative matrices are emulated in scalar code, so there they measure only that
+//!   the path runs; the speed-up is a GPU's (`scripts/device/wgpu.sh`).
 //! - `wgpu_e2e_{0.6b,1.7b}/{generate,train}/<dtype>` (prod shapes only, see `bench_e2e`):
 //!   generate (8 × 64-token prompts, 32 new tokens) and a GRPO train step (4 × 128 tokens)
 //!   at Qwen3-0.6B and 1.7B shapes with random weights; `scripts/device/torch_e2e.py` runs
@@ -51,6 +56,19 @@ fn gpu() -> Option<Arc<Gpu>> {
         }
         Err(e) => {
             eprintln!("SKIP: wgpu device creation failed: {e}");
+            None
+        }
+    }
+}
+
+/// A recorder whose forward products run on tensor cores, where the adapter has them (the
+/// `tc_` benchmarks); `None`, after saying why, where it has none.
+fn tensor_core_exec(g: &Arc<Gpu>) -> Option<Exec> {
+    let mut ex = Exec::new(Arc::clone(g));
+    match ex.set_tensor_cores(true) {
+        Ok(()) => Some(ex),
+        Err(e) => {
+            eprintln!("SKIP: the tensor-core (tc) benchmarks: {e}");
             None
         }
     }
@@ -102,6 +120,7 @@ fn prod_matmuls() -> Vec<(usize, usize, usize)> {
 
 fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     let mut ex = Exec::new(Arc::clone(g));
+    let mut tc = tensor_core_exec(g);
     let mut grp = c.benchmark_group("wgpu_matmul");
     grp.sample_size(10);
     let mut shapes = vec![
@@ -126,6 +145,16 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
                 })
             })
         });
+        // The same product on tensor cores (matmul_fwd_coop), where the adapter has them.
+        if let Some(tc) = tc.as_mut() {
+            grp.bench_function(format!("tc_{n}x{din}x{dout}"), |b| {
+                b.iter_custom(|it| {
+                    timed(tc, it, |ex| {
+                        ops::matmul_fwd(ex, &y, &x, &w, n, din, dout, false)
+                    })
+                })
+            });
+        }
     }
     grp.finish();
 
@@ -517,6 +546,13 @@ fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
     let w = Weights::random(&cfg, 0).expect("random weights");
     let mut bf16 =
         WgpuBackend::with_gpu_dtype(Arc::clone(g), &cfg, &w, DType::Bf16).expect("bf16 engine");
+    // And as a bf16 engine on tensor cores, where the adapter has them.
+    let mut bf16_tc = g.coop().map(|_| {
+        let mut be = WgpuBackend::with_gpu_dtype(Arc::clone(g), &cfg, &w, DType::Bf16)
+            .expect("bf16 engine");
+        be.set_tensor_cores(true).expect("tensor cores");
+        be
+    });
     let mut grp = c.benchmark_group("wgpu_generate");
     grp.sample_size(10);
     grp.throughput(Throughput::Elements(8 * 32));
@@ -536,6 +572,11 @@ fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
         grp.bench_function(BenchmarkId::new("wgpu_bf16", conc), |b| {
             b.iter(|| generate(&mut bf16, conc, &mut next))
         });
+        if let Some(be) = bf16_tc.as_mut() {
+            grp.bench_function(BenchmarkId::new("wgpu_bf16_tc", conc), |b| {
+                b.iter(|| generate(be, conc, &mut next))
+            });
+        }
     }
     grp.finish();
 }
@@ -583,7 +624,19 @@ fn bench_train(c: &mut Criterion, g: &Arc<Gpu>) {
     grp.throughput(Throughput::Elements(
         (seqs * (prompt_len + resp_len)) as u64,
     ));
-    for (name, be) in [("wgpu", &mut gpu), ("cpu", &mut cpu)] {
+    // The f32 trainer with tensor-core forward products, where the adapter has them.
+    let mut tc: Option<Box<dyn Policy>> = g.coop().map(|_| {
+        let cfg = ModelConfig::small();
+        let w = Weights::random(&cfg, 0).expect("random weights");
+        let mut be = WgpuBackend::with_gpu(Arc::clone(g), &cfg, &w).expect("wgpu backend");
+        be.set_tensor_cores(true).expect("tensor cores");
+        Box::new(be) as Box<dyn Policy>
+    });
+    let mut runs = vec![("wgpu", &mut gpu), ("cpu", &mut cpu)];
+    if let Some(be) = tc.as_mut() {
+        runs.push(("wgpu_tc", be));
+    }
+    for (name, be) in runs {
         grp.bench_function(BenchmarkId::new(name, "grpo_step_8x64"), |b| {
             b.iter(|| {
                 be.zero_grad().unwrap();
@@ -707,7 +760,17 @@ fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
             .warm_up_time(Duration::from_millis(100))
             .measurement_time(Duration::from_secs(1));
         let vocab = lazy.cfg.vocab_size;
-        for (dtype, id) in [(DType::F32, "f32"), (DType::Bf16, "bf16")] {
+        // `_tc`: the same backend with its forward products on tensor cores (turned on for
+        // the benchmark and off after it), where the adapter has them.
+        let tc = g.coop().is_some();
+        for (dtype, id, on) in [
+            (DType::F32, "f32", false),
+            (DType::Bf16, "bf16", false),
+            (DType::Bf16, "bf16_tc", true),
+        ] {
+            if on && !tc {
+                continue;
+            }
             if let Some(why) = too_large(g, &lazy.cfg, dtype) {
                 eprintln!("SKIP: {group}/generate/{id}: {why}");
                 continue;
@@ -716,11 +779,13 @@ fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
             let (mut next, mut first) = (0u64, true);
             grp.bench_function(BenchmarkId::new("generate", id), |b| {
                 let be = lazy.backend(dtype);
+                be.set_tensor_cores(on).expect("tensor cores");
                 b.iter(|| {
                     first_timed(&format!("{group}/generate/{id}"), &mut first, || {
                         generate_n(be, E2E_REQUESTS, E2E_PROMPT, E2E_NEW, vocab, &mut next)
                     })
-                })
+                });
+                be.set_tensor_cores(false).expect("f32 kernels");
             });
         }
         if let Some(why) = too_large(g, &lazy.cfg, DType::F32) {
@@ -731,18 +796,25 @@ fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
             grp.throughput(Throughput::Elements(
                 (E2E_SEQS * (E2E_TRAIN_PROMPT + E2E_TRAIN_RESPONSE)) as u64,
             ));
-            let mut first = true;
-            grp.bench_function(BenchmarkId::new("train", "f32"), |b| {
-                let be = lazy.backend(DType::F32);
-                b.iter(|| {
-                    first_timed(&format!("{group}/train/f32"), &mut first, || {
-                        be.zero_grad().unwrap();
-                        be.accumulate(&batch, &Objective::default())
-                            .expect("accumulate");
-                        be.optimizer_step(norm, &opt).expect("step");
-                    })
-                })
-            });
+            for (id, on) in [("f32", false), ("f32_tc", true)] {
+                if on && !tc {
+                    continue;
+                }
+                let mut first = true;
+                grp.bench_function(BenchmarkId::new("train", id), |b| {
+                    let be = lazy.backend(DType::F32);
+                    be.set_tensor_cores(on).expect("tensor cores");
+                    b.iter(|| {
+                        first_timed(&format!("{group}/train/{id}"), &mut first, || {
+                            be.zero_grad().unwrap();
+                            be.accumulate(&batch, &Objective::default())
+                                .expect("accumulate");
+                            be.optimizer_step(norm, &opt).expect("step");
+                        })
+                    });
+                    be.set_tensor_cores(false).expect("f32 kernels");
+                });
+            }
         }
         grp.finish();
         // The next shape's backends must not share the device with this one's.
