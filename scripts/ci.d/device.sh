@@ -20,6 +20,7 @@ nocargo=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
   > "$bare/all.log" 2>&1 || { cat "$bare/all.log"; echo "device rehearsal: all.sh failed"; exit 1; }
 fail() { cat "$bare/all.log"; echo "device rehearsal: $1"; exit 1; }
 grep -q "test result: ok. [1-9]" "$bare/out/wgpu/wgpu-log.txt" || fail "wgpu.sh ran no test"
+grep -q "^tensor-core tests: " "$bare/out/wgpu/wgpu-log.txt" || fail "wgpu.sh ran no tensor-core step"
 grep -q "^| wgpu_matmul | 64x128x384 " "$bare/out/wgpu/wgpu-table.md" || fail "wgpu.sh wrote no benchmark table"
 grep -q "test result: ok. [1-9]" "$bare/out/cuda/conformance.log" || fail "cuda.sh ran no test"
 grep -q "^SKIP: " "$bare/out/cuda/bench.err" || fail "cuda.sh's benchmark did not run"

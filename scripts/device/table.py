@@ -50,28 +50,34 @@ def main():
           "| PyTorch f32 time / ours |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for group, name, secs, rate, unit in rows:
-        t32 = torch.get((name, "float32")) if group == "wgpu_matmul" else None
-        t16 = torch.get((name, "bfloat16")) if group == "wgpu_matmul" else None
+        # A tensor-core row (tc_<shape>) is the same product as <shape>.
+        key = name.removeprefix("tc_")
+        t32 = torch.get((key, "float32")) if group == "wgpu_matmul" else None
+        t16 = torch.get((key, "bfloat16")) if group == "wgpu_matmul" else None
         rate_s = fmt_rate(rate, unit) if rate else ""
         print(f"| {group} | {name} | {fmt(secs)} | {rate_s} | {fmt(t32)} | {fmt(t16)} | "
               f"{'' if not t32 else f'{t32 / secs:.2f}x'} |")
     e2e_table({(g, n): rate for g, n, _, rate, _ in rows}, torch_e2e)
 
 
-# (model, workload, torch_e2e.py's shape key, criterion benchmark of wgpu f32, of wgpu bf16);
-# the bf16 train cell stays empty: the wgpu trainer keeps f32 weights.
+# (model, workload, torch_e2e.py's shape key, criterion benchmark of wgpu f32, of wgpu bf16,
+# of wgpu on tensor cores: the bf16 engine for generate, the f32 trainer with tensor-core
+# forward products for train); the bf16 train cell stays empty: the wgpu trainer keeps f32
+# weights.
 E2E = [
     ("default model", "generate 16 × (16 + 32)", None,
-     ("wgpu_generate", "wgpu/16"), ("wgpu_generate", "wgpu_bf16/16")),
+     ("wgpu_generate", "wgpu/16"), ("wgpu_generate", "wgpu_bf16/16"),
+     ("wgpu_generate", "wgpu_bf16_tc/16")),
     ("default model", "GRPO step 8 × (16 + 48)", None,
-     ("wgpu_train", "wgpu/grpo_step_8x64"), None),
+     ("wgpu_train", "wgpu/grpo_step_8x64"), None, ("wgpu_train", "wgpu_tc/grpo_step_8x64")),
 ]
 for shape, model in [("0.6b", "Qwen3-0.6B"), ("1.7b", "Qwen3-1.7B")]:
     E2E += [
         (model, "generate 8 × (64 + 32)", (shape, "generate"),
-         (f"wgpu_e2e_{shape}", "generate/f32"), (f"wgpu_e2e_{shape}", "generate/bf16")),
+         (f"wgpu_e2e_{shape}", "generate/f32"), (f"wgpu_e2e_{shape}", "generate/bf16"),
+         (f"wgpu_e2e_{shape}", "generate/bf16_tc")),
         (model, "GRPO step 4 × (64 + 64)", (shape, "train"),
-         (f"wgpu_e2e_{shape}", "train/f32"), None),
+         (f"wgpu_e2e_{shape}", "train/f32"), None, (f"wgpu_e2e_{shape}", "train/f32_tc")),
     ]
 
 
@@ -82,18 +88,21 @@ def e2e_table(rate, torch_e2e):
     print("\nEnd to end, tokens/s (generate: new tokens, prefill included; train: prompt + "
           "response tokens of one forward, backward and AdamW step; PyTorch bf16 train is "
           "autocast over f32 weights)\n")
-    print("| model | workload | wgpu f32 | wgpu bf16 | PyTorch f32 | PyTorch bf16 "
-          "| wgpu / PyTorch f32 | wgpu / PyTorch bf16 |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for model, work, tkey, b32, b16 in E2E:
+    print("| model | workload | wgpu f32 | wgpu bf16 | wgpu tensor cores | PyTorch f32 "
+          "| PyTorch bf16 | wgpu / PyTorch f32 | wgpu bf16 / PyTorch bf16 "
+          "| wgpu tensor cores / PyTorch bf16 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for model, work, tkey, b32, b16, btc in E2E:
         w32 = rate.get(b32) if b32 else None
         w16 = rate.get(b16) if b16 else None
+        wtc = rate.get(btc) if btc else None
         t32 = torch_e2e.get((*tkey, "float32")) if tkey else None
         t16 = torch_e2e.get((*tkey, "bfloat16")) if tkey else None
-        if not any([w32, w16, t32, t16]):
+        if not any([w32, w16, wtc, t32, t16]):
             continue
-        print(f"| {model} | {work} | {fmt_tok(w32)} | {fmt_tok(w16)} | {fmt_tok(t32)} | "
-              f"{fmt_tok(t16)} | {ratio(w32, t32)} | {ratio(w16, t16)} |")
+        print(f"| {model} | {work} | {fmt_tok(w32)} | {fmt_tok(w16)} | {fmt_tok(wtc)} | "
+              f"{fmt_tok(t32)} | {fmt_tok(t16)} | {ratio(w32, t32)} | {ratio(w16, t16)} | "
+              f"{ratio(wtc, t16)} |")
 
 
 def fmt_tok(r):

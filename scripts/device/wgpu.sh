@@ -6,16 +6,19 @@
 #      makes the Vulkan loader and NVIDIA's driver manifest reachable (scripts/device/lib.sh);
 #   2. runs the wgpu conformance suite on the adapter wgpu picks, with ROLLOUTPIPE_REQUIRE_GPU=1
 #      so that a missing adapter fails instead of skipping;
-#   3. runs the criterion benchmarks of backends/benches/wgpu.rs (every kernel, plus generate
+#   3. runs the tensor-core tests (backends/tests/wgpu_coop.rs), which skip where the adapter
+#      has no cooperative matrices;
+#   4. runs the criterion benchmarks of backends/benches/wgpu.rs (every kernel, plus generate
 #      and train tokens/s of the default model), with ROLLOUTPIPE_BENCH_SHAPES=prod so the
 #      matrix products also run at Qwen3-0.6B and 1.7B shapes, and so do end-to-end generate
 #      (8 x 64-token prompts, 32 new tokens; f32 and bf16) and a GRPO train step (4 x 128
-#      tokens, f32) on random weights (the wgpu_e2e_* groups);
-#   4. times the same matrix products (scripts/device/torch_matmul.py) and the same
+#      tokens, f32) on random weights (the wgpu_e2e_* groups), and the tensor-core (tc)
+#      variants of the products and of both workloads where the adapter has them;
+#   5. times the same matrix products (scripts/device/torch_matmul.py) and the same
 #      end-to-end workloads (scripts/device/torch_e2e.py: transformers' Qwen3ForCausalLM, f32
 #      without TF32 and bf16) in PyTorch on CUDA, when a python with torch (and transformers,
 #      for the second) and CUDA is present (TORCH_PYTHON, default python3);
-#   5. prints the tables (scripts/device/table.py: every benchmark, then end-to-end tokens/s
+#   6. prints the tables (scripts/device/table.py: every benchmark, then end-to-end tokens/s
 #      against PyTorch) and writes them to $OUT/wgpu-table.md when $OUT is set (the device
 #      runner's output folder), else to target/device/wgpu-table.md.
 # Each step has its own timeout, so a hang cannot eat the rest of a lease.
@@ -90,6 +93,27 @@ if ! grep -q "test result: ok" "$log"; then
   exit 1
 fi
 
+step "tensor cores (backends/tests/wgpu_coop.rs)"
+# The cooperative-matrix product against f16-rounded operands, batch invariance, log-probs,
+# decoding and gradients, where the adapter has tensor cores; where it has none the tests
+# print why and skip, and the tc benchmarks below do not run. A failure here is reported in
+# the table's header but does not stop the benchmarks.
+coop_log="$outdir/wgpu-coop.txt"
+if [ "$have_pack" = 1 ]; then
+  (cd backends && timeout "$(limit 120)" "$bin/wgpu_coop" 2>&1)
+else
+  timeout "$(limit 120)" cargo test --release --locked -p rolloutpipe-backends --features wgpu \
+    --test wgpu_coop 2>&1
+fi > "$coop_log" || true
+grep -E "tensor cores:|SKIP|worst|test result|FAILED|panicked" "$coop_log" | sort -u | tee -a "$log" || true
+coop_state="passed"
+if ! grep -q "test result: ok" "$coop_log"; then
+  coop_state="FAILED (see $coop_log)"
+elif grep -q "^SKIP: .*tensor cores need" "$coop_log"; then
+  coop_state="not on this adapter: $(grep -m1 "^SKIP: " "$coop_log" | sed 's/^SKIP: //')"
+fi
+echo "tensor-core tests: $coop_state" | tee -a "$log"
+
 step "criterion benchmarks"
 export CRITERION_HOME="$PWD/target/criterion"
 rm -rf "$CRITERION_HOME"/wgpu_*
@@ -123,6 +147,7 @@ fi
 
 step "table"
 adapter=$(grep -m1 "wgpu adapter:" "$log" | sed 's/^wgpu adapter: //' || true)
-python3 scripts/device/table.py "$CRITERION_HOME" "$torch_json" "${adapter:-unknown adapter}" \
+python3 scripts/device/table.py "$CRITERION_HOME" "$torch_json" \
+  "${adapter:-unknown adapter}; tensor-core tests: $coop_state" \
   | tee "$outdir/wgpu-table.md"
 step "done"
