@@ -548,8 +548,8 @@ fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
         WgpuBackend::with_gpu_dtype(Arc::clone(g), &cfg, &w, DType::Bf16).expect("bf16 engine");
     // And as a bf16 engine on tensor cores, where the adapter has them.
     let mut bf16_tc = g.coop().map(|_| {
-        let mut be = WgpuBackend::with_gpu_dtype(Arc::clone(g), &cfg, &w, DType::Bf16)
-            .expect("bf16 engine");
+        let mut be =
+            WgpuBackend::with_gpu_dtype(Arc::clone(g), &cfg, &w, DType::Bf16).expect("bf16 engine");
         be.set_tensor_cores(true).expect("tensor cores");
         be
     });

@@ -221,11 +221,12 @@ fn half_wgpu_engine_refuses_training_and_loads_synced_weights() {
     };
     says(be.restore_optimizer(state).unwrap_err());
 
-    // A sync from an f32 wgpu trainer on the same device goes through the host in bf16 and
-    // leaves the engine computing what the trainer computes on the rounded weights.
+    // A sync from an f32 wgpu trainer on the same device is rounded to bf16 on the device
+    // (weight_cast) and leaves the engine computing what the trainer computes on the rounded
+    // weights.
     let (next, next_rounded) = weights(&cfg, 4, DType::Bf16);
     let trainer = WgpuBackend::with_gpu(Arc::clone(&g), &cfg, &next).unwrap();
-    assert_eq!(trainer.sync_to(&mut be).unwrap(), SyncPath::Host);
+    assert_eq!(trainer.sync_to(&mut be).unwrap(), SyncPath::SameDevice);
     assert_eq!(be.export_weights().unwrap(), next_rounded);
     let mut f = WgpuBackend::with_gpu(Arc::clone(&g), &cfg, &next_rounded).unwrap();
     let ids = [3u32, 1, 4, 1, 5, 9, 2, 6];
@@ -289,4 +290,185 @@ fn weight_buffer_bytes_halve_at_the_default_model_and_qwen3_0_6b() {
         );
         assert_eq!((f, b, h), (f32_bytes, bf16_bytes, bf16_bytes), "{what}");
     }
+}
+
+/// Values where a rounding goes wrong: ties to even at both formats' precision, just past
+/// them, f16's subnormals and its underflow to zero, its largest finite value and the first
+/// that overflows, bf16's largest, signed zeros, infinities and NaN, then random values over
+/// many exponents.
+fn tricky(n_random: usize) -> Vec<f32> {
+    let mut v = vec![
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        1.0 + 2f32.powi(-8),       // bf16 tie: to even (1.0)
+        1.0 + 3.0 * 2f32.powi(-8), // bf16 tie: to even (up)
+        1.0 + 2f32.powi(-8) + 2f32.powi(-20),
+        1.0 + 2f32.powi(-11), // f16 tie
+        1.0 + 3.0 * 2f32.powi(-11),
+        1.0 + 2f32.powi(-11) + 2f32.powi(-22),
+        6.1e-5,  // f16 smallest normal is 6.104e-5
+        3.0e-5,  // f16 subnormal
+        5.96e-8, // f16 smallest subnormal (2^-24)
+        2.98e-8, // half of it: a tie to zero
+        3.0e-8,  // just past the tie: rounds up
+        1.0e-9,  // underflows to zero
+        -4.1e-6,
+        65504.0,
+        65519.0, // still rounds to 65504
+        -65519.0,
+        1.0e-38,      // f32 subnormal territory
+        3.3895314e38, // bf16's largest finite
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ];
+    let mut x = 0x1234_5678u32;
+    for _ in 0..n_random {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        // Exponents 2^-30 .. 2^15 and any mantissa: both formats' normal and subnormal ranges.
+        let e = (x % 46) as i32 - 30;
+        let m = 1.0 + (x >> 8) as f32 / (1u32 << 24) as f32;
+        v.push(if x & 1 == 1 { -m } else { m } * 2f32.powi(e));
+    }
+    v
+}
+
+/// `weight_cast` on the device gives the host's (`half`'s) bits for every value, packed and
+/// widened, in bf16 and f16, at an odd length, whole and in 128-value chunks; under f16 a
+/// non-finite result flags its tensor, and only under f16.
+#[test]
+fn weight_cast_rounds_as_the_host_does() {
+    use rolloutpipe_backends::wgpu::{Exec, ops};
+    use rolloutpipe_kernels::WeightFormat;
+    let Some(g) = device::gpu() else { return };
+    let src = tricky(4001);
+    let n = src.len();
+    assert_eq!(n % 2, 0);
+    let src = &src[..n - 1]; // odd
+    let n = src.len();
+    let sb = g.upload("cast src", src);
+    for (format, host) in [
+        (
+            WeightFormat::Bf16,
+            src.iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect::<Vec<u16>>(),
+        ),
+        (
+            WeightFormat::F16,
+            src.iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect::<Vec<u16>>(),
+        ),
+    ] {
+        let widened: Vec<u32> = host
+            .iter()
+            .map(|&h| match format {
+                WeightFormat::Bf16 => half::bf16::from_bits(h).to_f32().to_bits(),
+                _ => half::f16::from_bits(h).to_f32().to_bits(),
+            })
+            .collect();
+        for cap in [None, Some(512usize)] {
+            let mut ex = Exec::new(Arc::clone(&g));
+            if let Some(c) = cap {
+                ex.cap_binding(c); // 128 values per chunk
+            }
+            let packed = g.buffer("cast packed", n.div_ceil(2));
+            let wide = g.buffer("cast wide", n);
+            let flags = g.buffer("cast flags", 3);
+            ops::weight_cast(&mut ex, &packed, &sb, &flags, n, format, 1, true);
+            ops::weight_cast(&mut ex, &wide, &sb, &flags, n, format, 2, false);
+            ex.submit().unwrap();
+            let got = g.read::<u32>(&packed, n.div_ceil(2)).unwrap();
+            let want = ops::pack_half(&host);
+            for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+                // NaN payloads: both quiet NaNs of the same sign suffice.
+                let nan = |w: u32, k: u32| {
+                    let h = (w >> (16 * k)) & 0xffff;
+                    match format {
+                        WeightFormat::Bf16 => half::bf16::from_bits(h as u16).is_nan(),
+                        _ => half::f16::from_bits(h as u16).is_nan(),
+                    }
+                };
+                if a != b && !(nan(*a, 0) && nan(*b, 0)) && !(nan(*a, 1) && nan(*b, 1)) {
+                    panic!(
+                        "{format:?} cap {cap:?}: word {j} = {a:#010x}, host {b:#010x} (values {:?})",
+                        &src[2 * j..(2 * j + 2).min(n)]
+                    );
+                }
+            }
+            let got = g.read::<u32>(&wide, n).unwrap();
+            for (i, (a, b)) in got.iter().zip(&widened).enumerate() {
+                let both_nan = f32::from_bits(*a).is_nan() && f32::from_bits(*b).is_nan();
+                assert!(
+                    a == b || both_nan,
+                    "{format:?} cap {cap:?}: widened {} = {a:#010x}, host {b:#010x}",
+                    src[i]
+                );
+            }
+            let f = g.read::<u32>(&flags, 3).unwrap();
+            let over = u32::from(format == WeightFormat::F16);
+            assert_eq!(f, [0, over, over], "{format:?} overflow flags");
+        }
+    }
+}
+
+/// A same-device sync to a 16-bit engine is rounded on the device and gives the bits of the
+/// host path (the engine's weights and logits after each are equal), in bf16 and f16 and with
+/// the trainer's tensors bound in chunks; an f16 value out of range is refused naming its
+/// tensor, leaving the engine's weights as they were.
+#[test]
+fn same_device_half_sync_equals_the_host_path() {
+    let Some(g) = device::gpu() else { return };
+    let cfg = odd();
+    for dtype in HALF {
+        let (raw, _) = weights(&cfg, 31, dtype);
+        let (next, next_rounded) = weights(&cfg, 32, dtype);
+        for cap in [None, Some(1024usize)] {
+            let mut trainer = WgpuBackend::with_gpu(Arc::clone(&g), &cfg, &next).unwrap();
+            if let Some(c) = cap {
+                trainer.cap_storage_binding(c).unwrap();
+            }
+            let mut dev = WgpuBackend::with_gpu_dtype(Arc::clone(&g), &cfg, &raw, dtype).unwrap();
+            let mut host = WgpuBackend::with_gpu_dtype(Arc::clone(&g), &cfg, &raw, dtype).unwrap();
+            assert_eq!(trainer.sync_to(&mut dev).unwrap(), SyncPath::SameDevice);
+            let snap = WeightSnapshot::host(&cfg, &next, dtype).unwrap();
+            assert_eq!(host.load_weights(&snap).unwrap(), SyncPath::Host);
+            assert_eq!(
+                dev.export_weights().unwrap(),
+                next_rounded,
+                "{dtype} {cap:?}"
+            );
+            assert_eq!(
+                host.export_weights().unwrap(),
+                next_rounded,
+                "{dtype} {cap:?}"
+            );
+            let ids = [3u32, 1, 4, 1, 5, 9, 2, 6];
+            assert_eq!(
+                bits(&dev.logits(&ids).unwrap()),
+                bits(&host.logits(&ids).unwrap()),
+                "{dtype} {cap:?}"
+            );
+        }
+    }
+    let (raw, _) = weights(&cfg, 33, DType::F16);
+    let mut engine = WgpuBackend::with_gpu_dtype(Arc::clone(&g), &cfg, &raw, DType::F16).unwrap();
+    let before = engine.export_weights().unwrap();
+    let name = "model.layers.0.self_attn.o_proj.weight";
+    let mut bad = raw.clone();
+    bad.tensors.get_mut(name).unwrap().data[3] = -7e4;
+    let trainer = WgpuBackend::with_gpu(Arc::clone(&g), &cfg, &bad).unwrap();
+    let e = trainer.sync_to(&mut engine).unwrap_err().to_string();
+    assert!(
+        e.contains(name) && e.contains("f16") && !e.contains('\n'),
+        "{e}"
+    );
+    assert_eq!(engine.export_weights().unwrap(), before);
 }

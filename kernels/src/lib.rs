@@ -209,6 +209,10 @@ kernels! {
     GradNorm => "grad_norm" + "reduce", ["grad_norm", "grad_norm_reduce"], 3, ro [1], [256, 1, 1], ["grad_norm", "grad_norm_reduce"];
     /// Temperature / top-k / top-p sampling from a host-drawn uniform, with the log-prob.
     Sample => "sample" + "reduce", ["sample"], 4, ro [1, 2], [256, 1, 1], ["sample"];
+    /// An f32 tensor rounded to bf16 or f16 (nearest-even, as `cpu::store::round_to_bf16` /
+    /// `round_to_f16`), packed in pairs or widened back to f32, for a same-device sync to a
+    /// 16-bit engine; flags an f16 overflow per tensor. wgpu only: no PTX twin.
+    WeightCast => "weight_cast", ["weight_cast", "weight_cast_round"], 3, ro [1], [256, 1, 1], [];
 }
 
 /// How a kernel that reads weights ([`Kernel::reads_weights`]) stores them in its binding 2.
@@ -376,7 +380,7 @@ mod tests {
     use super::*;
 
     /// The op list fixed by the backend interface (STYLE.md: one name everywhere).
-    const OPS: [&str; 21] = [
+    const OPS: [&str; 22] = [
         "embedding_fwd",
         "embedding_bwd",
         "rmsnorm_fwd",
@@ -400,6 +404,9 @@ mod tests {
         "adamw_step",
         "grad_norm",
         "sample",
+        // A same-device sync's rounding to a 16-bit engine's dtype (the CPU rounds in
+        // `cpu::store`).
+        "weight_cast",
     ];
 
     #[test]

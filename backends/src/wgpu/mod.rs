@@ -26,7 +26,8 @@
 //! tensors are stored in 16 bits.
 //!
 //! Seam v2 on this backend: weight sync between two backends on one [`Gpu`] is a
-//! buffer-to-buffer copy on the device ([`SyncPath::SameDevice`]); the KV cache is a paged
+//! buffer-to-buffer copy on the device ([`SyncPath::SameDevice`]), to a 16-bit engine after
+//! rounding on the device (the `weight_cast` kernel, bit for bit the host's rounding); the KV cache is a paged
 //! pool ([`kv`]) whose free pages are the engine's capacity (a request that does not fit is
 //! handed back); a group's samples reference its prompt's shared pages instead of each
 //! prefilling the prompt; `submit_step` queues the step and returns, `poll_step` collects it
@@ -63,8 +64,8 @@ use crate::seam::*;
 use crate::weights::Weights;
 use generate::Generator;
 use model::{
-    Acts, DeviceModel, Packed, encode_backward, encode_forward, ensure_acts, upload_packed,
-    weight_format,
+    Acts, DeviceModel, Packed, encode_backward, encode_forward, ensure_acts, half_stored,
+    stored_words, upload_packed, weight_format,
 };
 use ops::{AdamScalars, Loss};
 use rolloutpipe_kernels::{Kernel, WeightFormat};
@@ -407,9 +408,10 @@ impl RolloutEngine for WgpuBackend {
         if let SnapshotPayload::Device(d) = &snap.payload
             && let Some(src) = d.handle.downcast_ref::<WgpuSnapshot>()
             && Arc::ptr_eq(&src.gpu, &self.gpu)
-            && d.dtype == DType::F32
-            && self.model.weights == WeightFormat::F32
+            && weight_format(d.dtype) == self.model.weights
         {
+            // In the engine's own storage (f32, or 16-bit pairs rounded on the device by
+            // `snapshot_half`): a copy per tensor.
             for ((e, from), to) in self
                 .model
                 .layout
@@ -418,7 +420,15 @@ impl RolloutEngine for WgpuBackend {
                 .zip(&src.params)
                 .zip(&self.model.params)
             {
-                self.ex.copy(from, 0, to, 0, e.len as u64 * 4);
+                let bytes = stored_words(e, self.model.weights) as u64 * 4;
+                if from.size() < bytes {
+                    return Err(BackendError::Device(format!(
+                        "snapshot tensor {} holds {} bytes, {bytes} expected",
+                        e.name,
+                        from.size()
+                    )));
+                }
+                self.ex.copy(from, 0, to, 0, bytes);
             }
             self.ex.submit()?;
             return Ok(SyncPath::SameDevice);
@@ -530,6 +540,63 @@ fn generate_check(
     Ok(())
 }
 
+impl WgpuBackend {
+    /// A snapshot of this f32 model for a 16-bit engine on the same device: every tensor
+    /// rounded to `dtype` on the device (`weight_cast`: 2-D tensors packed in pairs, 1-D ones
+    /// rounded and kept as f32, as the engine stores them), bit for bit what the host path
+    /// gives; under f16 a value past its range is refused naming its tensor, as there.
+    fn snapshot_half(&self, dtype: DType) -> Result<WeightSnapshot> {
+        let fmt = weight_format(dtype);
+        let entries = &self.model.layout.entries;
+        let mut ex = Exec::new(Arc::clone(&self.gpu));
+        // wgpu zeroes new buffers: one overflow flag per tensor.
+        let overflow = self.gpu.buffer("weight cast overflow", entries.len());
+        let params: Vec<wgpu::Buffer> = entries
+            .iter()
+            .zip(&self.model.params)
+            .enumerate()
+            .map(|(i, (e, b))| {
+                let c = self
+                    .gpu
+                    .buffer(&format!("snapshot {}", e.name), stored_words(e, fmt));
+                ops::weight_cast(
+                    &mut ex,
+                    &c,
+                    b,
+                    &overflow,
+                    e.len,
+                    fmt,
+                    i,
+                    half_stored(e, fmt),
+                );
+                c
+            })
+            .collect();
+        let t = ex.read_back(&overflow, 0, entries.len() * 4);
+        let flags = ex.submit()?.get::<u32>(t);
+        if let Some(i) = flags.iter().position(|&f| f != 0) {
+            return Err(BackendError::invalid(
+                "weight dtype",
+                format!(
+                    "{}: a value does not fit in f16 (|x| <= 65504); use BF16",
+                    entries[i].name
+                ),
+            ));
+        }
+        Ok(WeightSnapshot {
+            config: self.model.cfg.clone(),
+            payload: SnapshotPayload::Device(DeviceSnapshot {
+                device: self.device(),
+                dtype,
+                handle: Arc::new(WgpuSnapshot {
+                    gpu: Arc::clone(&self.gpu),
+                    params,
+                }),
+            }),
+        })
+    }
+}
+
 impl Trainer for WgpuBackend {
     fn export_weights(&self) -> Result<Weights> {
         let mut ex = Exec::new(Arc::clone(&self.gpu));
@@ -546,8 +613,13 @@ impl Trainer for WgpuBackend {
     }
 
     fn snapshot_weights(&self, target: SyncTarget) -> Result<WeightSnapshot> {
-        // Device to device only between f32 models; a 16-bit engine gets a host snapshot in
-        // its dtype (a conversion kernel would keep that on the device: not written yet).
+        // A 16-bit engine on this device gets its weights rounded on the device.
+        if target.device == self.device()
+            && target.dtype != DType::F32
+            && self.model.weights == WeightFormat::F32
+        {
+            return self.snapshot_half(target.dtype);
+        }
         if target.device == self.device()
             && target.dtype == DType::F32
             && self.model.weights == WeightFormat::F32

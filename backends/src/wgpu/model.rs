@@ -246,12 +246,12 @@ pub fn weight_format(dtype: DType) -> WeightFormat {
 }
 
 /// Whether entry `e` is stored in 16 bits under `weights` (2-D tensors of a 16-bit model).
-fn half_stored(e: &ParamEntry, weights: WeightFormat) -> bool {
+pub fn half_stored(e: &ParamEntry, weights: WeightFormat) -> bool {
     weights != WeightFormat::F32 && e.shape.len() == 2
 }
 
 /// 4-byte words of entry `e`'s buffer under `weights`.
-fn stored_words(e: &ParamEntry, weights: WeightFormat) -> usize {
+pub fn stored_words(e: &ParamEntry, weights: WeightFormat) -> usize {
     if half_stored(e, weights) {
         e.len.div_ceil(2)
     } else {

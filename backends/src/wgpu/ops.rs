@@ -26,6 +26,64 @@ fn tiles(cols: usize, rows: usize) -> [u32; 2] {
     ]
 }
 
+/// `dst` = the `n` f32 values of `src` rounded to `format` (bf16 or f16, nearest-even as
+/// `cpu::store::round_to_bf16` / `round_to_f16`): packed in pairs as [`pack_half`] writes
+/// them when `packed`, else widened back to f32 values. Under f16 a non-finite result sets
+/// `overflow[tensor]` (a `u32` per tensor, zeroed by the caller). A tensor above the binding
+/// limit runs in chunks of a multiple of 128 values (both bindings start on 256 bytes).
+#[allow(clippy::too_many_arguments)]
+pub fn weight_cast(
+    ex: &mut Exec,
+    dst: &Buffer,
+    src: &Buffer,
+    overflow: &Buffer,
+    n: usize,
+    format: WeightFormat,
+    tensor: usize,
+    packed: bool,
+) {
+    let mode = match format {
+        WeightFormat::Bf16 => 0,
+        WeightFormat::F16 => 1,
+        WeightFormat::F32 => {
+            ex.gpu()
+                .defer_error("weight_cast: f32 is not a 16-bit format".into());
+            return;
+        }
+    };
+    let chunk = (elementwise_chunk(ex.binding_limit(), n) / 128 * 128).max(128);
+    let whole = chunk >= n;
+    for first in (0..n.max(1)).step_by(chunk) {
+        let count = chunk.min(n - first.min(n));
+        let p = Params::new().u(count).u(mode).u(tensor);
+        let (sb, db) = if whole {
+            ((src, 0, 0), (dst, 0, 0))
+        } else if packed {
+            (
+                (src, (first * 4) as u64, (count * 4) as u64),
+                (dst, (first * 2) as u64, binding_bytes(count, 2)),
+            )
+        } else {
+            (
+                (src, (first * 4) as u64, (count * 4) as u64),
+                (dst, (first * 4) as u64, (count * 4) as u64),
+            )
+        };
+        let (entry, threads) = if packed {
+            (0, count.div_ceil(2))
+        } else {
+            (1, count)
+        };
+        ex.dispatch_ranges(
+            Kernel::WeightCast,
+            entry,
+            &[sb, db, (overflow, 0, 0)],
+            p,
+            linear(threads, 256),
+        );
+    }
+}
+
 /// `out[n, d] = table[ids[t], :]` (also a row gather: `table` any `[rows, d]` buffer).
 pub fn embedding_fwd(
     ex: &mut Exec,
