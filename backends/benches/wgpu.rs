@@ -728,7 +728,8 @@ fn first_timed(what: &str, first: &mut bool, f: impl FnOnce()) {
 /// - `train/f32`: one GRPO optimizer step (zero_grad, accumulate, optimizer_step: forward,
 ///   backward, AdamW) on 4 sequences of 64 + 64 tokens; throughput in tokens (512).
 ///
-/// `ROLLOUTPIPE_BENCH_E2E` (comma-separated: `0.6b`, `1.7b`) limits the shapes.
+/// `ROLLOUTPIPE_BENCH_E2E` (comma-separated: `0.6b`, `1.7b`) limits the shapes;
+/// `ROLLOUTPIPE_BENCH_ONCE=1` times one iteration of each case instead ([`e2e_once`]).
 ///
 /// Flat sampling with 10 samples: at least 10 timed iterations plus one warm-up, the fewest
 /// criterion allows, so that the whole group stays short on a GPU.
@@ -754,6 +755,10 @@ fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
             f32: None,
             bf16: None,
         };
+        if std::env::var("ROLLOUTPIPE_BENCH_ONCE").as_deref() == Ok("1") {
+            e2e_once(&group, &mut lazy);
+            continue;
+        }
         let mut grp = c.benchmark_group(&group);
         grp.sample_size(10)
             .sampling_mode(SamplingMode::Flat)
@@ -819,6 +824,73 @@ fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
         grp.finish();
         // The next shape's backends must not share the device with this one's.
         drop(lazy);
+    }
+}
+
+/// `ROLLOUTPIPE_BENCH_ONCE=1`: each end-to-end case of `bench_e2e` timed for one iteration
+/// after one untimed warm-up iteration (compilation, the KV pool's and the activations'
+/// growth), outside criterion, which needs 11 iterations at least: on a CPU adapter one 0.6B
+/// generate iteration takes minutes. Prints `<group>/<case>: <s> s, <tokens/s>` per case;
+/// `ROLLOUTPIPE_BENCH_ONCE_CASES` (comma-separated, e.g. `generate/bf16,train/f32`) limits
+/// the cases.
+fn e2e_once(group: &str, lazy: &mut Lazy) {
+    let vocab = lazy.cfg.vocab_size;
+    let tc = lazy.g.coop().is_some();
+    // `ROLLOUTPIPE_BENCH_ONCE_CASES=generate/bf16,train/f32` keeps only those cases.
+    let only = std::env::var("ROLLOUTPIPE_BENCH_ONCE_CASES").unwrap_or_default();
+    let wanted = |case: &str| only.is_empty() || only.split(',').any(|c| c == case);
+    let report = |case: &str, tokens: usize, run: &mut dyn FnMut()| {
+        run();
+        let t = Instant::now();
+        run();
+        let s = t.elapsed().as_secs_f64();
+        eprintln!(
+            "{group}/{case}: {s:.1} s, {:.3} tokens/s (one iteration after a warm-up)",
+            tokens as f64 / s
+        );
+    };
+    let mut next = 0u64;
+    for (dtype, id, on) in [
+        (DType::F32, "f32", false),
+        (DType::Bf16, "bf16", false),
+        (DType::Bf16, "bf16_tc", true),
+    ] {
+        if (on && !tc)
+            || too_large(&lazy.g, &lazy.cfg, dtype).is_some()
+            || !wanted(&format!("generate/{id}"))
+        {
+            continue;
+        }
+        let be = lazy.backend(dtype);
+        be.set_tensor_cores(on).expect("tensor cores");
+        report(
+            &format!("generate/{id}"),
+            E2E_REQUESTS * E2E_NEW,
+            &mut || generate_n(be, E2E_REQUESTS, E2E_PROMPT, E2E_NEW, vocab, &mut next),
+        );
+        be.set_tensor_cores(false).expect("f32 kernels");
+    }
+    if too_large(&lazy.g, &lazy.cfg, DType::F32).is_some() {
+        return;
+    }
+    let (batch, norm, opt) = grpo_batch(E2E_SEQS, E2E_TRAIN_PROMPT, E2E_TRAIN_RESPONSE, vocab);
+    for (id, on) in [("f32", false), ("f32_tc", true)] {
+        if (on && !tc) || !wanted(&format!("train/{id}")) {
+            continue;
+        }
+        let be = lazy.backend(DType::F32);
+        be.set_tensor_cores(on).expect("tensor cores");
+        report(
+            &format!("train/{id}"),
+            E2E_SEQS * (E2E_TRAIN_PROMPT + E2E_TRAIN_RESPONSE),
+            &mut || {
+                be.zero_grad().unwrap();
+                be.accumulate(&batch, &Objective::default())
+                    .expect("accumulate");
+                be.optimizer_step(norm, &opt).expect("step");
+            },
+        );
+        be.set_tensor_cores(false).expect("f32 kernels");
     }
 }
 
