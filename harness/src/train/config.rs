@@ -321,6 +321,14 @@ pub struct RolloutSection {
     /// An engine running fewer requests than this receives migrated ones.
     #[serde(default = "default_migrate_receiver_max")]
     pub migrate_receiver_max: u32,
+    /// Tensor cores for the rollout engines (`run.backend = "wgpu"` only): every forward
+    /// product of generation and of the engines' log-prob scoring runs on cooperative matrices
+    /// (`WgpuBackend::set_tensor_cores`: f16 operands, f32 sums); the trainer stays f32.
+    /// Results move by the f16 rounding of the operands and stay batch-invariant. Refused before
+    /// the run directory is touched where the adapter has no tensor cores, naming what it lacks.
+    /// Absent from run directories written before it existed (off).
+    #[serde(default)]
+    pub tensor_cores: bool,
 }
 
 fn default_migrate_min_generated() -> u32 {
@@ -531,6 +539,11 @@ impl TrainConfig {
                  buffers each micro-batch at dispatch, so no dispatched group waits for the trainer"
             );
         }
+        ensure!(
+            !ro.tensor_cores || r.backend == "wgpu",
+            "rollout.tensor_cores = true needs run.backend = \"wgpu\" (got {:?}): only wgpu engines have the cooperative-matrix path",
+            r.backend
+        );
         if ro.migrate {
             ensure!(
                 matches!(r.backend.as_str(), "cpu" | "wgpu"),
@@ -807,6 +820,70 @@ mod tests {
             .with_overrides(&["rollout.dtype=\"bf16\"".into()])
             .unwrap();
         assert_eq!(bf.engine_dtype().unwrap(), DType::Bf16);
+    }
+
+    #[test]
+    fn rollout_tensor_cores_defaults_off_and_needs_wgpu() {
+        // The embedded default has the key, off; a config without it (run directories written
+        // before it existed) reads as off.
+        let table: toml::Table = toml::from_str(DEFAULT_TOML).unwrap();
+        assert_eq!(
+            table["rollout"].get("tensor_cores"),
+            Some(&toml::Value::Boolean(false)),
+            "default.toml's [rollout] must set tensor_cores = false"
+        );
+        let c = TrainConfig::default_config().unwrap();
+        assert!(!c.rollout.tensor_cores);
+        let old: String = c
+            .to_toml()
+            .unwrap()
+            .lines()
+            .filter(|l| !l.starts_with("tensor_cores ="))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert!(!old.contains("tensor_cores"), "{old}");
+        assert!(
+            !TrainConfig::from_toml_str(&old)
+                .unwrap()
+                .rollout
+                .tensor_cores
+        );
+        // It parses from a file and from --set, and validates on wgpu.
+        let file = TrainConfig::from_partial_toml(
+            "[run]\nbackend = \"wgpu\"\n[rollout]\ntensor_cores = true\n",
+        )
+        .unwrap();
+        assert!(file.rollout.tensor_cores);
+        file.validate().unwrap();
+        let on = c
+            .with_overrides(&["rollout.tensor_cores=true".into()])
+            .unwrap();
+        assert!(on.rollout.tensor_cores);
+        let err = c
+            .with_overrides(&["rollout.tensor_cores=\"yes\"".into()])
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("tensor_cores"), "{err:#}");
+        // Any other backend is refused in one line naming the key and the backend.
+        for backend in ["cpu", "cuda"] {
+            let bad = on
+                .with_overrides(&[format!("run.backend=\"{backend}\"")])
+                .unwrap();
+            let e = format!("{:#}", bad.validate().unwrap_err());
+            assert_eq!(e.lines().count(), 1, "{e}");
+            assert!(
+                e.starts_with(&format!(
+                    "rollout.tensor_cores = true needs run.backend = \"wgpu\" (got \"{backend}\")"
+                )),
+                "{e}"
+            );
+        }
+        // Off, every backend validates as before.
+        for backend in ["cpu", "wgpu", "cuda"] {
+            c.with_overrides(&[format!("run.backend=\"{backend}\"")])
+                .unwrap()
+                .validate()
+                .unwrap();
+        }
     }
 
     #[test]

@@ -81,7 +81,7 @@ pub fn run_with_transport(
 ) -> anyhow::Result<RunOutcome> {
     let resume = opts.resume;
     cfg.validate()?;
-    check_backend(&cfg.run.backend)?;
+    check_backend(&cfg.run.backend, cfg.rollout.tensor_cores)?;
     // Held until the run returns: a second writer of `out` is refused meanwhile.
     let _lock = guard::prepare(cfg, out, opts)?;
     let started = Instant::now();

@@ -17,8 +17,8 @@ use rolloutpipe_backends::{ModelConfig, SyncTarget, Weights};
 use super::config::TrainConfig;
 use super::steps::trainer_setup;
 use super::workers::{
-    EngineCmd, EngineReference, Event, TrainCmd, VerifyJob, engine_thread, make_engine,
-    make_trainer, trainer_thread, verifier_thread,
+    EngineCmd, EngineOptions, EngineReference, Event, TrainCmd, VerifyJob, engine_thread,
+    make_engine, make_trainer, trainer_thread, verifier_thread,
 };
 use crate::tasks::{Task, Tokenizer};
 
@@ -78,15 +78,10 @@ impl Transport for Local {
         let cfg = s.cfg;
         let mut handles: Vec<JoinHandle<()>> = Vec::new();
         let mut engines = Vec::new();
+        let opts = EngineOptions::of(cfg)?;
         for e in 0..cfg.rollout.engines {
-            let be = make_engine(
-                &cfg.run.backend,
-                s.model_cfg,
-                s.weights,
-                cfg.rollout.threads_per_engine,
-                cfg.engine_dtype()?,
-            )
-            .with_context(|| format!("rollout engine {e}"))?;
+            let be = make_engine(&cfg.run.backend, s.model_cfg, s.weights, &opts)
+                .with_context(|| format!("rollout engine {e}"))?;
             let target = be.sync_target();
             let reference = engine_reference(cfg, s.model_cfg, s.reference)
                 .with_context(|| format!("rollout engine {e}: reference model"))?;

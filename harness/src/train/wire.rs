@@ -335,6 +335,10 @@ pub enum EngineMsg {
         /// `fault.perturb_mux` (tests only).
         #[serde(default)]
         perturb_mux: bool,
+        /// `rollout.tensor_cores`: the engine's forward products on tensor cores (wgpu only;
+        /// absent = off, as from a sender that predates it).
+        #[serde(default)]
+        tensor_cores: bool,
     },
     /// Admissions, resumes and cancels, in order, then one decode iteration when `decode`.
     Step {
@@ -723,6 +727,37 @@ mod tests {
         let old: serde_json::Value = serde_json::from_slice(old).unwrap();
         let (m, _): (EngineMsg, _) = decode(&encode(&old, &[])).unwrap();
         assert!(matches!(m, EngineMsg::Step { resumes, .. } if resumes.is_empty()));
+    }
+
+    #[test]
+    fn engine_init_carries_tensor_cores_and_older_senders_mean_off() {
+        let init = EngineMsg::Init {
+            engine: 1,
+            backend: "wgpu".into(),
+            threads: 2,
+            dtype: "bf16".into(),
+            model: serde_json::json!({"hidden_size": 32}),
+            fail_at_request: None,
+            reference: false,
+            perturb_mux: false,
+            tensor_cores: true,
+        };
+        let (back, _): (EngineMsg, _) = decode(&encode(&init, &[])).unwrap();
+        assert_eq!(back, init);
+        // An Init from a sender that predates the key (and the dtype) decodes as off (and f32).
+        let old = br#"{"Init":{"engine":0,"backend":"wgpu","threads":1,"model":{},"fail_at_request":null}}"#;
+        let old: serde_json::Value = serde_json::from_slice(old).unwrap();
+        let (m, _): (EngineMsg, _) = decode(&encode(&old, &[])).unwrap();
+        let EngineMsg::Init {
+            tensor_cores,
+            dtype,
+            ..
+        } = m
+        else {
+            panic!("{m:?}")
+        };
+        assert!(!tensor_cores);
+        assert_eq!(dtype, "f32");
     }
 
     #[test]

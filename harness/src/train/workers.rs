@@ -19,6 +19,7 @@ use rolloutpipe_backends::{
 };
 use rolloutpipe_core::{GroupId, PolicyVersion, RequestId};
 
+use super::config::TrainConfig;
 pub use super::steps::score;
 use super::steps::{EngineOut, EngineStep, TrainerStep};
 use crate::tasks::{Problem, Task, Tokenizer};
@@ -65,20 +66,53 @@ pub fn make_trainer(
     Ok(TrainerBackend(b))
 }
 
-/// Builds a rollout engine by name with `threads` CPU threads (ignored by GPU backends),
-/// storing its weights in `dtype` (half storage on the CPU and wgpu backends; the config
-/// refuses it on cuda, and so does this, by name).
+/// How a rollout engine is built, besides its backend name, model and weights: the
+/// `[rollout]` settings that shape an engine (and travel in a remote engine's `Init`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// CPU threads of the engine's backend (`rollout.threads_per_engine`; ignored by GPU
+    /// backends).
+    pub threads: usize,
+    /// Weight storage (`rollout.dtype`).
+    pub dtype: DType,
+    /// Forward products on tensor cores (`rollout.tensor_cores`; wgpu only).
+    pub tensor_cores: bool,
+}
+
+impl EngineOptions {
+    /// The engine options of `cfg`'s `[rollout]`.
+    pub fn of(cfg: &TrainConfig) -> anyhow::Result<Self> {
+        Ok(Self {
+            threads: cfg.rollout.threads_per_engine,
+            dtype: cfg.engine_dtype()?,
+            tensor_cores: cfg.rollout.tensor_cores,
+        })
+    }
+}
+
+/// Builds a rollout engine by name as `opts` say: its weights stored in `opts.dtype` (half
+/// storage on the CPU and wgpu backends; the config refuses it on cuda, and so does this, by
+/// name), its forward products on tensor cores with `opts.tensor_cores` (wgpu only; refused
+/// in one line where the adapter has none). The trainer never gets tensor cores.
 pub fn make_engine(
     name: &str,
     cfg: &ModelConfig,
     w: &Weights,
-    threads: usize,
-    dtype: DType,
+    opts: &EngineOptions,
 ) -> anyhow::Result<EngineBackend> {
+    let EngineOptions {
+        threads,
+        dtype,
+        tensor_cores,
+    } = *opts;
     let b: Box<dyn RolloutEngine> = match (name, dtype) {
+        ("wgpu", _) => make_wgpu_engine(cfg, w, dtype, tensor_cores)?,
+        (other, _) if tensor_cores => anyhow::bail!(
+            "rollout.tensor_cores needs the wgpu backend: the {other} backend has no \
+             cooperative-matrix path"
+        ),
         (_, DType::F32) => make_backend(name, cfg, w, threads)?,
         ("cpu", _) => Box::new(CpuBackend::with_dtype(cfg, w, threads, dtype)?),
-        ("wgpu", _) => make_wgpu_engine(cfg, w, dtype)?,
         (other, _) => anyhow::bail!(
             "rollout.dtype {:?} needs the cpu or wgpu backend: the {other} backend stores f32 weights",
             dtype.name().to_ascii_lowercase()
@@ -88,16 +122,46 @@ pub fn make_engine(
 }
 
 /// Refuses, before any work, a backend this binary or machine cannot run: `wgpu` without its
-/// feature, `cuda` without its feature or without a loadable NVIDIA driver.
-pub fn check_backend(name: &str) -> anyhow::Result<()> {
+/// feature, `cuda` without its feature or without a loadable NVIDIA driver, and with
+/// `tensor_cores` (`rollout.tensor_cores`) a wgpu adapter without tensor cores, or none at
+/// all (the adapter's one-line reason, [`rolloutpipe_backends::wgpu::Gpu::coop_refusal`]).
+pub fn check_backend(name: &str, tensor_cores: bool) -> anyhow::Result<()> {
     match name {
         "wgpu" if !cfg!(feature = "wgpu") => make_wgpu_unavailable(),
+        "wgpu" if tensor_cores => check_tensor_cores(),
         "cuda" => match rolloutpipe_backends::cuda::availability() {
             Some(why) => anyhow::bail!("run.backend \"cuda\": {why}"),
             None => Ok(()),
         },
         _ => Ok(()),
     }
+}
+
+/// Opens the default wgpu adapter as every engine will and refuses `rollout.tensor_cores`
+/// where it has no tensor cores, in one line.
+#[cfg(feature = "wgpu")]
+fn check_tensor_cores() -> anyhow::Result<()> {
+    use rolloutpipe_backends::wgpu::Gpu;
+    let gpu = match Gpu::new() {
+        Ok(Some(g)) => g,
+        Ok(None) => anyhow::bail!("rollout.tensor_cores: no wgpu adapter found"),
+        Err(e) => anyhow::bail!("rollout.tensor_cores: opening the wgpu adapter: {e}"),
+    };
+    match gpu.coop_refusal() {
+        Some(why) => anyhow::bail!("rollout.tensor_cores: {}", one_line(why)),
+        None => Ok(()),
+    }
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn check_tensor_cores() -> anyhow::Result<()> {
+    make_wgpu_unavailable()
+}
+
+/// `s` on one line (a driver's message may hold newlines).
+#[cfg(feature = "wgpu")]
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 fn make_wgpu_unavailable<T>() -> anyhow::Result<T> {
@@ -130,16 +194,22 @@ fn make_wgpu(cfg: &ModelConfig, w: &Weights) -> anyhow::Result<Box<dyn Policy>> 
     Ok(Box::new(b))
 }
 
-/// A wgpu engine storing its weights in `dtype` (bf16 or f16: engine-only, f32 compute).
+/// A wgpu engine storing its weights in `dtype` (f32, or bf16 / f16: engine-only, f32
+/// compute), its forward products on tensor cores when `tensor_cores` (refused, naming what
+/// the adapter lacks, where it has none).
 #[cfg(feature = "wgpu")]
 fn make_wgpu_engine(
     cfg: &ModelConfig,
     w: &Weights,
     dtype: DType,
+    tensor_cores: bool,
 ) -> anyhow::Result<Box<dyn RolloutEngine>> {
     use anyhow::Context;
-    let b = rolloutpipe_backends::wgpu::WgpuBackend::with_dtype(cfg, w, dtype)
+    let mut b = rolloutpipe_backends::wgpu::WgpuBackend::with_dtype(cfg, w, dtype)
         .context("starting the wgpu backend (is there a GPU adapter?)")?;
+    if tensor_cores {
+        b.set_tensor_cores(true).context("rollout.tensor_cores")?;
+    }
     Ok(Box::new(b))
 }
 
@@ -148,6 +218,7 @@ fn make_wgpu_engine(
     _cfg: &ModelConfig,
     _w: &Weights,
     _dtype: DType,
+    _tensor_cores: bool,
 ) -> anyhow::Result<Box<dyn RolloutEngine>> {
     make_wgpu_unavailable()
 }

@@ -35,7 +35,8 @@ use super::wire::{
     WireError, WireGroup, WireJob, WireLogprobs, WireOut, WireResume, WireScore,
 };
 use super::workers::{
-    EngineReference, Event, TrainCmd, TrainerReply, VerifyJob, make_engine, make_trainer,
+    EngineOptions, EngineReference, Event, TrainCmd, TrainerReply, VerifyJob, make_engine,
+    make_trainer,
 };
 use crate::tasks::{Task, Tokenizer};
 
@@ -146,6 +147,7 @@ impl EngineHost {
                 fail_at_request,
                 reference,
                 perturb_mux,
+                tensor_cores,
             } => {
                 let blob = published.ok_or(WireError::Missing("published weights"))?;
                 let w = wire::weights_from(blob, "weights")?;
@@ -160,7 +162,14 @@ impl EngineHost {
                     false => None,
                 };
                 let made = super::config::engine_dtype(&dtype)
-                    .and_then(|dt| make_engine(&backend, &mc, &w, threads, dt))
+                    .and_then(|dtype| {
+                        let opts = EngineOptions {
+                            threads,
+                            dtype,
+                            tensor_cores,
+                        };
+                        make_engine(&backend, &mc, &w, &opts)
+                    })
                     .and_then(|be| {
                         let r = ref_w
                             .map(|r| -> anyhow::Result<EngineReference> {
@@ -547,6 +556,7 @@ impl Transport for Forwarding {
                 fail_at_request: fail_at(cfg, e),
                 reference: reference.is_some(),
                 perturb_mux: cfg.fault.perturb_mux,
+                tensor_cores: cfg.rollout.tensor_cores,
             };
             let parts: Vec<&[u8]> = reference.iter().map(Vec::as_slice).collect();
             let reply = link.call(&Route::EngineSync(e), wire::encode(&init, &parts))?;

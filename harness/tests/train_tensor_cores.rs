@@ -1,0 +1,382 @@
+//! `rollout.tensor_cores` end to end: `train` refuses it where the wgpu adapter has no tensor
+//! cores (this machine's Mesa 22.3 lavapipe) in one line, before any run directory is written;
+//! a remote engine host refuses it the same way from its `Init`; and where the adapter has
+//! them (a Mesa 26 lavapipe, `scripts/ci.d/coop.sh`), tensor-core engines train in-process and
+//! behind the wire alike, and differently from f32 engines. Tests that need a machine of the
+//! other kind print SKIP (`ROLLOUTPIPE_REQUIRE_COOP=1` makes the tensor-core run's skip an
+//! error).
+mod support;
+
+use std::path::{Path, PathBuf};
+
+use rolloutpipe_backends::{ModelConfig, Weights};
+use rolloutpipe_harness::train::remote::EngineHost;
+use rolloutpipe_harness::train::wire::{self, EngineMsg, EngineReply};
+use support::cli::{bin, run_err, tempdir};
+use support::train::TINY_MODEL;
+
+/// What the default wgpu adapter says about tensor cores: `None` (after a SKIP line) where
+/// the binary has no wgpu or the machine no adapter; `Some(None)` where it has tensor cores;
+/// `Some(Some(why))` with its one-line refusal where it has none.
+fn adapter(test: &str) -> Option<Option<String>> {
+    #[cfg(feature = "wgpu")]
+    {
+        match rolloutpipe_backends::wgpu::Gpu::new() {
+            Ok(Some(g)) => Some(g.coop_refusal().map(str::to_owned)),
+            Ok(None) => {
+                eprintln!("SKIP: no wgpu adapter; {test} did not run");
+                None
+            }
+            Err(e) => {
+                eprintln!("SKIP: the wgpu adapter did not open ({e}); {test} did not run");
+                None
+            }
+        }
+    }
+    #[cfg(not(feature = "wgpu"))]
+    {
+        eprintln!("SKIP: built without the wgpu feature; {test} did not run");
+        None
+    }
+}
+
+/// `train` with tensor cores on the wgpu backend, one step (it never gets that far).
+fn train_tc(out: &Path) -> std::process::Command {
+    let mut c = bin();
+    c.args(["train", "--backend", "wgpu"])
+        .args(["--set", "rollout.tensor_cores=true"])
+        .args(["--set", "run.steps=1", "--set", "run.progress=false"])
+        // Small enough that, were the refusal late, the run would reach the engines quickly.
+        .args(["--set", "sft.steps=0", "--set", "run.eval_problems=8"])
+        .args(["--set", "run.test_problems=0"])
+        .arg("--out")
+        .arg(out);
+    c
+}
+
+/// The refusal is the run's one error line, the last line, naming the key and exactly what
+/// the adapter lacks (`why`, as the test process's own `Gpu::new` words it). The driver may
+/// log lines of its own before it (EGL probing, `XDG_RUNTIME_DIR`); none mentions the key.
+fn assert_refused(what: &str, stderr: &str, why: &str) {
+    for bad in ["panicked", "backtrace", "RUST_BACKTRACE"] {
+        assert!(!stderr.contains(bad), "{what}: {bad:?} in\n{stderr}");
+    }
+    let ours: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("tensor_cores"))
+        .collect();
+    assert_eq!(
+        ours.len(),
+        1,
+        "{what}: expected one line naming the key in\n{stderr}"
+    );
+    let line = ours[0];
+    assert_eq!(
+        stderr.trim_end().lines().last(),
+        Some(line),
+        "{what}: the refusal is not the last line:\n{stderr}"
+    );
+    // `train` words it on one line, whatever whitespace the driver's message had.
+    let why = why.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert_eq!(
+        line,
+        format!("error: rollout.tensor_cores: {why}"),
+        "{what}"
+    );
+    assert!(
+        line.contains("wgpu-cooperative-matrix") || line.contains("shader-f16"),
+        "{what}: the refusal names no missing feature: {line}"
+    );
+}
+
+/// Every file under `dir` with its bytes, sorted by path.
+fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                out.push((p.clone(), Vec::new()));
+                todo.push(p);
+            } else {
+                out.push((p.clone(), std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// On an adapter without cooperative matrices, `train` with `rollout.tensor_cores = true`
+/// fails in one line naming the key and the missing feature, and writes nothing: a fresh
+/// `--out` is not created, an existing one keeps the user's files byte for byte (`--force`
+/// included), and a `--config` file is only read.
+#[test]
+fn train_tensor_cores_without_cooperative_matrices_is_refused_before_the_run_directory() {
+    let test = "the tensor-core refusal test";
+    let Some(refusal) = adapter(test) else {
+        return;
+    };
+    let Some(why) = refusal else {
+        eprintln!("SKIP: this adapter has tensor cores; {test} did not run");
+        return;
+    };
+    let dir = tempdir("tensor-cores");
+
+    // A config file setting the key, and a fresh --out.
+    let cfg = dir.join("tc.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[run]\nbackend = \"wgpu\"\nsteps = 1\nprogress = false\neval_problems = 8\n\
+             test_problems = 0\n{TINY_MODEL}[sft]\nsteps = 0\n[rollout]\ntensor_cores = true\n"
+        ),
+    )
+    .unwrap();
+    let out = dir.join("run");
+    let before = snapshot(&dir);
+    let err = run_err(
+        bin()
+            .arg("train")
+            .arg("--config")
+            .arg(&cfg)
+            .arg("--out")
+            .arg(&out),
+    );
+    assert_refused("--config", &err, &why);
+    assert!(!out.exists(), "the refused run created {}", out.display());
+    assert_eq!(
+        snapshot(&dir),
+        before,
+        "the refused run changed {}",
+        dir.display()
+    );
+
+    // --set into an existing directory holding the user's files, with and without --force.
+    let mine = dir.join("mine");
+    std::fs::create_dir_all(mine.join("sub")).unwrap();
+    std::fs::write(mine.join("notes.txt"), "keep me\n").unwrap();
+    std::fs::write(mine.join("config.toml"), "# not a run's config\n").unwrap();
+    std::fs::write(mine.join("sub").join("data.bin"), [0u8, 1, 2, 255]).unwrap();
+    let before = snapshot(&dir);
+    let err = run_err(&mut train_tc(&mine));
+    assert_refused("--set", &err, &why);
+    assert_eq!(
+        snapshot(&dir),
+        before,
+        "the refused run changed the user's files"
+    );
+    let err = run_err(train_tc(&mine).arg("--force"));
+    assert_refused("--set --force", &err, &why);
+    assert_eq!(
+        snapshot(&dir),
+        before,
+        "the refused --force run changed the user's files"
+    );
+
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A remote engine host builds its engine from `Init`: `tensor_cores` with a backend other
+/// than wgpu is a `Fatal` naming the key (every machine); on wgpu it is `Fatal` with the
+/// adapter's refusal where it has no tensor cores and `Ready` where it has them. A refused
+/// host has no engine: a `Step` after it is an error.
+#[test]
+fn a_remote_engine_host_honours_tensor_cores_from_its_init() {
+    let mc = ModelConfig::tiny();
+    let w = Weights::random(&mc, 11).unwrap();
+    let blob = wire::weights_blob(&w).unwrap();
+    let init = |backend: &str, tensor_cores: bool| {
+        let msg = EngineMsg::Init {
+            engine: 0,
+            backend: backend.into(),
+            threads: 1,
+            dtype: "f32".into(),
+            model: mc.to_json(),
+            fail_at_request: None,
+            reference: false,
+            perturb_mux: false,
+            tensor_cores,
+        };
+        let mut host = EngineHost::new();
+        let reply = host.handle(&wire::encode(&msg, &[]), Some(&blob)).unwrap();
+        (host, wire::decode::<EngineReply>(&reply).unwrap().0)
+    };
+    let step = EngineMsg::Step {
+        adds: vec![],
+        resumes: vec![],
+        cancels: vec![],
+        decode: true,
+    };
+    let step = wire::encode(&step, &[]);
+
+    // Off, the cpu engine builds; on, it is refused by name.
+    assert_eq!(init("cpu", false).1, EngineReply::Ready);
+    let (mut host, reply) = init("cpu", true);
+    assert_eq!(
+        reply,
+        EngineReply::Fatal(
+            "rollout engine 0: rollout.tensor_cores needs the wgpu backend: the cpu backend has \
+             no cooperative-matrix path"
+                .into()
+        )
+    );
+    assert!(
+        host.handle(&step, None).is_err(),
+        "a refused host ran a Step"
+    );
+
+    let Some(refusal) = adapter("the wgpu half of the engine-host test") else {
+        return;
+    };
+    let (mut host, reply) = init("wgpu", true);
+    match refusal {
+        Some(why) => {
+            let EngineReply::Fatal(m) = reply else {
+                panic!("tensor cores without cooperative matrices answered {reply:?}")
+            };
+            assert_eq!(m.lines().count(), 1, "{m}");
+            assert!(
+                m.starts_with("rollout engine 0: rollout.tensor_cores: ") && m.ends_with(&why),
+                "{m}"
+            );
+            assert!(
+                host.handle(&step, None).is_err(),
+                "a refused host ran a Step"
+            );
+        }
+        None => {
+            assert_eq!(reply, EngineReply::Ready);
+            host.handle(&step, None).unwrap();
+        }
+    }
+}
+
+#[cfg(feature = "wgpu")]
+mod with_tensor_cores {
+    use std::path::PathBuf;
+
+    use rolloutpipe_backends::Weights;
+    use rolloutpipe_harness::train::remote::Loopback;
+    use rolloutpipe_harness::train::{
+        Local, RunOptions, RunOutcome, TrainConfig, run_with_transport,
+    };
+
+    use super::TINY_MODEL;
+
+    const FRESH: RunOptions = RunOptions {
+        resume: false,
+        force: false,
+    };
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("rp-tensor-cores-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    /// One sync step of the tiny job on wgpu, logπ_old from the rollout (so the engines'
+    /// numerics reach the update), tensor cores as `on` says.
+    fn tiny(on: bool) -> TrainConfig {
+        let base = format!(
+            r#"
+[run]
+seed = 3
+steps = 1
+mode = "sync"
+backend = "wgpu"
+eval_every = 0
+eval_problems = 8
+test_problems = 0
+checkpoint_every = 0
+progress = false
+[task]
+name = "add"
+digits = 1
+{TINY_MODEL}[sft]
+steps = 24
+batch = 16
+lr = 1e-2
+carry_drop = 0.0
+[rl]
+batch_groups = 4
+group_size = 4
+micro_batch = 4
+max_new_tokens = 4
+lr = 1e-3
+old_logprobs = "rollout"
+[rollout]
+engines = 2
+slots = 4
+max_groups_factor = 4.0
+tensor_cores = {on}
+"#
+        );
+        let cfg = TrainConfig::from_partial_toml(&base).unwrap();
+        cfg.validate().unwrap();
+        cfg
+    }
+
+    fn trained(o: &RunOutcome) -> Vec<(u64, u32, u16, u64)> {
+        let mut v: Vec<_> = (o.trained.iter())
+            .map(|r| (r.step, r.group, r.sample, r.version))
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn same_bits(a: &Weights, b: &Weights) -> bool {
+        a.tensors.len() == b.tensors.len()
+            && a.tensors.iter().all(|(name, t)| {
+                let u = &b.tensors[name];
+                t.shape == u.shape
+                    && t.data
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .eq(u.data.iter().map(|x| x.to_bits()))
+            })
+    }
+
+    /// Where the adapter has tensor cores: the engines run on them in-process and behind the
+    /// wire alike (same samples, same weights bit for bit), and not like f32 engines (the
+    /// update moves). Were the flag dropped on the wire, the remote run would match the f32
+    /// one instead; were it never applied, all three would agree.
+    #[test]
+    fn tensor_core_engines_train_in_process_and_remote_alike() {
+        let test = "the tensor-core training run";
+        let Some(refusal) = super::adapter(test) else {
+            return;
+        };
+        if let Some(why) = refusal {
+            if std::env::var("ROLLOUTPIPE_REQUIRE_COOP").is_ok_and(|v| v == "1") {
+                panic!("ROLLOUTPIPE_REQUIRE_COOP=1 but {why}");
+            }
+            eprintln!("SKIP: {why}; {test} did not run");
+            return;
+        }
+        let (f32_cfg, tc_cfg) = (tiny(false), tiny(true));
+        let full = run_with_transport(&f32_cfg, &dir("f32"), FRESH, &Local).unwrap();
+        let local = run_with_transport(&tc_cfg, &dir("tc"), FRESH, &Local).unwrap();
+        let lb = Loopback::new(&tc_cfg);
+        let remote =
+            run_with_transport(&tc_cfg, &dir("tc-remote"), FRESH, &lb.transport()).unwrap();
+        assert!(!local.trained.is_empty(), "no sample trained");
+        assert_eq!(
+            trained(&local),
+            trained(&remote),
+            "the same samples trained"
+        );
+        assert!(
+            same_bits(&local.weights, &remote.weights),
+            "tensor-core weights differ in-process vs remote"
+        );
+        assert!(
+            !same_bits(&full.weights, &local.weights),
+            "tensor-core engines left the update bit-identical to f32 engines'"
+        );
+        for d in ["f32", "tc", "tc-remote"] {
+            let _ = std::fs::remove_dir_all(dir(d));
+        }
+    }
+}
