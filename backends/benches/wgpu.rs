@@ -638,12 +638,7 @@ fn bench_train(c: &mut Criterion, g: &Arc<Gpu>) {
     }
     for (name, be) in runs {
         grp.bench_function(BenchmarkId::new(name, "grpo_step_8x64"), |b| {
-            b.iter(|| {
-                be.zero_grad().unwrap();
-                be.accumulate(&batch, &Objective::default())
-                    .expect("accumulate");
-                be.optimizer_step(norm, &opt).expect("step")
-            })
+            b.iter(|| grpo_step(be.as_mut(), &batch, norm, &opt))
         });
     }
     grp.finish();
@@ -656,6 +651,23 @@ const E2E_NEW: usize = 32;
 const E2E_SEQS: usize = 4;
 const E2E_TRAIN_PROMPT: usize = 64;
 const E2E_TRAIN_RESPONSE: usize = 64;
+/// The end-to-end generate cases: the engine's weight dtype, the case's name, and whether its
+/// forward products run on tensor cores (`_tc`, where the adapter has them).
+const E2E_GENERATE: [(DType, &str, bool); 3] = [
+    (DType::F32, "f32", false),
+    (DType::Bf16, "bf16", false),
+    (DType::Bf16, "bf16_tc", true),
+];
+/// The end-to-end train cases of the f32 trainer: the case's name and tensor cores.
+const E2E_TRAIN: [(&str, bool); 2] = [("f32", false), ("f32_tc", true)];
+
+/// One GRPO optimizer step: zero_grad, accumulate, optimizer_step (forward, backward, AdamW).
+fn grpo_step(be: &mut dyn Policy, batch: &TrainBatch, norm: f64, opt: &AdamW) {
+    be.zero_grad().unwrap();
+    be.accumulate(batch, &Objective::default())
+        .expect("accumulate");
+    be.optimizer_step(norm, opt).expect("step");
+}
 
 /// One shape's backends, built on first use: criterion calls a benchmark's closure only when
 /// its name passes the filter, so a run of other benchmarks allocates none of this (a 1.7B
@@ -768,11 +780,7 @@ fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
         // `_tc`: the same backend with its forward products on tensor cores (turned on for
         // the benchmark and off after it), where the adapter has them.
         let tc = g.coop().is_some();
-        for (dtype, id, on) in [
-            (DType::F32, "f32", false),
-            (DType::Bf16, "bf16", false),
-            (DType::Bf16, "bf16_tc", true),
-        ] {
+        for (dtype, id, on) in E2E_GENERATE {
             if on && !tc {
                 continue;
             }
@@ -801,7 +809,7 @@ fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
             grp.throughput(Throughput::Elements(
                 (E2E_SEQS * (E2E_TRAIN_PROMPT + E2E_TRAIN_RESPONSE)) as u64,
             ));
-            for (id, on) in [("f32", false), ("f32_tc", true)] {
+            for (id, on) in E2E_TRAIN {
                 if on && !tc {
                     continue;
                 }
@@ -811,10 +819,7 @@ fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
                     be.set_tensor_cores(on).expect("tensor cores");
                     b.iter(|| {
                         first_timed(&format!("{group}/train/{id}"), &mut first, || {
-                            be.zero_grad().unwrap();
-                            be.accumulate(&batch, &Objective::default())
-                                .expect("accumulate");
-                            be.optimizer_step(norm, &opt).expect("step");
+                            grpo_step(be, &batch, norm, &opt)
                         })
                     });
                     be.set_tensor_cores(false).expect("f32 kernels");
@@ -850,11 +855,7 @@ fn e2e_once(group: &str, lazy: &mut Lazy) {
         );
     };
     let mut next = 0u64;
-    for (dtype, id, on) in [
-        (DType::F32, "f32", false),
-        (DType::Bf16, "bf16", false),
-        (DType::Bf16, "bf16_tc", true),
-    ] {
+    for (dtype, id, on) in E2E_GENERATE {
         if (on && !tc)
             || too_large(&lazy.g, &lazy.cfg, dtype).is_some()
             || !wanted(&format!("generate/{id}"))
@@ -874,7 +875,7 @@ fn e2e_once(group: &str, lazy: &mut Lazy) {
         return;
     }
     let (batch, norm, opt) = grpo_batch(E2E_SEQS, E2E_TRAIN_PROMPT, E2E_TRAIN_RESPONSE, vocab);
-    for (id, on) in [("f32", false), ("f32_tc", true)] {
+    for (id, on) in E2E_TRAIN {
         if (on && !tc) || !wanted(&format!("train/{id}")) {
             continue;
         }
@@ -883,12 +884,7 @@ fn e2e_once(group: &str, lazy: &mut Lazy) {
         report(
             &format!("train/{id}"),
             E2E_SEQS * (E2E_TRAIN_PROMPT + E2E_TRAIN_RESPONSE),
-            &mut || {
-                be.zero_grad().unwrap();
-                be.accumulate(&batch, &Objective::default())
-                    .expect("accumulate");
-                be.optimizer_step(norm, &opt).expect("step");
-            },
+            &mut || grpo_step(be, &batch, norm, &opt),
         );
         be.set_tensor_cores(false).expect("f32 kernels");
     }

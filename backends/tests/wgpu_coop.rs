@@ -17,10 +17,13 @@
 mod check;
 #[path = "support/device.rs"]
 mod device;
+#[path = "support/engine.rs"]
+mod engine;
 
 use std::sync::Arc;
 
 use check::{Tol, assert_close, rand_vec};
+use engine::generate;
 use half::{bf16, f16};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::SeedableRng;
@@ -296,18 +299,6 @@ fn requests(cfg: &ModelConfig, n: u64) -> Vec<GenRequest> {
             },
         })
         .collect()
-}
-
-fn generate(be: &mut dyn RolloutEngine, reqs: &[GenRequest]) -> Vec<GenOutput> {
-    for r in reqs {
-        be.add_request(r.clone()).unwrap();
-    }
-    let mut out = Vec::new();
-    while be.active_requests() > 0 {
-        out.extend(be.decode_step().unwrap());
-    }
-    out.sort_by_key(|o| o.id);
-    out
 }
 
 /// Each request decodes to the same tokens and log-prob bits alone (one row per step) as

@@ -12,12 +12,15 @@
 mod check;
 #[path = "support/device.rs"]
 mod device;
+#[path = "support/engine.rs"]
+mod engine;
 #[path = "support/half.rs"]
 mod half_weights;
 
 use std::sync::Arc;
 
 use check::{assert_close, tol};
+use engine::generate;
 use rolloutpipe_backends::wgpu::{Gpu, WgpuBackend};
 use rolloutpipe_backends::*;
 
@@ -68,18 +71,6 @@ fn requests(cfg: &ModelConfig, n: u64) -> Vec<GenRequest> {
             },
         })
         .collect()
-}
-
-fn generate(be: &mut dyn RolloutEngine, reqs: &[GenRequest]) -> Vec<GenOutput> {
-    for r in reqs {
-        be.add_request(r.clone()).unwrap();
-    }
-    let mut out = Vec::new();
-    while be.active_requests() > 0 {
-        out.extend(be.decode_step().unwrap());
-    }
-    out.sort_by_key(|o| o.id);
-    out
 }
 
 fn seqs() -> Vec<Sequence> {

@@ -257,13 +257,13 @@ fn a_remote_engine_host_honours_tensor_cores_from_its_init() {
 mod with_tensor_cores {
     use std::path::PathBuf;
 
-    use rolloutpipe_backends::Weights;
     use rolloutpipe_harness::train::remote::Loopback;
     use rolloutpipe_harness::train::{
         Local, RunOptions, RunOutcome, TrainConfig, run_with_transport,
     };
 
     use super::TINY_MODEL;
+    use crate::support::train::bits;
 
     const FRESH: RunOptions = RunOptions {
         resume: false,
@@ -326,18 +326,6 @@ tensor_cores = {on}
         v
     }
 
-    fn same_bits(a: &Weights, b: &Weights) -> bool {
-        a.tensors.len() == b.tensors.len()
-            && a.tensors.iter().all(|(name, t)| {
-                let u = &b.tensors[name];
-                t.shape == u.shape
-                    && t.data
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .eq(u.data.iter().map(|x| x.to_bits()))
-            })
-    }
-
     /// Where the adapter has tensor cores: the engines run on them in-process and behind the
     /// wire alike (same samples, same weights bit for bit), and not like f32 engines (the
     /// update moves). Were the flag dropped on the wire, the remote run would match the f32
@@ -368,11 +356,11 @@ tensor_cores = {on}
             "the same samples trained"
         );
         assert!(
-            same_bits(&local.weights, &remote.weights),
+            bits(&local.weights) == bits(&remote.weights),
             "tensor-core weights differ in-process vs remote"
         );
         assert!(
-            !same_bits(&full.weights, &local.weights),
+            bits(&full.weights) != bits(&local.weights),
             "tensor-core engines left the update bit-identical to f32 engines'"
         );
         for d in ["f32", "tc", "tc-remote"] {

@@ -125,20 +125,24 @@ impl Gpu {
             }))
         };
         let mut coop = CoopSupport::of(adapter);
-        let opened = match coop {
-            Ok(_) => match open(COOP_FEATURES) {
-                Ok(d) => Ok(d),
-                Err(e) => {
-                    // The adapter reported the features but would not open a device with
-                    // them: run without tensor cores, and say why when they are asked for.
-                    coop = Err(format!(
-                        "the device could not be opened with the features shader-f16 and \
-                         wgpu-cooperative-matrix ({e})"
-                    ));
-                    open(wgpu::Features::empty())
-                }
-            },
-            Err(_) => open(wgpu::Features::empty()),
+        let opened = match coop.is_ok().then(|| open(COOP_FEATURES)) {
+            Some(Ok(d)) => Ok(d),
+            Some(Err(e)) => {
+                // The adapter reported the features but would not open a device with them:
+                // run without tensor cores, and say why (on one line, whatever the driver's
+                // message spans) when they are asked for.
+                let e = e
+                    .to_string()
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                coop = Err(format!(
+                    "the device could not be opened with the features shader-f16 and \
+                     wgpu-cooperative-matrix ({e})"
+                ));
+                open(wgpu::Features::empty())
+            }
+            None => open(wgpu::Features::empty()),
         };
         let (device, queue) = opened.map_err(|e| dev_err(format!("request_device: {e}")))?;
         Ok(Self::with_coop(device, queue, adapter.get_info(), coop))
@@ -498,8 +502,9 @@ pub struct Exec {
     gemv_lanes: Option<usize>,
     /// Keys per `attention_decode` launch, when forced ([`Exec::force_decode_window`]).
     decode_window: Option<usize>,
-    /// Whether forward products run on cooperative matrices ([`Exec::set_tensor_cores`]).
-    tensor_cores: bool,
+    /// The device's tensor-core support while forward products run on it
+    /// ([`Exec::set_tensor_cores`]).
+    tensor_cores: Option<CoopSupport>,
 }
 
 impl Exec {
@@ -521,7 +526,7 @@ impl Exec {
             binding_cap: usize::MAX,
             gemv_lanes: None,
             decode_window: None,
-            tensor_cores: false,
+            tensor_cores: None,
         }
     }
 
@@ -530,15 +535,17 @@ impl Exec {
     /// back on the f32 kernels. Turning them on is refused, in one line naming what the
     /// adapter lacks, where the device has none ([`Gpu::coop_refusal`]).
     pub fn set_tensor_cores(&mut self, on: bool) -> Result<()> {
-        if on && let Some(why) = self.gpu.coop_refusal() {
-            return Err(BackendError::Device(why.to_string()));
-        }
-        self.tensor_cores = on;
+        self.tensor_cores = match (on, &self.gpu.coop) {
+            (false, _) => None,
+            (true, Ok(sup)) => Some(*sup),
+            (true, Err(why)) => return Err(BackendError::Device(why.clone())),
+        };
         Ok(())
     }
 
-    /// Whether forward products run on tensor cores.
-    pub fn tensor_cores(&self) -> bool {
+    /// The tensor-core support forward products run on, `None` while they run on the f32
+    /// kernels.
+    pub fn tensor_cores(&self) -> Option<CoopSupport> {
         self.tensor_cores
     }
 

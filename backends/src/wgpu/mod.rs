@@ -64,8 +64,8 @@ use crate::seam::*;
 use crate::weights::Weights;
 use generate::Generator;
 use model::{
-    Acts, DeviceModel, Packed, encode_backward, encode_forward, ensure_acts, half_stored,
-    stored_words, upload_packed, weight_format,
+    Acts, DeviceModel, Packed, encode_backward, encode_forward, ensure_acts, f16_overflow,
+    half_stored, stored_words, upload_packed, weight_format,
 };
 use ops::{AdamScalars, Loss};
 use rolloutpipe_kernels::{Kernel, WeightFormat};
@@ -254,7 +254,7 @@ impl WgpuBackend {
 
     /// Whether forward products run on tensor cores ([`WgpuBackend::set_tensor_cores`]).
     pub fn tensor_cores(&self) -> bool {
-        self.ex.tensor_cores()
+        self.ex.tensor_cores().is_some()
     }
 
     /// The generation KV pool's capacity in pages of [`kv::PAGE`] positions.
@@ -411,7 +411,7 @@ impl RolloutEngine for WgpuBackend {
             && weight_format(d.dtype) == self.model.weights
         {
             // In the engine's own storage (f32, or 16-bit pairs rounded on the device by
-            // `snapshot_half`): a copy per tensor.
+            // `snapshot_on_device`): a copy per tensor.
             for ((e, from), to) in self
                 .model
                 .layout
@@ -541,11 +541,12 @@ fn generate_check(
 }
 
 impl WgpuBackend {
-    /// A snapshot of this f32 model for a 16-bit engine on the same device: every tensor
-    /// rounded to `dtype` on the device (`weight_cast`: 2-D tensors packed in pairs, 1-D ones
-    /// rounded and kept as f32, as the engine stores them), bit for bit what the host path
-    /// gives; under f16 a value past its range is refused naming its tensor, as there.
-    fn snapshot_half(&self, dtype: DType) -> Result<WeightSnapshot> {
+    /// A snapshot of this f32 model for an engine on the same device, in the engine's
+    /// `dtype`: every tensor copied on the device (f32), or rounded there (`weight_cast`: 2-D
+    /// tensors packed in pairs, 1-D ones rounded and kept as f32, as a 16-bit engine stores
+    /// them), bit for bit what the host path gives; under f16 a value past its range is
+    /// refused naming its tensor, as there.
+    fn snapshot_on_device(&self, dtype: DType) -> Result<WeightSnapshot> {
         let fmt = weight_format(dtype);
         let entries = &self.model.layout.entries;
         let mut ex = Exec::new(Arc::clone(&self.gpu));
@@ -559,29 +560,23 @@ impl WgpuBackend {
                 let c = self
                     .gpu
                     .buffer(&format!("snapshot {}", e.name), stored_words(e, fmt));
-                ops::weight_cast(
-                    &mut ex,
-                    &c,
-                    b,
-                    &overflow,
-                    e.len,
-                    fmt,
-                    i,
-                    half_stored(e, fmt),
-                );
+                if fmt == WeightFormat::F32 {
+                    ex.copy(b, 0, &c, 0, e.len as u64 * 4);
+                } else {
+                    let packed = half_stored(e, fmt);
+                    ops::weight_cast(&mut ex, &c, b, &overflow, e.len, fmt, i, packed);
+                }
                 c
             })
             .collect();
-        let t = ex.read_back(&overflow, 0, entries.len() * 4);
-        let flags = ex.submit()?.get::<u32>(t);
-        if let Some(i) = flags.iter().position(|&f| f != 0) {
-            return Err(BackendError::invalid(
-                "weight dtype",
-                format!(
-                    "{}: a value does not fit in f16 (|x| <= 65504); use BF16",
-                    entries[i].name
-                ),
-            ));
+        if fmt == WeightFormat::F32 {
+            ex.submit()?;
+        } else {
+            let t = ex.read_back(&overflow, 0, entries.len() * 4);
+            let flags = ex.submit()?.get::<u32>(t);
+            if let Some(i) = flags.iter().position(|&f| f != 0) {
+                return Err(f16_overflow(&entries[i].name));
+            }
         }
         Ok(WeightSnapshot {
             config: self.model.cfg.clone(),
@@ -613,42 +608,9 @@ impl Trainer for WgpuBackend {
     }
 
     fn snapshot_weights(&self, target: SyncTarget) -> Result<WeightSnapshot> {
-        // A 16-bit engine on this device gets its weights rounded on the device.
-        if target.device == self.device()
-            && target.dtype != DType::F32
-            && self.model.weights == WeightFormat::F32
-        {
-            return self.snapshot_half(target.dtype);
-        }
-        if target.device == self.device()
-            && target.dtype == DType::F32
-            && self.model.weights == WeightFormat::F32
-        {
-            let mut ex = Exec::new(Arc::clone(&self.gpu));
-            let params: Vec<wgpu::Buffer> = self
-                .model
-                .layout
-                .entries
-                .iter()
-                .zip(&self.model.params)
-                .map(|(e, b)| {
-                    let c = self.gpu.buffer(&format!("snapshot {}", e.name), e.len);
-                    ex.copy(b, 0, &c, 0, e.len as u64 * 4);
-                    c
-                })
-                .collect();
-            ex.submit()?;
-            return Ok(WeightSnapshot {
-                config: self.model.cfg.clone(),
-                payload: SnapshotPayload::Device(DeviceSnapshot {
-                    device: self.device(),
-                    dtype: DType::F32,
-                    handle: Arc::new(WgpuSnapshot {
-                        gpu: Arc::clone(&self.gpu),
-                        params,
-                    }),
-                }),
-            });
+        // An engine on this device gets its weights on the device, in its dtype.
+        if target.device == self.device() && self.model.weights == WeightFormat::F32 {
+            return self.snapshot_on_device(target.dtype);
         }
         let w = self.export_weights()?;
         WeightSnapshot::host(&self.model.cfg, &w, target.dtype)

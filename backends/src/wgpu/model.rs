@@ -269,6 +269,15 @@ pub fn param_buffer_bytes(layout: &Layout, weights: WeightFormat) -> u64 {
         .sum()
 }
 
+/// The refusal of a tensor with a value past f16's range, wherever it is rounded (here on the
+/// host, or on the device by a same-device sync's `weight_cast`).
+pub fn f16_overflow(tensor: &str) -> BackendError {
+    BackendError::invalid(
+        "weight dtype",
+        format!("{tensor}: a value does not fit in f16 (|x| <= 65504); use BF16"),
+    )
+}
+
 /// `flat` converted per tensor to the words each parameter buffer holds under `weights`:
 /// f32 bits, or 16-bit values rounded to nearest-even and packed in pairs (`ops::pack_half`);
 /// 1-D tensors of a 16-bit model are rounded, then widened back to f32. A value past f16's
@@ -292,13 +301,7 @@ fn convert(layout: &Layout, flat: &[f32], weights: WeightFormat) -> Result<Vec<V
             WeightFormat::F16 => {
                 let v = crate::cpu::store::round_to_f16(src);
                 if v.iter().any(|x| !x.is_finite()) {
-                    return Err(BackendError::invalid(
-                        "weight dtype",
-                        format!(
-                            "{}: a value does not fit in f16 (|x| <= 65504); use BF16",
-                            e.name
-                        ),
-                    ));
+                    return Err(f16_overflow(&e.name));
                 }
                 v.iter().map(|x| x.to_bits()).collect()
             }

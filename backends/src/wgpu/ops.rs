@@ -490,7 +490,7 @@ pub fn matmul_fwd_window(
             )
         };
         let bufs = [x, wb, yb];
-        if let Some(t) = ex.tensor_cores().then(|| ex.gpu().coop()).flatten() {
+        if let Some(t) = ex.tensor_cores() {
             // Every row count on the one tensor-core kernel, so that a row's sums do not
             // depend on its batch (matmul_fwd_coop.wgsl: summation order).
             let wt = t.tile.workgroup_tile() as usize;

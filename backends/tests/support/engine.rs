@@ -1,4 +1,4 @@
-//! Helpers of the engine-level tests (`seam.rs`, `wgpu_kv.rs`): peaked random weights,
+//! Helpers of the engine-level tests (`seam.rs`, `wgpu_kv.rs`, `wgpu_half.rs`, `wgpu_coop.rs`): peaked random weights,
 //! sampling settings, draining and polling an engine, and comparing outputs bit for bit.
 #![allow(dead_code)] // each test crate uses a subset
 
@@ -37,6 +37,19 @@ pub fn drain(be: &mut dyn RolloutEngine) -> BTreeMap<u64, GenOutput> {
             assert!(out.insert(o.id.0, o).is_none(), "a request finished twice");
         }
     }
+    out
+}
+
+/// Adds every request, steps until none is active, and returns the outputs in request order.
+pub fn generate(be: &mut dyn RolloutEngine, reqs: &[GenRequest]) -> Vec<GenOutput> {
+    for r in reqs {
+        be.add_request(r.clone()).unwrap();
+    }
+    let mut out = Vec::new();
+    while be.active_requests() > 0 {
+        out.extend(be.decode_step().unwrap());
+    }
+    out.sort_by_key(|o| o.id);
     out
 }
 
