@@ -319,6 +319,39 @@ fn every_bad_input_is_one_line_without_a_panic() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// A machine without a wgpu adapter (no Vulkan driver: the loader is pointed at none) is
+/// refused in one line before the run directory is touched, whether the SFT warm start or
+/// only the engines would have used it, so the same `--out` works once a driver is there.
+/// wgpu's OpenGL fallback is not taken (it deadlocks across engine threads).
+#[test]
+fn a_machine_without_an_adapter_is_refused_before_the_run_directory() {
+    let d = tempdir("no-adapter");
+    let cfg = tiny_config(&d);
+    for sft in ["20", "0"] {
+        let out = d.join(format!("run-sft{sft}"));
+        let mut c = train(&cfg, &out);
+        c.args(["--backend", "wgpu", "--set"])
+            .arg(format!("sft.steps={sft}"))
+            .env("VK_ICD_FILENAMES", d.join("none.json"))
+            .env("VK_DRIVER_FILES", d.join("none.json"))
+            .env_remove("WGPU_BACKEND");
+        let err = run_err(&mut c);
+        let what = format!("no adapter, sft.steps={sft}");
+        one_line_error(&what, &err);
+        let line = err.lines().last().unwrap();
+        assert!(
+            line.contains("no wgpu adapter found")
+                || line.contains("wgpu backend is not built into this binary"),
+            "{what}: {line}"
+        );
+        let left: Vec<_> = std::fs::read_dir(&out)
+            .map(|r| r.map(|e| e.unwrap().file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "{what}: the refused start left {left:?}");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 #[test]
 fn nothing_the_user_made_is_overwritten_without_force() {
     let d = tempdir("no-overwrite");

@@ -70,9 +70,15 @@ impl Gpu {
     /// Opens the first adapter wgpu finds (honouring `WGPU_BACKEND`, `WGPU_ADAPTER_NAME` and
     /// `WGPU_POWER_PREF`); `Ok(None)` when the machine has no adapter at all, so callers can
     /// skip cleanly.
+    ///
+    /// Only wgpu's primary backends (Vulkan, Metal, DX12) are searched unless `WGPU_BACKEND`
+    /// names another: on a machine without a Vulkan driver wgpu would otherwise fall back
+    /// to OpenGL, whose adapter context deadlocks when engines on several threads share it
+    /// ("Could not lock adapter context", then an abort).
     pub fn new() -> Result<Option<Arc<Gpu>>> {
-        let instance =
-            wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+        let mut options = wgpu::InstanceDescriptor::new_without_display_handle();
+        options.backends = wgpu::Backends::PRIMARY;
+        let instance = wgpu::Instance::new(options.with_env());
         let power =
             wgpu::PowerPreference::from_env().unwrap_or(wgpu::PowerPreference::HighPerformance);
         let adapter =

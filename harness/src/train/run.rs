@@ -81,7 +81,9 @@ pub fn run_with_transport(
 ) -> anyhow::Result<RunOutcome> {
     let resume = opts.resume;
     cfg.validate()?;
-    check_backend(&cfg.run.backend, cfg.rollout.tensor_cores)?;
+    // The SFT warm start trains on this machine whatever the transport.
+    let here = transport.workers_here() || (!resume && cfg.sft.steps > 0);
+    check_backend(&cfg.run.backend, cfg.rollout.tensor_cores, here)?;
     // Held until the run returns: a second writer of `out` is refused meanwhile.
     let _lock = guard::prepare(cfg, out, opts)?;
     let started = Instant::now();

@@ -67,6 +67,12 @@ pub struct Workers {
 pub trait Transport {
     /// Starts every engine, verifier and the trainer of `s.cfg`.
     fn start(&self, s: Start<'_>) -> anyhow::Result<Workers>;
+
+    /// Whether the workers run in this process, so that this machine's devices are checked
+    /// before the run directory is touched; hosts elsewhere check their own at `Init`.
+    fn workers_here(&self) -> bool {
+        false
+    }
 }
 
 /// Every worker is a thread of this process (what `rolloutpipe train` runs).
@@ -74,6 +80,10 @@ pub trait Transport {
 pub struct Local;
 
 impl Transport for Local {
+    fn workers_here(&self) -> bool {
+        true
+    }
+
     fn start(&self, s: Start<'_>) -> anyhow::Result<Workers> {
         let cfg = s.cfg;
         let mut handles: Vec<JoinHandle<()>> = Vec::new();

@@ -121,14 +121,16 @@ pub fn make_engine(
     Ok(EngineBackend(b))
 }
 
-/// Refuses, before any work, a backend this binary or machine cannot run: `wgpu` without its
-/// feature, `cuda` without its feature or without a loadable NVIDIA driver, and with
-/// `tensor_cores` (`rollout.tensor_cores`) a wgpu adapter without tensor cores, or none at
-/// all (the adapter's one-line reason, [`rolloutpipe_backends::wgpu::Gpu::coop_refusal`]).
-pub fn check_backend(name: &str, tensor_cores: bool) -> anyhow::Result<()> {
+/// Refuses, before any work, a backend this machine cannot run when `here` (a worker, or the
+/// SFT warm start, runs in this process): `wgpu` without its feature or without an adapter,
+/// `cuda` without its feature or without a loadable NVIDIA driver, and with `tensor_cores`
+/// (`rollout.tensor_cores`) a wgpu adapter without tensor cores (the adapter's one-line
+/// reason, [`rolloutpipe_backends::wgpu::Gpu::coop_refusal`]). With every worker on other
+/// hosts nothing here is checked: they refuse at `Init`, on their own devices.
+pub fn check_backend(name: &str, tensor_cores: bool, here: bool) -> anyhow::Result<()> {
     match name {
-        "wgpu" if !cfg!(feature = "wgpu") => make_wgpu_unavailable(),
-        "wgpu" if tensor_cores => check_tensor_cores(),
+        _ if !here => Ok(()),
+        "wgpu" => check_wgpu(tensor_cores),
         "cuda" => match rolloutpipe_backends::cuda::availability() {
             Some(why) => anyhow::bail!("run.backend \"cuda\": {why}"),
             None => Ok(()),
@@ -137,33 +139,36 @@ pub fn check_backend(name: &str, tensor_cores: bool) -> anyhow::Result<()> {
     }
 }
 
-/// Opens the default wgpu adapter as every engine will and refuses `rollout.tensor_cores`
-/// where it has no tensor cores, in one line.
+/// Opens the default wgpu adapter as every engine will: refuses a machine with none, and
+/// `rollout.tensor_cores` where it has no tensor cores, in one line.
 #[cfg(feature = "wgpu")]
-fn check_tensor_cores() -> anyhow::Result<()> {
+fn check_wgpu(tensor_cores: bool) -> anyhow::Result<()> {
     use rolloutpipe_backends::wgpu::Gpu;
+    let key = if tensor_cores {
+        "rollout.tensor_cores"
+    } else {
+        "run.backend \"wgpu\""
+    };
     let gpu = match Gpu::new() {
         Ok(Some(g)) => g,
-        Ok(None) => anyhow::bail!("rollout.tensor_cores: no wgpu adapter found"),
-        Err(e) => anyhow::bail!("rollout.tensor_cores: opening the wgpu adapter: {e}"),
+        Ok(None) => anyhow::bail!(
+            "{key}: no wgpu adapter found (a Vulkan, Metal or DX12 driver; on Linux without a \
+             GPU, Mesa's lavapipe: apt install mesa-vulkan-drivers)"
+        ),
+        Err(e) => anyhow::bail!("{key}: opening the wgpu adapter: {e}"),
     };
     match gpu.coop_refusal() {
-        Some(why) => anyhow::bail!("rollout.tensor_cores: {}", one_line(why)),
-        None => Ok(()),
+        Some(why) if tensor_cores => anyhow::bail!("{key}: {why}"),
+        _ => Ok(()),
     }
 }
 
 #[cfg(not(feature = "wgpu"))]
-fn check_tensor_cores() -> anyhow::Result<()> {
+fn check_wgpu(_tensor_cores: bool) -> anyhow::Result<()> {
     make_wgpu_unavailable()
 }
 
-/// `s` on one line (a driver's message may hold newlines).
-#[cfg(feature = "wgpu")]
-fn one_line(s: &str) -> String {
-    s.split_whitespace().collect::<Vec<_>>().join(" ")
-}
-
+#[cfg(not(feature = "wgpu"))]
 fn make_wgpu_unavailable<T>() -> anyhow::Result<T> {
     anyhow::bail!(
         "the wgpu backend is not built into this binary; rebuild with `--features wgpu` \
