@@ -258,22 +258,13 @@ mod with_tensor_cores {
     use std::path::PathBuf;
 
     use rolloutpipe_harness::train::remote::Loopback;
-    use rolloutpipe_harness::train::{
-        Local, RunOptions, RunOutcome, TrainConfig, run_with_transport,
-    };
+    use rolloutpipe_harness::train::{Local, TrainConfig, run_with_transport};
 
     use super::TINY_MODEL;
-    use crate::support::train::bits;
-
-    const FRESH: RunOptions = RunOptions {
-        resume: false,
-        force: false,
-    };
+    use crate::support::train::{FRESH, bits, scratch, trained};
 
     fn dir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("rp-tensor-cores-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        d
+        scratch("tensor-cores", name)
     }
 
     /// One sync step of the tiny job on wgpu, logπ_old from the rollout (so the engines'
@@ -316,14 +307,6 @@ tensor_cores = {on}
         let cfg = TrainConfig::from_partial_toml(&base).unwrap();
         cfg.validate().unwrap();
         cfg
-    }
-
-    fn trained(o: &RunOutcome) -> Vec<(u64, u32, u16, u64)> {
-        let mut v: Vec<_> = (o.trained.iter())
-            .map(|r| (r.step, r.group, r.sample, r.version))
-            .collect();
-        v.sort();
-        v
     }
 
     /// Where the adapter has tensor cores: the engines run on them in-process and behind the

@@ -8,11 +8,9 @@ use std::path::PathBuf;
 
 use rolloutpipe_backends::Weights;
 use rolloutpipe_harness::train::remote::Loopback;
-use support::train::TINY_MODEL;
+use support::train::{FRESH, TINY_MODEL, scratch, trained};
 
-use rolloutpipe_harness::train::{
-    Local, Mode, RunOptions, RunOutcome, TrainConfig, run_with_transport,
-};
+use rolloutpipe_harness::train::{Local, Mode, RunOutcome, TrainConfig, run_with_transport};
 
 /// The tiny job of `train_e2e` (1-layer model warm-started on 1-digit addition, 4 groups of 4
 /// per step, 2 engines of 4 slots), with two verifiers so the verifier route is exercised
@@ -57,25 +55,7 @@ max_groups_factor = 4.0
 }
 
 fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("rp-transport-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-const FRESH: RunOptions = RunOptions {
-    resume: false,
-    force: false,
-};
-
-/// Trained samples as (step, group, sample, version), sorted.
-fn trained(o: &RunOutcome) -> Vec<(u64, u32, u16, u64)> {
-    let mut v: Vec<_> = o
-        .trained
-        .iter()
-        .map(|r| (r.step, r.group, r.sample, r.version))
-        .collect();
-    v.sort();
-    v
+    scratch("transport", name)
 }
 
 fn max_abs_diff(a: &Weights, b: &Weights) -> f64 {

@@ -1,5 +1,6 @@
-//! Helpers of the engine-level tests (`seam.rs`, `wgpu_kv.rs`, `wgpu_half.rs`, `wgpu_coop.rs`): peaked random weights,
-//! sampling settings, draining and polling an engine, and comparing outputs bit for bit.
+//! Helpers of the engine-level tests (`seam.rs`, `wgpu_kv.rs`, `wgpu_half.rs`,
+//! `wgpu_coop.rs`): peaked random weights, sampling settings, draining and polling an engine,
+//! and comparing outputs bit for bit.
 #![allow(dead_code)] // each test crate uses a subset
 
 use std::collections::BTreeMap;
@@ -45,12 +46,7 @@ pub fn generate(be: &mut dyn RolloutEngine, reqs: &[GenRequest]) -> Vec<GenOutpu
     for r in reqs {
         be.add_request(r.clone()).unwrap();
     }
-    let mut out = Vec::new();
-    while be.active_requests() > 0 {
-        out.extend(be.decode_step().unwrap());
-    }
-    out.sort_by_key(|o| o.id);
-    out
+    drain(be).into_values().collect()
 }
 
 /// Polls the submitted step without blocking until its outputs come back.

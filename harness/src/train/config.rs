@@ -802,16 +802,19 @@ mod tests {
         ));
     }
 
+    /// `c` as a run directory written before `key` existed holds it: without its line.
+    fn toml_without(c: &TrainConfig, key: &str) -> String {
+        let line = format!("{key} =");
+        (c.to_toml().unwrap().lines())
+            .filter(|l| !l.starts_with(&line))
+            .map(|l| format!("{l}\n"))
+            .collect()
+    }
+
     #[test]
     fn run_directories_written_before_rollout_dtype_read_as_f32() {
         let c = TrainConfig::default_config().unwrap();
-        let old: String = c
-            .to_toml()
-            .unwrap()
-            .lines()
-            .filter(|l| !l.starts_with("dtype ="))
-            .map(|l| format!("{l}\n"))
-            .collect();
+        let old = toml_without(&c, "dtype");
         assert!(!old.contains("dtype"), "{old}");
         let back = TrainConfig::from_toml_str(&old).unwrap();
         assert_eq!(back.rollout.dtype, "f32");
@@ -834,13 +837,7 @@ mod tests {
         );
         let c = TrainConfig::default_config().unwrap();
         assert!(!c.rollout.tensor_cores);
-        let old: String = c
-            .to_toml()
-            .unwrap()
-            .lines()
-            .filter(|l| !l.starts_with("tensor_cores ="))
-            .map(|l| format!("{l}\n"))
-            .collect();
+        let old = toml_without(&c, "tensor_cores");
         assert!(!old.contains("tensor_cores"), "{old}");
         assert!(
             !TrainConfig::from_toml_str(&old)

@@ -230,10 +230,7 @@ fn make_wgpu_engine(
 
 #[cfg(not(feature = "wgpu"))]
 fn make_wgpu(_cfg: &ModelConfig, _w: &Weights) -> anyhow::Result<Box<dyn Policy>> {
-    anyhow::bail!(
-        "the wgpu backend is not built into this binary; rebuild with `--features wgpu` \
-         (it is a default feature) or use --backend cpu"
-    )
+    make_wgpu_unavailable()
 }
 
 /// The CUDA backend on device 0. Without the `cuda` feature, or without a loadable NVIDIA

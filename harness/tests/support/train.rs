@@ -2,8 +2,10 @@
 //! and the bits of what it ends with.
 #![allow(dead_code)] // each test crate uses a subset
 
+use std::path::PathBuf;
+
 use rolloutpipe_backends::Weights;
-use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig, run};
+use rolloutpipe_harness::train::{Mode, RunOptions, RunOutcome, TrainConfig, run};
 
 /// The `[model]` section of every tiny test run: a 1-layer model with GQA (2 query heads, 1
 /// KV head), small enough that a run takes a second.
@@ -62,11 +64,32 @@ max_groups_factor = 1.0
     c
 }
 
-/// Runs `c` in a fresh scratch directory named `{prefix}-{name}`.
-pub fn go(c: &TrainConfig, prefix: &str, name: &str) -> RunOutcome {
+/// A fresh run: neither resumed nor forced.
+pub const FRESH: RunOptions = RunOptions {
+    resume: false,
+    force: false,
+};
+
+/// The scratch run directory `rp-{prefix}-{pid}-{name}` under the temp dir, removed if an
+/// earlier run left it.
+pub fn scratch(prefix: &str, name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("rp-{prefix}-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
-    run(c, &d, false).unwrap()
+    d
+}
+
+/// Runs `c` in a fresh scratch directory named `{prefix}-{name}`.
+pub fn go(c: &TrainConfig, prefix: &str, name: &str) -> RunOutcome {
+    run(c, &scratch(prefix, name), false).unwrap()
+}
+
+/// Trained samples as (step, group, sample, version), sorted.
+pub fn trained(o: &RunOutcome) -> Vec<(u64, u32, u16, u64)> {
+    let mut v: Vec<_> = (o.trained.iter())
+        .map(|r| (r.step, r.group, r.sample, r.version))
+        .collect();
+    v.sort();
+    v
 }
 
 /// The weights' bits, by tensor name.
