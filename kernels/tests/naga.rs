@@ -180,8 +180,16 @@ fn bindings_follow_the_convention() {
 
 /// Functions the `gemm` prelude calls and each including file defines for its operands, and
 /// the hook each `weight_*` prelude defines for its format (one of them is prepended).
-const GEMM_HOOKS: [&str; 3] = ["gemm_a", "gemm_b", "gemm_store"];
-const WEIGHT_HOOK: &str = "weight";
+const GEMM_HOOKS: [&str; 5] = ["gemm_a", "gemm_b", "gemm_a4", "gemm_b4", "gemm_store"];
+const WEIGHT_HOOKS: [&str; 2] = ["weight", "weight4"];
+
+/// A vec4-typed binding's scalar accessor, `fn NAME_at(i: u32) -> f32` whose body is exactly
+/// `return NAME[i >> 2u][i & 3u];`: each file names its own bindings, so two files may each
+/// define `x_at`, but only as this one line (anything longer is a helper and is checked).
+fn is_binding_accessor(name: &str, body: &str) -> bool {
+    name.strip_suffix("_at")
+        .is_some_and(|b| !b.is_empty() && body.trim() == format!("return {b}[i >> 2u][i & 3u];"))
+}
 
 /// No helper is written twice: across every kernel file and prelude, a function name is
 /// defined once (the `gemm` prelude's operand hooks excepted), and every prelude file is
@@ -201,7 +209,8 @@ fn helpers_are_written_once_and_preludes_used() {
     let mut seen = std::collections::BTreeMap::new();
     for f in &files {
         let src = std::fs::read_to_string(f).expect("read");
-        for line in src.lines() {
+        let lines: Vec<&str> = src.lines().collect();
+        for (n, line) in lines.iter().enumerate() {
             let Some(rest) = line.strip_prefix("fn ") else {
                 continue;
             };
@@ -210,7 +219,12 @@ fn helpers_are_written_once_and_preludes_used() {
                 .file_stem()
                 .and_then(|s| s.to_str())
                 .is_some_and(|s| s.starts_with("weight_"));
-            if GEMM_HOOKS.contains(&name.as_str()) || (name == WEIGHT_HOOK && weight_prelude) {
+            let body = lines.get(n + 1).copied().unwrap_or("");
+            let closes = lines.get(n + 2).is_some_and(|l| l.trim() == "}");
+            if GEMM_HOOKS.contains(&name.as_str())
+                || (WEIGHT_HOOKS.contains(&name.as_str()) && weight_prelude)
+                || (closes && is_binding_accessor(&name, body))
+            {
                 continue;
             }
             if let Some(prev) = seen.insert(name.clone(), f.clone()) {

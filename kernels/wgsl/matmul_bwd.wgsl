@@ -13,15 +13,30 @@ struct Params {
     k: u32,
     accumulate: u32, // for dx: 1 adds into dx (residual-stream gradients), 0 overwrites
     ldy: u32,        // row stride of dy (n, or the full width when launched in chunks)
-    _p0: u32,
+    vec4: u32,       // 1: n, k, ldy and the operands' offsets are multiples of 4 values
     _p1: u32,
     _p2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> dy: array<f32>;
-@group(0) @binding(2) var<storage, read> x: array<f32>;
-@group(0) @binding(3) var<storage, read> w: array<f32>;
+// The operands are read through vector loads where p.vec4 is set (see the `gemm` prelude),
+// so they are typed by them; the host pads every binding to whole vectors. dy_at, x_at and
+// w_at read one value.
+@group(0) @binding(1) var<storage, read> dy: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> w: array<vec4<f32>>;
+
+fn dy_at(i: u32) -> f32 {
+    return dy[i >> 2u][i & 3u];
+}
+
+fn x_at(i: u32) -> f32 {
+    return x[i >> 2u][i & 3u];
+}
+
+fn w_at(i: u32) -> f32 {
+    return w[i >> 2u][i & 3u];
+}
 @group(0) @binding(4) var<storage, read_write> dx: array<f32>;
 @group(0) @binding(5) var<storage, read_write> dw: array<f32>;
 
@@ -29,12 +44,12 @@ struct Params {
 fn gemm_a(mode: u32, r: u32, i: u32) -> f32 {
     if (mode == GEMM_DX) {
         if (r < p.m && i < p.n) {
-            return dy[r * p.ldy + i];
+            return dy_at(r * p.ldy + i);
         }
         return 0.0;
     }
     if (r < p.n && i < p.m) {
-        return dy[i * p.ldy + r];
+        return dy_at(i * p.ldy + r);
     }
     return 0.0;
 }
@@ -43,14 +58,42 @@ fn gemm_a(mode: u32, r: u32, i: u32) -> f32 {
 fn gemm_b(mode: u32, i: u32, c: u32) -> f32 {
     if (mode == GEMM_DX) {
         if (i < p.n && c < p.k) {
-            return w[i * p.k + c];
+            return w_at(i * p.k + c);
         }
         return 0.0;
     }
     if (i < p.m && c < p.k) {
-        return x[i * p.k + c];
+        return x_at(i * p.k + c);
     }
     return 0.0;
+}
+
+// A(r, i..i+3) = dy[r, i..i+3] for dx; A(r..r+3, i) = dy[i, r..r+3] for dW.
+fn gemm_a4(mode: u32, r: u32, i: u32) -> vec4<f32> {
+    if (mode == GEMM_DX) {
+        if (r < p.m && i < p.n) {
+            return dy[(r * p.ldy + i) >> 2u];
+        }
+        return vec4<f32>(0.0);
+    }
+    if (r < p.n && i < p.m) {
+        return dy[(i * p.ldy + r) >> 2u];
+    }
+    return vec4<f32>(0.0);
+}
+
+// B(i, c..c+3) = W[i, c..c+3] for dx, x[i, c..c+3] for dW.
+fn gemm_b4(mode: u32, i: u32, c: u32) -> vec4<f32> {
+    if (mode == GEMM_DX) {
+        if (i < p.n && c < p.k) {
+            return w[(i * p.k + c) >> 2u];
+        }
+        return vec4<f32>(0.0);
+    }
+    if (i < p.m && c < p.k) {
+        return x[(i * p.k + c) >> 2u];
+    }
+    return vec4<f32>(0.0);
 }
 
 fn gemm_store(mode: u32, r: u32, c: u32, v: f32) {

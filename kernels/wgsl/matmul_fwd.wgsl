@@ -16,21 +16,34 @@ struct Params {
     accumulate: u32, // 1: y += x·Wᵀ, 0: y = x·Wᵀ
     ldy: u32,        // row stride of y (n, or the full width when launched in column chunks)
     lanes: u32,      // matmul_fwd_gemv: lanes per column (1, 8 or 16)
-    _p1: u32,
+    vec4: u32,       // 1: K and the x / W offsets are multiples of 4 values (vector loads)
     _p2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
+// x is read through vector loads where p.vec4 is set (see the `gemm` prelude), so it is typed
+// by them; the host pads every binding to whole vectors.
+@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
 // Binding 2, the weight W, is declared by the `weight_*` prelude (f32, bf16 or f16 storage)
 // and read only through its hook `weight(i)`.
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 
+fn x_at(i: u32) -> f32 {
+    return x[i >> 2u][i & 3u];
+}
+
 fn gemm_a(mode: u32, r: u32, i: u32) -> f32 {
     if (r < p.m && i < p.k) {
-        return x[r * p.k + i];
+        return x_at(r * p.k + i);
     }
     return 0.0;
+}
+
+fn gemm_a4(mode: u32, r: u32, i: u32) -> vec4<f32> {
+    if (r < p.m && i < p.k) {
+        return x[(r * p.k + i) >> 2u];
+    }
+    return vec4<f32>(0.0);
 }
 
 // B(i, c) = Wᵀ(i, c) = W[c, i].
@@ -39,6 +52,13 @@ fn gemm_b(mode: u32, i: u32, c: u32) -> f32 {
         return weight(c * p.k + i);
     }
     return 0.0;
+}
+
+fn gemm_b4(mode: u32, i: u32, c: u32) -> vec4<f32> {
+    if (c < p.n && i < p.k) {
+        return weight4(c * p.k + i);
+    }
+    return vec4<f32>(0.0);
 }
 
 fn gemm_store(mode: u32, r: u32, c: u32, v: f32) {
@@ -71,21 +91,39 @@ var<workgroup> gv_part: array<f32, 2048>; // [lane][row][column]: L * GV_ROWS * 
 
 // Adds chunk `ch` of K (GEMM_KC values, zeros past K up to its multiple of GEMM_TK, as in the
 // tiled body) for column c into one fma chain per row, from 0.0. Every chunk but the last is
-// whole and takes the first loop, without a bounds test per k; the second loop is the same
-// chain with the tests, for the last chunk.
+// whole and takes one of the first two loops, without a bounds test per k (four values per
+// load where p.vec4 is set, added in turn); the last loop is the same chain with the tests,
+// for the last chunk.
 fn gemv_chunk(ch: u32, c: u32, m: u32, kpad: u32) -> array<f32, 8> {
     var acc: array<f32, 8>;
     for (var r = 0u; r < GV_ROWS; r++) {
         acc[r] = 0.0;
     }
     let kb = ch * GEMM_KC;
+    if (kb + GEMM_KC <= p.k && p.vec4 != 0u) {
+        for (var kq = 0u; kq < GEMM_KC; kq += 4u) {
+            let wv = weight4(c * p.k + kb + kq);
+            for (var r = 0u; r < GV_ROWS; r++) {
+                var xv = vec4<f32>(0.0);
+                if (r < m) {
+                    xv = x[(r * p.k + kb + kq) >> 2u];
+                }
+                var a = acc[r];
+                for (var j = 0u; j < 4u; j++) {
+                    a = fma(xv[j], wv[j], a);
+                }
+                acc[r] = a;
+            }
+        }
+        return acc;
+    }
     if (kb + GEMM_KC <= p.k) {
         for (var kk = 0u; kk < GEMM_KC; kk++) {
             let wv = weight(c * p.k + kb + kk);
             for (var r = 0u; r < GV_ROWS; r++) {
                 var xv = 0.0;
                 if (r < m) {
-                    xv = x[r * p.k + kb + kk];
+                    xv = x_at(r * p.k + kb + kk);
                 }
                 acc[r] = fma(xv, wv, acc[r]);
             }
@@ -100,7 +138,7 @@ fn gemv_chunk(ch: u32, c: u32, m: u32, kpad: u32) -> array<f32, 8> {
         for (var r = 0u; r < GV_ROWS; r++) {
             var xv = 0.0;
             if (r < m && kx < p.k) {
-                xv = x[r * p.k + kx];
+                xv = x_at(r * p.k + kx);
             }
             acc[r] = fma(xv, wv, acc[r]);
         }

@@ -36,7 +36,7 @@ struct Params {
     accumulate: u32, // 1: y += x·Wᵀ, 0: y = x·Wᵀ
     ldy: u32,        // row stride of y (n, or the full width when launched in column chunks)
     lanes: u32,      // unused here (matmul_fwd_gemv's lanes per column)
-    _p1: u32,
+    vec4: u32,       // unused here (matmul_fwd's vector loads)
     _p2: u32,
 }
 

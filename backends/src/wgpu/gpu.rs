@@ -244,11 +244,13 @@ impl Gpu {
         }
     }
 
-    /// A storage buffer of `len` 4-byte elements (at least one), copyable both ways.
+    /// A storage buffer of `len` 4-byte elements (at least one), copyable both ways. Its
+    /// size is rounded up to whole 16-byte units ([`padded`]), so that a kernel may read it as
+    /// `array<vec4<f32>>` (the GEMM operands) up to and including its last element.
     pub fn buffer(&self, label: &str, len: usize) -> wgpu::Buffer {
         self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
-            size: (len.max(1) * 4) as u64,
+            size: padded((len.max(1) * 4) as u64),
             usage: wgpu::BufferUsages::STORAGE
                 | wgpu::BufferUsages::COPY_SRC
                 | wgpu::BufferUsages::COPY_DST,
@@ -389,6 +391,15 @@ impl Gpu {
     }
 }
 
+/// Alignment of every storage binding's offset and (padded) size, and the unit buffer sizes
+/// are rounded up to: one `vec4<f32>`, the widest load a kernel makes.
+pub const BIND_ALIGN: u64 = 16;
+
+/// `bytes` rounded up to a multiple of [`BIND_ALIGN`].
+pub fn padded(bytes: u64) -> u64 {
+    bytes.div_ceil(BIND_ALIGN) * BIND_ALIGN
+}
+
 /// One kernel launch's parameters: the `Params` uniform as sixteen 4-byte words, filled in
 /// declaration order.
 #[derive(Debug, Clone, Copy, Default)]
@@ -511,6 +522,8 @@ pub struct Exec {
     /// The device's tensor-core support while forward products run on it
     /// ([`Exec::set_tensor_cores`]).
     tensor_cores: Option<CoopSupport>,
+    /// The GEMMs stage one value at a time ([`Exec::force_scalar_loads`]).
+    scalar_loads: bool,
 }
 
 impl Exec {
@@ -533,6 +546,7 @@ impl Exec {
             gemv_lanes: None,
             decode_window: None,
             tensor_cores: None,
+            scalar_loads: false,
         }
     }
 
@@ -553,6 +567,18 @@ impl Exec {
     /// kernels.
     pub fn tensor_cores(&self) -> Option<CoopSupport> {
         self.tensor_cores
+    }
+
+    /// Makes the GEMMs (`matmul_fwd`, its decode GEMV, `matmul_bwd`) stage their operands one
+    /// value at a time even where the shape allows vector loads (`off`), or lets them choose
+    /// again: for tests, which compare both paths' bits (they stage the same values).
+    pub fn force_scalar_loads(&mut self, off: bool) {
+        self.scalar_loads = off;
+    }
+
+    /// Whether the GEMMs may use vector loads where the shape allows them.
+    pub fn vector_loads(&self) -> bool {
+        !self.scalar_loads
     }
 
     /// Makes `attention_decode` cover `keys` keys per launch (a multiple of 64) instead of the
@@ -693,6 +719,9 @@ impl Exec {
         let mut bytes = [0u8; SLOT as usize];
         bytes[..64].copy_from_slice(bytemuck::cast_slice(&p.words));
         self.params.extend_from_slice(&bytes);
+        // Sizes are padded to 16 bytes (within the buffer, whose size is padded too), so that
+        // a binding read as `array<vec4<f32>>` or `array<vec2<u32>>` covers its last
+        // element; offsets must be 16-byte aligned for the same reason (checked at submit).
         self.cmds.push(Cmd::Dispatch {
             kernel,
             format,
@@ -700,7 +729,14 @@ impl Exec {
             entry,
             bufs: bufs
                 .iter()
-                .map(|(b, o, n)| ((*b).clone(), *o, *n))
+                .map(|(b, o, n)| {
+                    let n = if *n == 0 {
+                        0
+                    } else {
+                        padded(*n).min(b.size().saturating_sub(*o))
+                    };
+                    ((*b).clone(), *o, n)
+                })
                 .collect(),
             groups,
             slot,
@@ -797,6 +833,12 @@ impl Exec {
                                 kernel.name(),
                                 kernel.storage_bindings(),
                                 bufs.len()
+                            )));
+                        }
+                        if let Some((_, o, _)) = bufs.iter().find(|b| b.1 % BIND_ALIGN != 0) {
+                            return Err(dev_err(format!(
+                                "{} binds a buffer at offset {o}, not a multiple of {BIND_ALIGN} bytes",
+                                kernel.name()
                             )));
                         }
                         let key = (*kernel, *format, *variant, bufs.clone());

@@ -13,7 +13,7 @@
 use rolloutpipe_kernels::{Kernel, WeightFormat};
 use wgpu::Buffer;
 
-use super::gpu::{Exec, Params, groups, linear};
+use super::gpu::{Exec, Params, groups, linear, padded};
 
 /// Output tile edge of the shared GEMM body (`GEMM_T` in `kernels/wgsl/prelude/gemm.wgsl`).
 const GEMM_TILE: usize = 128;
@@ -467,13 +467,6 @@ pub fn matmul_fwd_window(
     let lanes = gemv_lanes(ex, din);
     for c0 in (0..dout.max(1)).step_by(chunk) {
         let cols = chunk.min(dout - c0.min(dout));
-        let p = Params::new()
-            .u(n)
-            .u(cols)
-            .u(din)
-            .u(accumulate as usize)
-            .u(dout)
-            .u(lanes);
         // W bound whole only where the window is all of it: a first chunk of a larger W
         // (the lm_head's first vocabulary chunk) must not bind the rest.
         let whole = chunk >= dout && covers(w, window, din, bytes);
@@ -489,6 +482,17 @@ pub fn matmul_fwd_window(
                 sub_part(y, c0 * 4),
             )
         };
+        // Vector loads need K in whole vectors; every binding offset is 16-byte aligned
+        // already (checked at submit), so x's and W's rows then start on vectors too.
+        let vec4 = ex.vector_loads() && din.is_multiple_of(4);
+        let p = Params::new()
+            .u(n)
+            .u(cols)
+            .u(din)
+            .u(accumulate as usize)
+            .u(dout)
+            .u(lanes)
+            .u(vec4 as usize);
         let bufs = [x, wb, yb];
         if let Some(t) = ex.tensor_cores() {
             // Every row count on the one tensor-core kernel, so that a row's sums do not
@@ -515,9 +519,10 @@ pub fn matmul_fwd_window(
     }
 }
 
-/// Whether `window` (rows of `din` values of `bytes` each) is all of `w`'s buffer.
+/// Whether `window` (rows of `din` values of `bytes` each) is all of `w`'s buffer (whose size
+/// is padded to 16 bytes).
 fn covers(w: &Buffer, window: Window, din: usize, bytes: usize) -> bool {
-    window.first == 0 && binding_bytes(window.rows * din, bytes) == w.size()
+    window.first == 0 && padded(binding_bytes(window.rows * din, bytes)) == w.size()
 }
 
 /// `part` from `skip` more bytes on (its size shrunk to match, unless it runs to the end).
@@ -602,12 +607,18 @@ pub fn matmul_bwd_window(
     for (i, c0) in (0..dout.max(1)).step_by(chunk).enumerate() {
         let rows = chunk.min(dout - c0.min(dout));
         let first_acc = if i == 0 { acc } else { true };
+        // Vector loads need dy's and W's rows (and dW's tile edge) in whole vectors.
+        let vec4 = ex.vector_loads()
+            && din.is_multiple_of(4)
+            && rows.is_multiple_of(4)
+            && dout.is_multiple_of(4);
         let p = Params::new()
             .u(n)
             .u(rows)
             .u(din)
             .u(first_acc as usize)
-            .u(dout);
+            .u(dout)
+            .u(vec4 as usize);
         let whole = chunk >= dout && covers(w, window, din, 4) && covers(dw, window, din, 4);
         let part = |b: &Buffer| {
             if whole {

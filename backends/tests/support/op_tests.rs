@@ -113,13 +113,15 @@ pub fn check_rmsnorm(
 pub fn matmul_fwd_bwd(b: &mut impl OpRunner) {
     let mut rng = ChaCha8Rng::seed_from_u64(13);
     // n <= 8 runs wgpu's row-strip entry point (8 and 9 sit on both sides of the switch;
-    // din = 300 spans two 256-wide K stages there).
+    // din = 300 spans two 256-wide K stages there; 68 x 132 -> 76 takes wgpu's vector loads
+    // forward and backward with no dimension a whole tile).
     for &(n, din, dout) in &[
         (1, 8, 5),
         (3, 17, 70),
         (8, 300, 300),
         (9, 64, 33),
         (65, 130, 67),
+        (68, 132, 76),
         (128, 64, 200),
     ] {
         check_matmul(b, &mut rng, n, din, dout, "");

@@ -1,10 +1,20 @@
 // Prelude `gemm` (prepended by the kernels crate to matmul_fwd and matmul_bwd): the one tiled
 // GEMM body, C[rows, cols] = A[rows, inner] · B[inner, cols] in f32.
 //
-// The including file's Params starts with m, n, k, accumulate, and the file defines
-//   gemm_a(mode, r, i) -> f32      A(r, i), zero outside the matrix;
-//   gemm_b(mode, i, c) -> f32      B(i, c), zero outside the matrix;
-//   gemm_store(mode, r, c, v)      writes (or adds) C(r, c), called only inside the matrix.
+// The including file's Params starts with m, n, k, accumulate and has a field vec4, and the
+// file defines
+//   gemm_a(mode, r, i) -> f32         A(r, i), zero outside the matrix;
+//   gemm_b(mode, i, c) -> f32         B(i, c), zero outside the matrix;
+//   gemm_a4(mode, r, i) -> vec4<f32>  4 values of A from (r, i) on along its contiguous
+//                                     dimension: A(r, i..i+3) where A is contiguous along the
+//                                     inner dimension (GEMM_FWD, GEMM_DX), else A(r..r+3, i);
+//   gemm_b4(mode, i, c) -> vec4<f32>  likewise B(i..i+3, c) (GEMM_FWD) or B(i, c..c+3);
+//   gemm_store(mode, r, c, v)         writes (or adds) C(r, c), called only inside the matrix.
+// The vector hooks are one 16-byte load each (8 bytes for 16-bit weights) and are called
+// only where the host set p.vec4: every operand's row stride, its extent along the
+// contiguous dimension and its binding offset are multiples of 4 values, so a vector is
+// aligned and wholly inside or wholly outside the matrix (zeros). Otherwise the staging
+// reads one value at a time; both stage the same values, so the results are the same bits.
 // The mode picks the product: GEMM_FWD  y[M, N] = x[M, K] · W[N, K]ᵀ     (rows M, cols N, inner K)
 //                             GEMM_DX   dx[M, K] = dy[M, N] · W[N, K]    (rows M, cols K, inner N)
 //                             GEMM_DW   dW[N, K] = dyᵀ[N, M] · x[M, K]   (rows N, cols K, inner M)
@@ -12,13 +22,18 @@
 // Tiling: a 16x16 workgroup computes a 128x128 tile of C, each thread an 8x8 register block
 // (rows 4·ty + {0..3} and 64 + 4·ty + {0..3}, columns likewise from tx, so a warp's stores
 // cover 64 consecutive columns). The inner dimension is walked GEMM_TK = 8 at a time: each
-// thread stages 4 values of A and 4 of B into workgroup memory per step, then reads its
+// thread stages 4 values of A and 4 of B into workgroup memory per step (one vector load of
+// each on the vector path: gemm_stage4), then reads its
 // operands as four vec4 loads and does 64 fmas per step (16 fmas per shared load, against 4
 // in the 64x64 / 4x4 tiling this replaced). Tiles are stored [k][row] with a row stride of
 // 132 floats: the 4 floats of padding make the transposing stores (A or B contiguous along
 // the inner dimension: 8 lanes of a warp walk k, 4 walk rows) hit 32 distinct banks, while
 // keeping the vec4 reads 16-byte aligned; the vec4 reads of a warp are either one broadcast
-// (A) or 16 consecutive vec4s (B), both conflict-free.
+// (A) or 16 consecutive vec4s (B), both conflict-free. On the vector path an operand
+// contiguous along k is loaded as (row e / 2, k 4·(e % 2) ..+3) by thread e, whose four
+// transposing stores put a warp's 16 rows × 2 k-quads on 32 distinct banks (the two quads
+// are 4·132 floats apart: 16 banks); one contiguous across the tile is loaded as (k e / 32,
+// columns 4·(e % 32) ..+3) and stored as one vec4, a warp's 32 consecutive ones.
 //
 // Summation order. In the backward modes every output is one chain of fmas over the inner
 // dimension in ascending order from 0.0. The forward mode splits the inner dimension into
@@ -61,6 +76,35 @@ fn gemm_stage(dst_a: bool, kk: u32, r: u32, v: f32) {
     }
 }
 
+// The vector path's staging of inner-dimension step k0: one load of A and one of B by
+// thread `lid` (see the tiling notes above).
+fn gemm_stage4(mode: u32, k0: u32, row0: u32, col0: u32, lid: u32) {
+    if (mode != GEMM_DW) {
+        let r = lid / 2u;
+        let kq = 4u * (lid % 2u);
+        let v = gemm_a4(mode, row0 + r, k0 + kq);
+        for (var j = 0u; j < 4u; j++) {
+            gemm_stage(true, kq + j, r, v[j]);
+        }
+    } else {
+        let kk = lid / 32u;
+        let r4 = lid % 32u;
+        gemm_as[kk * GEMM_S + r4] = gemm_a4(mode, row0 + 4u * r4, k0 + kk);
+    }
+    if (mode == GEMM_FWD) {
+        let c = lid / 2u;
+        let kq = 4u * (lid % 2u);
+        let v = gemm_b4(mode, k0 + kq, col0 + c);
+        for (var j = 0u; j < 4u; j++) {
+            gemm_stage(false, kq + j, c, v[j]);
+        }
+    } else {
+        let kk = lid / 32u;
+        let c4 = lid % 32u;
+        gemm_bs[kk * GEMM_S + c4] = gemm_b4(mode, k0 + kk, col0 + 4u * c4);
+    }
+}
+
 fn gemm(mode: u32, wid: vec3<u32>, tx: u32, ty: u32, lid: u32) {
     let dims = gemm_dims(mode);
     let row0 = wid.y * GEMM_T;
@@ -78,7 +122,10 @@ fn gemm(mode: u32, wid: vec3<u32>, tx: u32, ty: u32, lid: u32) {
     // tiles (and meets every barrier) but skips the products.
     let live = row0 + 4u * ty < dims.x && col0 + 4u * tx < dims.y;
     for (var k0 = 0u; k0 < dims.z; k0 += GEMM_TK) {
-        for (var q = 0u; q < 4u; q++) {
+        if (p.vec4 != 0u) {
+            gemm_stage4(mode, k0, row0, col0, lid);
+        }
+        for (var q = 0u; q < select(4u, 0u, p.vec4 != 0u); q++) {
             let e = lid + 256u * q;
             // Contiguous along k: 8 neighbouring lanes read 8 consecutive k of one row;
             // otherwise 128 neighbouring lanes read one k across rows.
