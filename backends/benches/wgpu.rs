@@ -16,6 +16,8 @@
 //! - `wgpu_train/{wgpu,cpu}`: tokens/s (prompt + response) of one GRPO optimizer step on
 //!   8 sequences of 16 + 48 tokens (forward, backward, AdamW), as `cpu_train`.
 //!
+//! - `scalar_` variants of `wgpu_matmul` and `wgpu_matmul_bwd`: the same GEMMs staging one
+//!   value at a time (`Exec::force_scalar_loads`), against the default vector loads.
 //! - `tc` variants, where the adapter has tensor cores (cooperative matrices;
 //!   `WgpuBackend::set_tensor_cores`): `wgpu_matmul/tc_<shape>`, `wgpu_generate/wgpu_bf16_tc/N`,
 //!   `wgpu_train/wgpu_tc/..`, `wgpu_e2e_*/generate/bf16_tc` and `train/f32_tc`. On lavapipe
@@ -120,6 +122,10 @@ fn prod_matmuls() -> Vec<(usize, usize, usize)> {
 
 fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     let mut ex = Exec::new(Arc::clone(g));
+    // The same GEMMs with one-value-at-a-time staging (`scalar_*`): the path before vector
+    // loads, kept for shapes whose K is not a multiple of 4, side by side with the default.
+    let mut scalar = Exec::new(Arc::clone(g));
+    scalar.force_scalar_loads(true);
     let mut tc = tensor_core_exec(g);
     let mut grp = c.benchmark_group("wgpu_matmul");
     grp.sample_size(10);
@@ -141,6 +147,13 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
         grp.bench_function(format!("{n}x{din}x{dout}"), |b| {
             b.iter_custom(|it| {
                 timed(&mut ex, it, |ex| {
+                    ops::matmul_fwd(ex, &y, &x, &w, n, din, dout, false)
+                })
+            })
+        });
+        grp.bench_function(format!("scalar_{n}x{din}x{dout}"), |b| {
+            b.iter_custom(|it| {
+                timed(&mut scalar, it, |ex| {
                     ops::matmul_fwd(ex, &y, &x, &w, n, din, dout, false)
                 })
             })
@@ -174,6 +187,13 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
         grp.bench_function(format!("{n}x{din}x{dout}"), |b| {
             b.iter_custom(|it| {
                 timed(&mut ex, it, |ex| {
+                    ops::matmul_bwd(ex, Some((&dx, false)), &dw, &dy, &x, &w, n, din, dout)
+                })
+            })
+        });
+        grp.bench_function(format!("scalar_{n}x{din}x{dout}"), |b| {
+            b.iter_custom(|it| {
+                timed(&mut scalar, it, |ex| {
                     ops::matmul_bwd(ex, Some((&dx, false)), &dw, &dy, &x, &w, n, din, dout)
                 })
             })
