@@ -23,11 +23,13 @@
 //! pairs of 16-bit values packed in `array<u32>`, widened exactly in registers, on any
 //! adapter). Nothing else of the kernel differs between formats.
 //!
-//! One file is not an op of its own: `matmul_fwd_coop.wgsl`, the forward product on
-//! cooperative matrices (tensor cores; f16 operands, f32 sums), which the wgpu backend runs in
-//! place of `matmul_fwd` where the adapter has them and the engine asks for them. Its source
-//! is [`matmul_coop_wgsl`]: a `coop8` or `coop16` prelude for the adapter's fragment shape
-//! ([`CoopTile`]), a weight prelude, then the file.
+//! Two files are not ops of their own: `matmul_fwd_coop.wgsl` and `matmul_bwd_coop.wgsl`,
+//! the forward and backward products on cooperative matrices (tensor cores; f16 operands,
+//! f32 sums), which the wgpu backend runs in place of `matmul_fwd` and `matmul_bwd` where the
+//! adapter has them and the backend asks for them. Their sources are [`matmul_coop_wgsl`]
+//! and [`matmul_bwd_coop_wgsl`]: a `coop8` or `coop16` prelude for the adapter's fragment
+//! shape ([`CoopTile`]), the `coop_tile` prelude (the tiling both share), for the forward a
+//! weight prelude, then the file.
 //!
 //! Binding convention shared by every file (the wgpu backend builds its layouts from it):
 //! `@group(0) @binding(0)` is a `Params` uniform of at most [`PARAMS_BYTES`] bytes (bound
@@ -336,7 +338,7 @@ impl CoopTile {
 /// The one entry point of `kernels/wgsl/matmul_fwd_coop.wgsl`.
 pub const MATMUL_COOP_ENTRY: &str = "matmul_fwd_coop";
 
-/// Subgroups per workgroup of `matmul_fwd_coop`; its workgroup size is this times the
+/// Subgroups per workgroup of `matmul_fwd_coop` and `matmul_bwd_coop`; its workgroup size is this times the
 /// adapter's subgroup size, which the host sets through the pipeline override `SG`.
 pub const MATMUL_COOP_SUBGROUPS: u32 = 4;
 
@@ -345,6 +347,8 @@ macro_rules! coop_variant {
         concat!(
             include_str!(concat!("../wgsl/prelude/coop", $tile, ".wgsl")),
             "\n",
+            include_str!("../wgsl/prelude/coop_tile.wgsl"),
+            "\n",
             include_str!(concat!("../wgsl/prelude/weight_", $fmt, ".wgsl")),
             "\n",
             include_str!("../wgsl/matmul_fwd_coop.wgsl")
@@ -352,9 +356,55 @@ macro_rules! coop_variant {
     };
 }
 
+/// The entry points of `kernels/wgsl/matmul_bwd_coop.wgsl`, in launch order: the per-part
+/// maxima of |dy| that pick the gradient scale, then dx, then dW.
+pub const MATMUL_BWD_COOP_ENTRIES: [&str; 3] = [
+    "matmul_bwd_coop_amax",
+    "matmul_bwd_coop_dx",
+    "matmul_bwd_coop_dw",
+];
+
+/// Storage bindings of `matmul_bwd_coop`: [`Kernel::MatmulBwd`]'s five, then `amax` (the
+/// per-part maxima, at most [`MATMUL_BWD_COOP_PARTS`] `u32`s, read-write).
+pub const MATMUL_BWD_COOP_STORAGE: u32 = 6;
+
+/// Most workgroups of `matmul_bwd_coop_amax` (the product kernels reduce their maxima).
+pub const MATMUL_BWD_COOP_PARTS: u32 = 256;
+
+/// The tensor-core backward product `matmul_bwd_coop` (dx and dW of `y = x·Wᵀ` with f32
+/// weights, f16 operands, f32 sums, dy scaled by a power of two per product so that small
+/// gradients keep f16's precision): the `coop8`/`coop16` prelude of `tile`, the `coop_tile`
+/// prelude, then the file. [`Kernel::MatmulBwd`]'s bindings and `Params` plus binding 6
+/// ([`MATMUL_BWD_COOP_STORAGE`]); needs what [`matmul_coop_wgsl`] needs.
+///
+/// ```
+/// use rolloutpipe_kernels::{matmul_bwd_coop_wgsl, CoopTile, MATMUL_BWD_COOP_ENTRIES};
+/// let src = matmul_bwd_coop_wgsl(CoopTile::T8);
+/// assert!(src.starts_with("// Prelude `coop8`"));
+/// assert!(MATMUL_BWD_COOP_ENTRIES.iter().all(|e| src.contains(&format!("fn {e}("))));
+/// ```
+pub const fn matmul_bwd_coop_wgsl(tile: CoopTile) -> &'static str {
+    macro_rules! bwd {
+        ($tile:literal) => {
+            concat!(
+                include_str!(concat!("../wgsl/prelude/coop", $tile, ".wgsl")),
+                "\n",
+                include_str!("../wgsl/prelude/coop_tile.wgsl"),
+                "\n",
+                include_str!("../wgsl/matmul_bwd_coop.wgsl")
+            )
+        };
+    }
+    match tile {
+        CoopTile::T8 => bwd!("8"),
+        CoopTile::T16 => bwd!("16"),
+    }
+}
+
 /// The tensor-core forward product `matmul_fwd_coop` (the bindings and `Params` of
 /// [`Kernel::MatmulFwd`], which it replaces where an engine turns tensor cores on): the
-/// `coop8`/`coop16` prelude of `tile`, the `weight_<format>` prelude, then the file. It needs
+/// `coop8`/`coop16` prelude of `tile`, the `coop_tile` prelude, the `weight_<format>`
+/// prelude, then the file. It needs
 /// the adapter features `shader-f16` and `wgpu-cooperative-matrix`, with f16 x f16 -> f32
 /// fragments of `tile`'s shape.
 ///

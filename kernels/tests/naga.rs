@@ -4,7 +4,10 @@
 
 use naga::valid::{Capabilities, GlobalUse, ValidationFlags, Validator};
 use naga::{AddressSpace, ShaderStage, StorageAccess};
-use rolloutpipe_kernels::{CoopTile, Kernel, MAX_STORAGE_BINDINGS, PARAMS_BYTES, WeightFormat};
+use rolloutpipe_kernels::{
+    CoopTile, Kernel, MAX_STORAGE_BINDINGS, PARAMS_BYTES, WeightFormat, matmul_bwd_coop_wgsl,
+    matmul_coop_wgsl,
+};
 
 /// Every compiled source: each kernel in f32, and the 16-bit weight variants of those that
 /// read weights (`Kernel::wgsl_as`), so the checks below cover what the backend compiles.
@@ -240,14 +243,20 @@ fn helpers_are_written_once_and_preludes_used() {
             .unwrap_or("")
             .to_string();
         let weight_format = WeightFormat::ALL.iter().any(|f| f.prelude() == stem);
-        // The fragment-shape preludes are prepended to matmul_fwd_coop (tests/coop.rs).
-        let coop_tile = CoopTile::ALL.iter().any(|t| t.prelude() == stem);
-        assert!(
-            coop_tile
-                || Kernel::ALL
+        // The fragment-shape preludes and `coop_tile` are prepended to the tensor-core
+        // products (tests/coop.rs).
+        let coop = CoopTile::ALL.iter().any(|t| {
+            let marker = format!("// Prelude `{stem}`");
+            matmul_bwd_coop_wgsl(*t).contains(&marker)
+                && WeightFormat::ALL
                     .iter()
-                    .any(|k| k.preludes().contains(&stem.as_str())
-                        || (weight_format && k.reads_weights())),
+                    .all(|f| matmul_coop_wgsl(*t, *f).contains(&marker))
+        });
+        assert!(
+            coop || Kernel::ALL
+                .iter()
+                .any(|k| k.preludes().contains(&stem.as_str())
+                    || (weight_format && k.reads_weights())),
             "prelude {stem} is used by no kernel"
         );
     }

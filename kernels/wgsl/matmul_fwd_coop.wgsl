@@ -4,15 +4,12 @@
 // VK_KHR_cooperative_matrix-class support and the engine asked for it.
 //
 // A `coop8` or `coop16` prelude comes first (fragment edge CT = 8 or 16, the aliases CoopA,
-// CoopB, CoopC), then a `weight_*` prelude (W in f32, bf16 or f16, read through weight(i)).
+// CoopB, CoopC), then the `coop_tile` prelude (the tiling, shared with matmul_bwd_coop), then
+// a `weight_*` prelude (W in f32, bf16 or f16, read through weight(i)).
 //
-// Tiling: a workgroup is 4 subgroups of SG lanes (SG the adapter's one subgroup size, set as
-// a pipeline override) and computes a WT x WT tile of y, WT = 4·CT; subgroup s takes the
-// 2·CT x 2·CT quarter (s / 2, s % 2) as 2 x 2 fragments. The inner dimension is walked KT =
-// 2·CT at a time: every thread stages part of the x rows and W rows of the step into
-// workgroup memory as f16 ([row][k], the layout both loads read with stride KT: x row-major
-// as the A operand, W column-major as the B operand), then each subgroup does 2·2·2
-// multiply-adds.
+// Tiling (`coop_tile`): a WT x WT tile of y per workgroup of 4 subgroups; every thread stages
+// part of the x rows (A, into coop_a) and W rows (B, into coop_b) of each KT-step as f16,
+// then each subgroup does 2·2·2 multiply-adds.
 //
 // Operands: x and the widened weight are rounded to f16 (values past ±65504 clamped to it,
 // so a large activation saturates instead of becoming infinite); products and sums are f32.
@@ -44,20 +41,6 @@ struct Params {
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 // Binding 2, the weight W, is declared by the `weight_*` prelude and read through weight(i).
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
-
-// The adapter's subgroup size (the host sets it; coop fragments belong to one subgroup).
-override SG: u32 = 32u;
-
-const KT: u32 = 2u * CT; // inner-dimension step
-const WT: u32 = 4u * CT; // workgroup tile edge
-var<workgroup> coop_x: array<f16, 2048>; // WT * KT at most (CT = 16): [row][k]
-var<workgroup> coop_w: array<f16, 2048>; // [column][k]
-var<workgroup> coop_out: array<f32, 1024>; // 4 subgroups * CT * CT at most
-
-// An f32 rounded to f16, saturating at the largest finite half.
-fn coop_half(v: f32) -> f16 {
-    return f16(clamp(v, -65504.0, 65504.0));
-}
 
 // Writes the fragment the subgroup `sg` stored in its slice of coop_out to y at (r0, c0).
 fn coop_flush(sg: u32, lane: u32, r0: u32, c0: u32) {
@@ -100,19 +83,19 @@ fn matmul_fwd_coop(
             if (row0 + r < p.m && kk < p.k) {
                 a = x[(row0 + r) * p.k + kk];
             }
-            coop_x[e] = coop_half(a);
+            coop_a[e] = coop_half(a);
             var b = 0.0;
             if (col0 + r < p.n && kk < p.k) {
                 b = weight((col0 + r) * p.k + kk);
             }
-            coop_w[e] = coop_half(b);
+            coop_b[e] = coop_half(b);
         }
         workgroupBarrier();
         for (var kf = 0u; kf < KT; kf += CT) {
-            let a0 = coopLoadT<CoopA>(&coop_x[sr * KT + kf], KT);
-            let a1 = coopLoadT<CoopA>(&coop_x[(sr + CT) * KT + kf], KT);
-            let b0 = coopLoad<CoopB>(&coop_w[sc * KT + kf], KT);
-            let b1 = coopLoad<CoopB>(&coop_w[(sc + CT) * KT + kf], KT);
+            let a0 = coopLoadT<CoopA>(&coop_a[sr * KT + kf], KT);
+            let a1 = coopLoadT<CoopA>(&coop_a[(sr + CT) * KT + kf], KT);
+            let b0 = coopLoad<CoopB>(&coop_b[sc * KT + kf], KT);
+            let b1 = coopLoad<CoopB>(&coop_b[(sc + CT) * KT + kf], KT);
             c00 = coopMultiplyAdd(a0, b0, c00);
             c01 = coopMultiplyAdd(a0, b1, c01);
             c10 = coopMultiplyAdd(a1, b0, c10);
