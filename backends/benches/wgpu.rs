@@ -19,8 +19,9 @@
 //! - `scalar_` variants of `wgpu_matmul` and `wgpu_matmul_bwd`: the same GEMMs staging one
 //!   value at a time (`Exec::force_scalar_loads`), against the default vector loads.
 //! - `tc` variants, where the adapter has tensor cores (cooperative matrices;
-//!   `WgpuBackend::set_tensor_cores`): `wgpu_matmul/tc_<shape>`, `wgpu_generate/wgpu_bf16_tc/N`,
-//!   `wgpu_train/wgpu_tc/..`, `wgpu_e2e_*/generate/bf16_tc` and `train/f32_tc`. On lavapipe
+//!   `WgpuBackend::set_tensor_cores`): `wgpu_matmul/tc_<shape>`, `wgpu_matmul_bwd/tc_<shape>`,
+//!   `wgpu_generate/wgpu_bf16_tc/N`, `wgpu_train/wgpu_tc/..` (forward and backward products on
+//!   tensor cores), `wgpu_e2e_*/generate/bf16_tc` and `train/f32_tc`. On lavapipe
 //!   the cooperative matrices are emulated in scalar code, so there they measure only that
 //!   the path runs; the speed-up is a GPU's (`scripts/device/wgpu.sh`).
 //! - `wgpu_e2e_{0.6b,1.7b}/{generate,train}/<dtype>` (prod shapes only, see `bench_e2e`):
@@ -198,6 +199,16 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
                 })
             })
         });
+        // The same products on tensor cores (matmul_bwd_coop: the |dy| maxima, dx, dW).
+        if let Some(tc) = tc.as_mut() {
+            grp.bench_function(format!("tc_{n}x{din}x{dout}"), |b| {
+                b.iter_custom(|it| {
+                    timed(tc, it, |ex| {
+                        ops::matmul_bwd(ex, Some((&dx, false)), &dw, &dy, &x, &w, n, din, dout)
+                    })
+                })
+            });
+        }
     }
     grp.finish();
 

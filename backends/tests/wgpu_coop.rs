@@ -1,6 +1,8 @@
-//! Tensor cores on the wgpu backend (`matmul_fwd_coop`, `WgpuBackend::set_tensor_cores`):
-//! the product is the f32 product of f16-rounded operands to within an f32 sum's rounding,
-//! for every weight format, with `accumulate`; a row's result does not depend on its batch
+//! Tensor cores on the wgpu backend (`matmul_fwd_coop`, `matmul_bwd_coop`,
+//! `WgpuBackend::set_tensor_cores`): the product is the f32 product of f16-rounded operands
+//! to within an f32 sum's rounding, for every weight format, with `accumulate`; the backward's
+//! dx and dW are the products of the f16-rounded, power-of-two-scaled dy and the f16-rounded
+//! operands, tiny and huge gradients included, deterministically; a row's result does not depend on its batch
 //! (bit for bit), so scoring and decoding stay batch-invariant; whole-model log-probs and
 //! training gradients stay within a stated bound of the f32 kernels'; and a device without
 //! cooperative matrices refuses in one line naming what it lacks.
@@ -214,6 +216,194 @@ fn coop_rows_do_not_depend_on_the_batch() {
     }
 }
 
+/// The power of two `matmul_bwd_coop` scales a launch's dy by: the largest |dy|·s lies in
+/// [2^14, 2^15) (1 for an all-zero or non-finite dy).
+fn grad_scale(dy: &[f32]) -> f64 {
+    let bits = dy.iter().map(|v| v.abs().to_bits()).max().unwrap_or(0);
+    let e = ((bits >> 23) & 0xff) as i32;
+    if bits == 0 || e == 255 {
+        return 1.0;
+    }
+    2f64.powi((141 - e).clamp(-126, 126))
+}
+
+/// dx (accumulated into `dx0` or written) and dW (always accumulated into `dw0`) of
+/// `y = x·Wᵀ` on tensor cores, with storage bindings capped at `cap` bytes (the lm_head's
+/// vocabulary chunks: W's rows in launches of 256) where given.
+#[allow(clippy::too_many_arguments)]
+fn coop_backward(
+    g: &Arc<Gpu>,
+    tc: bool,
+    cap: Option<usize>,
+    (dy, x, w): (&[f32], &[f32], &[f32]),
+    (dx0, dw0): (&[f32], &[f32]),
+    (m, k, n): (usize, usize, usize),
+    accumulate: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut ex = Exec::new(Arc::clone(g));
+    ex.set_tensor_cores(tc).expect("tensor cores");
+    if let Some(c) = cap {
+        ex.cap_binding(c);
+    }
+    let up = |name: &str, v: &[f32]| g.upload(name, v);
+    let (dyb, xb, wb, dxb, dwb) = (
+        up("dy", dy),
+        up("x", x),
+        up("w", w),
+        up("dx", dx0),
+        up("dw", dw0),
+    );
+    ops::matmul_bwd(
+        &mut ex,
+        Some((&dxb, accumulate)),
+        &dwb,
+        &dyb,
+        &xb,
+        &wb,
+        m,
+        k,
+        n,
+    );
+    ex.submit().expect("submit");
+    (
+        g.read::<f32>(&dxb, m * k).expect("read dx"),
+        g.read::<f32>(&dwb, n * k).expect("read dw"),
+    )
+}
+
+/// The backward on tensor cores is the product of the f16-rounded scaled dy (one scale per
+/// launch: per 256-row chunk of W where the binding is capped) and the f16-rounded W or x, to
+/// within an f32 sum's rounding: dx with and without `accumulate`, dW accumulated, at shapes
+/// with every edge, gradients of every size from 1e-9 to 1e6 (past f16's range both ways).
+#[test]
+fn coop_backward_is_the_product_of_scaled_half_operands() {
+    let Some(g) = coop_gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    // (rows m, in k, out n, binding cap): the last splits W's 300 rows into 256 + 44.
+    let cases = [
+        (1, 37, 45, None),
+        (7, 64, 300, None),
+        (33, 100, 65, None),
+        (70, 257, 129, None),
+        (130, 24, 8, None),
+        (21, 64, 300, Some(256 * 64 * 4)),
+    ];
+    for (ci, (m, k, n, cap)) in cases.into_iter().enumerate() {
+        let scale = [1e-9f32, 3e-6, 1.0, 1e6][ci % 4];
+        let dy = rand_vec(&mut rng, m * n, scale);
+        let x = rand_vec(&mut rng, m * k, 2.0);
+        let w = rand_vec(&mut rng, n * k, 0.5);
+        let dx0 = rand_vec(&mut rng, m * k, 1.0);
+        let dw0 = rand_vec(&mut rng, n * k, 1.0);
+        // W's rows per launch, and each launch's scale from its own columns of dy.
+        let chunk = if cap.is_some() { 256 } else { n };
+        let scales: Vec<f64> = (0..n.div_ceil(chunk))
+            .map(|c| {
+                let cols = c * chunk..((c + 1) * chunk).min(n);
+                let dy = &dy;
+                let part: Vec<f32> = (0..m)
+                    .flat_map(|r| cols.clone().map(move |j| dy[r * n + j]))
+                    .collect();
+                grad_scale(&part)
+            })
+            .collect();
+        let dyh = |r: usize, j: usize| {
+            let s = scales[j / chunk];
+            (f16::from_f32((dy[r * n + j] as f64 * s) as f32).to_f64(), s)
+        };
+        for accumulate in [false, true] {
+            let (dx, dw) = coop_backward(
+                &g,
+                true,
+                cap,
+                (&dy, &x, &w),
+                (&dx0, &dw0),
+                (m, k, n),
+                accumulate,
+            );
+            let check = |what: &str, got: f32, want: f64, mag: f64| {
+                // Exact f16 products; ≤ inner + 2 f32 roundings of the partial sums (one
+                // chain per launch, launches added in turn), plus the add into the base.
+                let inner = if what == "dx" { n } else { m };
+                let bound = (inner as f64 + 3.0) * 2f64.powi(-24) * mag + 1e-38;
+                let e = (got as f64 - want).abs();
+                assert!(
+                    e <= bound,
+                    "{m}x{k}x{n} cap={cap:?} acc={accumulate} {what} = {got} vs {want} (err {e:.3e} > {bound:.3e})"
+                );
+            };
+            for r in 0..m {
+                for c in 0..k {
+                    let (mut want, mut mag) = (0f64, 0f64);
+                    for j in 0..n {
+                        let (a, s) = dyh(r, j);
+                        let t = a * as_half(w[j * k + c]) / s;
+                        want += t;
+                        mag += t.abs();
+                    }
+                    let base = if accumulate {
+                        dx0[r * k + c] as f64
+                    } else {
+                        0.0
+                    };
+                    check("dx", dx[r * k + c], want + base, mag + base.abs());
+                }
+            }
+            for j in 0..n {
+                for c in 0..k {
+                    let (mut want, mut mag) = (0f64, 0f64);
+                    for r in 0..m {
+                        let (a, s) = dyh(r, j);
+                        let t = a * as_half(x[r * k + c]) / s;
+                        want += t;
+                        mag += t.abs();
+                    }
+                    let base = dw0[j * k + c] as f64;
+                    check("dW", dw[j * k + c], want + base, mag + base.abs());
+                }
+            }
+        }
+    }
+}
+
+/// Scaling keeps gradients far below f16's smallest normal (6.1e-5) and above its largest
+/// (65504) at f16's relative precision: against the f32 kernels, dx and dW differ by at most
+/// 2e-3 of their norms at dy magnitudes from 1e-10 to 1e8 (unscaled, 1e-10 would flush to
+/// zero and 1e8 saturate). The launch is deterministic: twice, the same bits.
+#[test]
+fn coop_backward_keeps_tiny_and_huge_gradients() {
+    let Some(g) = coop_gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(15);
+    let (m, k, n) = (48, 72, 100);
+    let x = rand_vec(&mut rng, m * k, 1.0);
+    let w = rand_vec(&mut rng, n * k, 0.3);
+    let zeros = (vec![0.0; m * k], vec![0.0; n * k]);
+    let rel = |a: &[f32], b: &[f32]| {
+        let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+        let nb: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+        (d / nb).sqrt()
+    };
+    for scale in [1e-10f32, 1e-7, 1.0, 1e8] {
+        let dy = rand_vec(&mut rng, m * n, scale);
+        let ops = (&dy[..], &x[..], &w[..]);
+        let run = |tc| coop_backward(&g, tc, None, ops, (&zeros.0, &zeros.1), (m, k, n), false);
+        let (dx, dw) = run(true);
+        let (fx, fw) = run(false);
+        let (ex, ew) = (rel(&dx, &fx), rel(&dw, &fw));
+        eprintln!("dy ~ {scale:e}: dx {ex:.2e}, dW {ew:.2e} relative to the f32 kernels");
+        assert!(
+            ex > 0.0 && ex < 2e-3 && ew > 0.0 && ew < 2e-3,
+            "dy ~ {scale:e}: dx {ex:.2e} dW {ew:.2e}"
+        );
+        let (dx2, dw2) = run(true);
+        assert_eq!(
+            (bits(&dx2), bits(&dw2)),
+            (bits(&dx), bits(&dw)),
+            "dy ~ {scale:e}: not deterministic"
+        );
+    }
+}
+
 /// The default-shaped test model at odd sizes (vocabulary 203, hidden 72, MLP 100).
 fn model() -> ModelConfig {
     ModelConfig {
@@ -327,9 +517,9 @@ fn coop_decoding_is_batch_invariant() {
     }
 }
 
-/// Training with tensor-core forward products: the gradient of every tensor is within 2e-3
-/// of the f32 kernels' gradient, relative to that tensor's norm (the forward's f16 operands
-/// move the activations the backward multiplies by; the backward products stay f32).
+/// Training on tensor cores (forward and backward products): the gradient of every tensor is
+/// within 2e-3 of the f32 kernels' gradient, relative to that tensor's norm (the forward's
+/// f16 operands move the activations; the backward's move each product by ~2^-11).
 #[test]
 fn coop_training_gradients_are_close_to_the_f32_ones() {
     let Some(g) = coop_gpu() else { return };

@@ -62,8 +62,8 @@ def main():
 
 # (model, workload, torch_e2e.py's shape key, criterion benchmark of wgpu f32, of wgpu bf16,
 # of wgpu on tensor cores: the bf16 engine for generate, the f32 trainer with tensor-core
-# forward products for train); the bf16 train cell stays empty: the wgpu trainer keeps f32
-# weights.
+# forward and backward products for train); the bf16 train cell stays empty: the wgpu trainer
+# keeps f32 weights.
 E2E = [
     ("default model", "generate 16 × (16 + 32)", None,
      ("wgpu_generate", "wgpu/16"), ("wgpu_generate", "wgpu_bf16/16"),

@@ -18,7 +18,9 @@ use std::num::NonZeroU64;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use rolloutpipe_kernels::{
-    Kernel, MATMUL_COOP_ENTRY, MAX_STORAGE_BINDINGS, PARAMS_BYTES, WeightFormat, matmul_coop_wgsl,
+    Kernel, MATMUL_BWD_COOP_ENTRIES, MATMUL_BWD_COOP_PARTS, MATMUL_BWD_COOP_STORAGE,
+    MATMUL_COOP_ENTRY, MAX_STORAGE_BINDINGS, PARAMS_BYTES, WeightFormat, matmul_bwd_coop_wgsl,
+    matmul_coop_wgsl,
 };
 
 use super::coop::{COOP_FEATURES, CoopSupport};
@@ -36,14 +38,27 @@ pub(super) fn dev_err(what: impl std::fmt::Display) -> BackendError {
     BackendError::Device(what.to_string())
 }
 
-/// Which source of a kernel a launch runs: its own file, or (for [`Kernel::MatmulFwd`] only)
-/// the tensor-core product `matmul_fwd_coop`, which has the same bindings.
+/// Which source of a kernel a launch runs: its own file, or one of the tensor-core products
+/// launched in a GEMM's place: `matmul_fwd_coop` (for [`Kernel::MatmulFwd`], the same
+/// bindings) or `matmul_bwd_coop` (for [`Kernel::MatmulBwd`], its bindings plus `amax`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Variant {
     /// [`Kernel::wgsl_as`].
     Plain,
     /// [`matmul_coop_wgsl`] for the adapter's fragment shape ([`Gpu::coop`]).
     Coop,
+    /// [`matmul_bwd_coop_wgsl`] for the adapter's fragment shape (f32 weights only).
+    CoopBwd,
+}
+
+impl Variant {
+    /// Storage bindings of `k`'s source in this variant.
+    fn storage_bindings(self, k: Kernel) -> u32 {
+        match self {
+            Variant::CoopBwd => MATMUL_BWD_COOP_STORAGE,
+            Variant::Plain | Variant::Coop => k.storage_bindings(),
+        }
+    }
 }
 
 /// A kernel's bind group layout and one pipeline per entry point.
@@ -298,6 +313,13 @@ impl Gpu {
             .map(|_| ())
     }
 
+    /// Compiles the tensor-core backward product (`matmul_bwd_coop`, f32 weights) now;
+    /// refused in one line where the device has no tensor cores.
+    pub fn prepare_coop_bwd(&self) -> Result<()> {
+        self.compiled(Kernel::MatmulBwd, WeightFormat::F32, Variant::CoopBwd)
+            .map(|_| ())
+    }
+
     fn compiled(&self, k: Kernel, f: WeightFormat, v: Variant) -> Result<Arc<Compiled>> {
         let mut map = self.compiled.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(c) = map.get(&(k, f, v)) {
@@ -321,6 +343,20 @@ impl Gpu {
                     Some(sup.subgroup),
                 )
             }
+            Variant::CoopBwd => {
+                let sup = self.coop.as_ref().map_err(|e| dev_err(e.clone()))?;
+                if k != Kernel::MatmulBwd || f != WeightFormat::F32 {
+                    return Err(dev_err(format!(
+                        "{} with {f:?} weights has no tensor-core backward",
+                        k.name()
+                    )));
+                }
+                (
+                    matmul_bwd_coop_wgsl(sup.tile),
+                    &MATMUL_BWD_COOP_ENTRIES,
+                    Some(sup.subgroup),
+                )
+            }
         };
         let module = self
             .device
@@ -338,7 +374,7 @@ impl Gpu {
             },
             count: None,
         }];
-        for b in 1..=k.storage_bindings() {
+        for b in 1..=v.storage_bindings(k) {
             entries.push(wgpu::BindGroupLayoutEntry {
                 binding: b,
                 visibility: wgpu::ShaderStages::COMPUTE,
@@ -524,6 +560,9 @@ pub struct Exec {
     tensor_cores: Option<CoopSupport>,
     /// The GEMMs stage one value at a time ([`Exec::force_scalar_loads`]).
     scalar_loads: bool,
+    /// The per-workgroup maxima of |dy| that `matmul_bwd_coop` picks its gradient scale
+    /// from ([`Exec::dispatch_coop_bwd`]); reused by every backward product, in order.
+    amax: wgpu::Buffer,
 }
 
 impl Exec {
@@ -533,6 +572,7 @@ impl Exec {
         let arena = Self::make_arena(&gpu, arena_slots);
         Self {
             dummy: gpu.buffer("unused binding", 4),
+            amax: gpu.buffer("backward |dy| maxima", MATMUL_BWD_COOP_PARTS as usize),
             gpu,
             arena,
             arena_slots,
@@ -550,10 +590,12 @@ impl Exec {
         }
     }
 
-    /// Runs every forward product (`matmul_fwd`, at every row count, the lm_head chunks
-    /// included) on the tensor-core kernel `matmul_fwd_coop` (f16 operands, f32 sums), or
-    /// back on the f32 kernels. Turning them on is refused, in one line naming what the
-    /// adapter lacks, where the device has none ([`Gpu::coop_refusal`]).
+    /// Runs every product on tensor cores (f16 operands, f32 sums), or back on the f32
+    /// kernels: the forward ones (`matmul_fwd`, at every row count, the lm_head chunks
+    /// included) on `matmul_fwd_coop`, the backward ones (`matmul_bwd`'s dx and dW, with a
+    /// per-product power-of-two gradient scale) on `matmul_bwd_coop`. Turning them on is
+    /// refused, in one line naming what the adapter lacks, where the device has none
+    /// ([`Gpu::coop_refusal`]).
     pub fn set_tensor_cores(&mut self, on: bool) -> Result<()> {
         self.tensor_cores = match (on, &self.gpu.coop) {
             (false, _) => None,
@@ -563,8 +605,7 @@ impl Exec {
         Ok(())
     }
 
-    /// The tensor-core support forward products run on, `None` while they run on the f32
-    /// kernels.
+    /// The tensor-core support the GEMMs run on, `None` while they run on the f32 kernels.
     pub fn tensor_cores(&self) -> Option<CoopSupport> {
         self.tensor_cores
     }
@@ -704,6 +745,23 @@ impl Exec {
         self.record(Kernel::MatmulFwd, format, Variant::Coop, 0, bufs, p, groups);
     }
 
+    /// A launch of entry `entry` of the tensor-core backward product `matmul_bwd_coop`
+    /// (`MATMUL_BWD_COOP_ENTRIES`: the |dy| maxima, dx, dW) with [`Kernel::MatmulBwd`]'s five
+    /// bindings in `bufs` and `Params`; the maxima buffer is bound sixth.
+    pub fn dispatch_coop_bwd(
+        &mut self,
+        entry: usize,
+        bufs: &[(&wgpu::Buffer, u64, u64)],
+        p: Params,
+        groups: [u32; 2],
+    ) {
+        let amax = self.amax.clone();
+        let mut all = bufs.to_vec();
+        all.push((&amax, 0, 0));
+        let (k, f) = (Kernel::MatmulBwd, WeightFormat::F32);
+        self.record(k, f, Variant::CoopBwd, entry, &all, p, groups);
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn record(
         &mut self,
@@ -827,11 +885,11 @@ impl Exec {
                         let pipeline = c.pipelines.get(*entry).ok_or_else(|| {
                             dev_err(format!("{} has no entry point #{entry}", kernel.name()))
                         })?;
-                        if bufs.len() != kernel.storage_bindings() as usize {
+                        let want = variant.storage_bindings(*kernel);
+                        if bufs.len() != want as usize {
                             return Err(dev_err(format!(
-                                "{} binds {} buffers, {} given",
+                                "{} binds {want} buffers, {} given",
                                 kernel.name(),
-                                kernel.storage_bindings(),
                                 bufs.len()
                             )));
                         }

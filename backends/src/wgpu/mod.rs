@@ -5,7 +5,8 @@
 //! - [`gpu`]: the device, pipelines compiled once per kernel, and the [`Exec`] recorder
 //!   (bind groups cached per buffer set, one params arena, one submission per call);
 //! - [`coop`]: whether the adapter has tensor cores (cooperative matrices) for
-//!   `matmul_fwd_coop`, which [`WgpuBackend::set_tensor_cores`] turns on;
+//!   `matmul_fwd_coop` and `matmul_bwd_coop`, which [`WgpuBackend::set_tensor_cores`] turns
+//!   on;
 //! - [`ops`]: one launcher per kernel, named and shaped like `cpu::ops`;
 //! - `model`: parameters, gradients and activations on the device; the forward and
 //!   backward encoders;
@@ -236,23 +237,32 @@ impl WgpuBackend {
         Ok(())
     }
 
-    /// Runs every forward product of generation, scoring and training (the projections and
-    /// the lm_head chunks, at every row count) on tensor cores: `matmul_fwd_coop`, f16
-    /// operands with f32 sums ([`coop`]). Results move by the f16 rounding of the operands
-    /// (tests/wgpu_coop.rs bounds them) and stay batch-invariant; the backward products and
-    /// every other kernel are unchanged. Refused, in one line naming what the adapter lacks,
-    /// where it has no tensor cores; compiled here, so a driver that rejects the kernel is
-    /// refused here too. `false` goes back to the f32 kernels.
+    /// Runs every matrix product on tensor cores, f16 operands with f32 sums ([`coop`]): the
+    /// forward ones of generation, scoring and training (the projections and the lm_head
+    /// chunks, at every row count) on `matmul_fwd_coop`, and, where the weights are f32 (a
+    /// trainer), the backward ones (dx and dW of each projection and lm_head chunk) on
+    /// `matmul_bwd_coop`, which scales dy by a power of two per product so that small
+    /// gradients keep f16's relative precision instead of flushing to zero. Results move by
+    /// the f16 rounding of the operands (tests/wgpu_coop.rs bounds them); decoding and scoring
+    /// stay batch-invariant; every other kernel is unchanged. Refused, in one line naming what
+    /// the adapter lacks, where it has no tensor cores; compiled here, so a driver that
+    /// rejects a kernel is refused here too. `false` goes back to the f32 kernels.
     pub fn set_tensor_cores(&mut self, on: bool) -> Result<()> {
         self.ex.set_tensor_cores(on)?;
-        if on && let Err(e) = self.gpu.prepare_coop(self.model.weights) {
-            self.ex.set_tensor_cores(false)?;
-            return Err(e);
+        if on {
+            let mut ready = self.gpu.prepare_coop(self.model.weights);
+            if ready.is_ok() && self.model.weights == WeightFormat::F32 {
+                ready = self.gpu.prepare_coop_bwd();
+            }
+            if let Err(e) = ready {
+                self.ex.set_tensor_cores(false)?;
+                return Err(e);
+            }
         }
         Ok(())
     }
 
-    /// Whether forward products run on tensor cores ([`WgpuBackend::set_tensor_cores`]).
+    /// Whether matrix products run on tensor cores ([`WgpuBackend::set_tensor_cores`]).
     pub fn tensor_cores(&self) -> bool {
         self.ex.tensor_cores().is_some()
     }

@@ -10,13 +10,21 @@
 //! `attention_*` take packed rows with per-row metadata instead of one sequence per call, and
 //! save log-sum-exp instead of the probability matrix.
 
-use rolloutpipe_kernels::{Kernel, WeightFormat};
+use rolloutpipe_kernels::{Kernel, MATMUL_BWD_COOP_PARTS, WeightFormat};
 use wgpu::Buffer;
 
 use super::gpu::{Exec, Params, groups, linear, padded};
 
 /// Output tile edge of the shared GEMM body (`GEMM_T` in `kernels/wgsl/prelude/gemm.wgsl`).
 const GEMM_TILE: usize = 128;
+
+/// Ceil-divided counts of a tensor-core product's `wt` x `wt` output tiles.
+fn coop_tiles(cols: usize, rows: usize, wt: usize) -> [u32; 2] {
+    [
+        cols.div_ceil(wt).max(1) as u32,
+        rows.div_ceil(wt).max(1) as u32,
+    ]
+}
 
 /// Ceil-divided tile counts of the GEMM's 128x128 output tiles.
 fn tiles(cols: usize, rows: usize) -> [u32; 2] {
@@ -498,12 +506,7 @@ pub fn matmul_fwd_window(
             // Every row count on the one tensor-core kernel, so that a row's sums do not
             // depend on its batch (matmul_fwd_coop.wgsl: summation order).
             let wt = t.tile.workgroup_tile() as usize;
-            ex.dispatch_coop(
-                format,
-                &bufs,
-                p,
-                [cols.div_ceil(wt) as u32, n.div_ceil(wt) as u32],
-            );
+            ex.dispatch_coop(format, &bufs, p, coop_tiles(cols, n, wt));
         } else if n <= MATMUL_ROWS_MAX {
             ex.dispatch_as(
                 Kernel::MatmulFwd,
@@ -631,6 +634,21 @@ pub fn matmul_bwd_window(
         let (wb, dwb) = (part(w), part(dw));
         let dyb = if whole { dy } else { sub_part(dy, c0 * 4) };
         let b = [dyb, x, (&wb.0, wb.1, wb.2), dxb, (&dwb.0, dwb.1, dwb.2)];
+        if let Some(t) = ex.tensor_cores() {
+            // The launch's |dy| maxima first (they pick the chunk's gradient scale), then dx
+            // and dW on tensor cores (matmul_bwd_coop.wgsl: gradient scaling).
+            let wt = t.tile.workgroup_tile() as usize;
+            let parts = (n * rows)
+                .div_ceil(256)
+                .clamp(1, MATMUL_BWD_COOP_PARTS as usize);
+            let p = p.u(parts);
+            ex.dispatch_coop_bwd(0, &b, p, [parts as u32, 1]);
+            if dx.is_some() {
+                ex.dispatch_coop_bwd(1, &b, p, coop_tiles(din, n, wt));
+            }
+            ex.dispatch_coop_bwd(2, &b, p, coop_tiles(din, rows, wt));
+            continue;
+        }
         if dx.is_some() {
             ex.dispatch_ranges(Kernel::MatmulBwd, 0, &b, p, tiles(din, n));
         }
