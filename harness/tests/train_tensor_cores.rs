@@ -1,17 +1,18 @@
-//! `rollout.tensor_cores` end to end: `train` refuses it where the wgpu adapter has no tensor
-//! cores (this machine's Mesa 22.3 lavapipe) in one line, before any run directory is written;
-//! a remote engine host refuses it the same way from its `Init`; and where the adapter has
-//! them (a Mesa 26 lavapipe, `scripts/ci.d/coop.sh`), tensor-core engines train in-process and
-//! behind the wire alike, and differently from f32 engines. Tests that need a machine of the
-//! other kind print SKIP (`ROLLOUTPIPE_REQUIRE_COOP=1` makes the tensor-core run's skip an
-//! error).
+//! `rollout.tensor_cores` and `trainer.tensor_cores` end to end: `train` refuses either where
+//! the wgpu adapter has no tensor cores (this machine's Mesa 22.3 lavapipe) in one line, before
+//! any run directory is written; remote engine and trainer hosts refuse them the same way from
+//! their `Init`; and where the adapter has them (a Mesa 26 lavapipe, `scripts/ci.d/coop.sh`),
+//! tensor-core engines and a tensor-core trainer train in-process and behind the wire alike,
+//! and differently from f32 ones. Tests that need a machine of the other kind print SKIP
+//! (`ROLLOUTPIPE_REQUIRE_COOP=1` makes the tensor-core runs' skip an error).
 mod support;
 
 use std::path::{Path, PathBuf};
 
 use rolloutpipe_backends::{ModelConfig, Weights};
-use rolloutpipe_harness::train::remote::EngineHost;
-use rolloutpipe_harness::train::wire::{self, EngineMsg, EngineReply};
+use rolloutpipe_harness::train::TrainConfig;
+use rolloutpipe_harness::train::remote::{EngineHost, TrainerHost};
+use rolloutpipe_harness::train::wire::{self, EngineMsg, EngineReply, TrainerAnswer, TrainerMsg};
 use support::cli::{bin, run_err, tempdir};
 use support::train::TINY_MODEL;
 
@@ -40,11 +41,11 @@ fn adapter(test: &str) -> Option<Option<String>> {
     }
 }
 
-/// `train` with tensor cores on the wgpu backend, one step (it never gets that far).
-fn train_tc(out: &Path) -> std::process::Command {
+/// `train` with tensor cores (`key`) on the wgpu backend, one step (it never gets that far).
+fn train_tc(out: &Path, key: &str) -> std::process::Command {
     let mut c = bin();
     c.args(["train", "--backend", "wgpu"])
-        .args(["--set", "rollout.tensor_cores=true"])
+        .args(["--set", &format!("{key}=true")])
         .args(["--set", "run.steps=1", "--set", "run.progress=false"])
         // Small enough that, were the refusal late, the run would reach the engines quickly.
         .args(["--set", "sft.steps=0", "--set", "run.eval_problems=8"])
@@ -57,7 +58,7 @@ fn train_tc(out: &Path) -> std::process::Command {
 /// The refusal is the run's one error line, the last line, naming the key and exactly what
 /// the adapter lacks (`why`, as the test process's own `Gpu::new` words it). The driver may
 /// log lines of its own before it (EGL probing, `XDG_RUNTIME_DIR`); none mentions the key.
-fn assert_refused(what: &str, stderr: &str, why: &str) {
+fn assert_refused(what: &str, stderr: &str, key: &str, why: &str) {
     for bad in ["panicked", "backtrace", "RUST_BACKTRACE"] {
         assert!(!stderr.contains(bad), "{what}: {bad:?} in\n{stderr}");
     }
@@ -78,11 +79,7 @@ fn assert_refused(what: &str, stderr: &str, why: &str) {
     );
     // `train` words it on one line, whatever whitespace the driver's message had.
     let why = why.split_whitespace().collect::<Vec<_>>().join(" ");
-    assert_eq!(
-        line,
-        format!("error: rollout.tensor_cores: {why}"),
-        "{what}"
-    );
+    assert_eq!(line, format!("error: {key}: {why}"), "{what}");
     assert!(
         line.contains("wgpu-cooperative-matrix") || line.contains("shader-f16"),
         "{what}: the refusal names no missing feature: {line}"
@@ -108,10 +105,10 @@ fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     out
 }
 
-/// On an adapter without cooperative matrices, `train` with `rollout.tensor_cores = true`
-/// fails in one line naming the key and the missing feature, and writes nothing: a fresh
-/// `--out` is not created, an existing one keeps the user's files byte for byte (`--force`
-/// included), and a `--config` file is only read.
+/// On an adapter without cooperative matrices, `train` with `rollout.tensor_cores = true`,
+/// `trainer.tensor_cores = true` or both fails in one line naming the keys and the missing
+/// feature, and writes nothing: a fresh `--out` is not created, an existing one keeps the
+/// user's files byte for byte (`--force` included), and a `--config` file is only read.
 #[test]
 fn train_tensor_cores_without_cooperative_matrices_is_refused_before_the_run_directory() {
     let test = "the tensor-core refusal test";
@@ -124,34 +121,44 @@ fn train_tensor_cores_without_cooperative_matrices_is_refused_before_the_run_dir
     };
     let dir = tempdir("tensor-cores");
 
-    // A config file setting the key, and a fresh --out.
-    let cfg = dir.join("tc.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[run]\nbackend = \"wgpu\"\nsteps = 1\nprogress = false\neval_problems = 8\n\
-             test_problems = 0\n{TINY_MODEL}[sft]\nsteps = 0\n[rollout]\ntensor_cores = true\n"
+    // A config file setting the keys, and a fresh --out.
+    for (keys, sections) in [
+        ("rollout.tensor_cores", "[rollout]\ntensor_cores = true\n"),
+        ("trainer.tensor_cores", "[trainer]\ntensor_cores = true\n"),
+        (
+            "rollout.tensor_cores, trainer.tensor_cores",
+            "[rollout]\ntensor_cores = true\n[trainer]\ntensor_cores = true\n",
         ),
-    )
-    .unwrap();
-    let out = dir.join("run");
-    let before = snapshot(&dir);
-    let err = run_err(
-        bin()
-            .arg("train")
-            .arg("--config")
-            .arg(&cfg)
-            .arg("--out")
-            .arg(&out),
-    );
-    assert_refused("--config", &err, &why);
-    assert!(!out.exists(), "the refused run created {}", out.display());
-    assert_eq!(
-        snapshot(&dir),
-        before,
-        "the refused run changed {}",
-        dir.display()
-    );
+    ] {
+        let cfg = dir.join("tc.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "[run]\nbackend = \"wgpu\"\nsteps = 1\nprogress = false\neval_problems = 8\n\
+                 test_problems = 0\n{TINY_MODEL}[sft]\nsteps = 0\n{sections}"
+            ),
+        )
+        .unwrap();
+        let out = dir.join("run");
+        let before = snapshot(&dir);
+        let err = run_err(
+            bin()
+                .arg("train")
+                .arg("--config")
+                .arg(&cfg)
+                .arg("--out")
+                .arg(&out),
+        );
+        assert_refused(&format!("--config {keys}"), &err, keys, &why);
+        assert!(!out.exists(), "the refused run created {}", out.display());
+        assert_eq!(
+            snapshot(&dir),
+            before,
+            "the refused run changed {}",
+            dir.display()
+        );
+        std::fs::remove_file(&cfg).unwrap();
+    }
 
     // --set into an existing directory holding the user's files, with and without --force.
     let mine = dir.join("mine");
@@ -160,22 +167,88 @@ fn train_tensor_cores_without_cooperative_matrices_is_refused_before_the_run_dir
     std::fs::write(mine.join("config.toml"), "# not a run's config\n").unwrap();
     std::fs::write(mine.join("sub").join("data.bin"), [0u8, 1, 2, 255]).unwrap();
     let before = snapshot(&dir);
-    let err = run_err(&mut train_tc(&mine));
-    assert_refused("--set", &err, &why);
-    assert_eq!(
-        snapshot(&dir),
-        before,
-        "the refused run changed the user's files"
-    );
-    let err = run_err(train_tc(&mine).arg("--force"));
-    assert_refused("--set --force", &err, &why);
-    assert_eq!(
-        snapshot(&dir),
-        before,
-        "the refused --force run changed the user's files"
-    );
+    for key in ["rollout.tensor_cores", "trainer.tensor_cores"] {
+        let err = run_err(&mut train_tc(&mine, key));
+        assert_refused(&format!("--set {key}"), &err, key, &why);
+        assert_eq!(
+            snapshot(&dir),
+            before,
+            "the refused run changed the user's files"
+        );
+        let err = run_err(train_tc(&mine, key).arg("--force"));
+        assert_refused(&format!("--set {key} --force"), &err, key, &why);
+        assert_eq!(
+            snapshot(&dir),
+            before,
+            "the refused --force run changed the user's files"
+        );
+    }
 
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A remote trainer host builds its trainer from `Init`'s config: `trainer.tensor_cores` with
+/// a backend other than wgpu is a `Fatal` naming the key (every machine); on wgpu it is
+/// `Fatal` with the adapter's one-line refusal where it has no tensor cores and `Ready` where
+/// it has them. A refused host has no trainer: a micro-batch after it is an error.
+#[test]
+fn a_remote_trainer_host_honours_tensor_cores_from_its_init() {
+    let mc = ModelConfig::tiny();
+    let w = Weights::random(&mc, 12).unwrap();
+    let blob = wire::weights_blob(&w).unwrap();
+    let init = |backend: &str| {
+        let mut config = TrainConfig::default_config().unwrap();
+        config.run.backend = backend.into();
+        config.trainer.tensor_cores = true;
+        let msg = TrainerMsg::Init {
+            config: Box::new(config),
+            model: mc.to_json(),
+            adam_step: None,
+            reference: false,
+        };
+        let mut host = TrainerHost::new();
+        let reply = host
+            .handle(&wire::encode(&msg, &[blob.as_slice()]))
+            .unwrap();
+        (host, wire::decode::<TrainerAnswer>(&reply).unwrap().0)
+    };
+    let batch = wire::encode(&TrainerMsg::MicroBatch(vec![]), &[]);
+
+    let (mut host, reply) = init("cpu");
+    assert_eq!(
+        reply,
+        TrainerAnswer::Fatal(
+            "trainer: trainer.tensor_cores needs the wgpu backend: the cpu backend has no \
+             cooperative-matrix path"
+                .into()
+        )
+    );
+    assert!(
+        host.handle(&batch).is_err(),
+        "a refused host ran a micro-batch"
+    );
+
+    let Some(refusal) = adapter("the wgpu half of the trainer-host test") else {
+        return;
+    };
+    let (mut host, reply) = init("wgpu");
+    match refusal {
+        Some(why) => {
+            let TrainerAnswer::Fatal(m) = reply else {
+                panic!("tensor cores without cooperative matrices answered {reply:?}")
+            };
+            assert_eq!(m.lines().count(), 1, "{m}");
+            assert!(
+                m.starts_with("trainer: trainer.tensor_cores: ") && m.ends_with(&why),
+                "{m}"
+            );
+            assert!(
+                host.handle(&batch).is_err(),
+                "a refused host ran a micro-batch"
+            );
+        }
+        None => assert_eq!(reply, TrainerAnswer::Ready),
+    }
 }
 
 /// A remote engine host builds its engine from `Init`: `tensor_cores` with a backend other
@@ -267,9 +340,26 @@ mod with_tensor_cores {
         scratch("tensor-cores", name)
     }
 
-    /// One sync step of the tiny job on wgpu, logπ_old from the rollout (so the engines'
-    /// numerics reach the update), tensor cores as `on` says.
-    fn tiny(on: bool) -> TrainConfig {
+    /// Whether the adapter has tensor cores; where not, a SKIP line (a panic under
+    /// `ROLLOUTPIPE_REQUIRE_COOP=1`).
+    fn has_tensor_cores(test: &str) -> bool {
+        let Some(refusal) = super::adapter(test) else {
+            return false;
+        };
+        if let Some(why) = refusal {
+            if std::env::var("ROLLOUTPIPE_REQUIRE_COOP").is_ok_and(|v| v == "1") {
+                panic!("ROLLOUTPIPE_REQUIRE_COOP=1 but {why}");
+            }
+            eprintln!("SKIP: {why}; {test} did not run");
+            return false;
+        }
+        true
+    }
+
+    /// One sync step of the tiny job on wgpu (after a 24-step SFT warm start), logπ_old from
+    /// the rollout (so the engines' numerics reach the update), tensor cores for the engines
+    /// and the trainer as `engines` and `trainer` say.
+    fn tiny(engines: bool, trainer: bool) -> TrainConfig {
         let base = format!(
             r#"
 [run]
@@ -301,7 +391,9 @@ old_logprobs = "rollout"
 engines = 2
 slots = 4
 max_groups_factor = 4.0
-tensor_cores = {on}
+tensor_cores = {engines}
+[trainer]
+tensor_cores = {trainer}
 "#
         );
         let cfg = TrainConfig::from_partial_toml(&base).unwrap();
@@ -315,18 +407,10 @@ tensor_cores = {on}
     /// one instead; were it never applied, all three would agree.
     #[test]
     fn tensor_core_engines_train_in_process_and_remote_alike() {
-        let test = "the tensor-core training run";
-        let Some(refusal) = super::adapter(test) else {
-            return;
-        };
-        if let Some(why) = refusal {
-            if std::env::var("ROLLOUTPIPE_REQUIRE_COOP").is_ok_and(|v| v == "1") {
-                panic!("ROLLOUTPIPE_REQUIRE_COOP=1 but {why}");
-            }
-            eprintln!("SKIP: {why}; {test} did not run");
+        if !has_tensor_cores("the tensor-core engines' run") {
             return;
         }
-        let (f32_cfg, tc_cfg) = (tiny(false), tiny(true));
+        let (f32_cfg, tc_cfg) = (tiny(false, false), tiny(true, false));
         let full = run_with_transport(&f32_cfg, &dir("f32"), FRESH, &Local).unwrap();
         let local = run_with_transport(&tc_cfg, &dir("tc"), FRESH, &Local).unwrap();
         let lb = Loopback::new(&tc_cfg);
@@ -347,6 +431,40 @@ tensor_cores = {on}
             "tensor-core engines left the update bit-identical to f32 engines'"
         );
         for d in ["f32", "tc", "tc-remote"] {
+            let _ = std::fs::remove_dir_all(dir(d));
+        }
+    }
+
+    /// Where the adapter has tensor cores: a tensor-core trainer (SFT warm start and the GRPO
+    /// step, forward and backward products) trains in-process and behind the wire alike (same
+    /// weights bit for bit: the flag travels in the trainer's `Init`), and not like an f32
+    /// trainer.
+    #[test]
+    fn a_tensor_core_trainer_trains_in_process_and_remote_alike() {
+        if !has_tensor_cores("the tensor-core trainer's run") {
+            return;
+        }
+        let (f32_cfg, tc_cfg) = (tiny(false, false), tiny(false, true));
+        let full = run_with_transport(&f32_cfg, &dir("t-f32"), FRESH, &Local).unwrap();
+        let local = run_with_transport(&tc_cfg, &dir("t-tc"), FRESH, &Local).unwrap();
+        let lb = Loopback::new(&tc_cfg);
+        let remote =
+            run_with_transport(&tc_cfg, &dir("t-tc-remote"), FRESH, &lb.transport()).unwrap();
+        assert!(!local.trained.is_empty(), "no sample trained");
+        assert_eq!(
+            trained(&local),
+            trained(&remote),
+            "the same samples trained"
+        );
+        assert!(
+            bits(&local.weights) == bits(&remote.weights),
+            "tensor-core trainer's weights differ in-process vs remote"
+        );
+        assert!(
+            bits(&full.weights) != bits(&local.weights),
+            "the tensor-core trainer left the weights bit-identical to the f32 trainer's"
+        );
+        for d in ["t-f32", "t-tc", "t-tc-remote"] {
             let _ = std::fs::remove_dir_all(dir(d));
         }
     }

@@ -359,6 +359,15 @@ fn default_engine_dtype() -> String {
 pub struct TrainerSection {
     /// Threads of the trainer's backend.
     pub threads: usize,
+    /// Tensor cores for the trainer (`run.backend = "wgpu"` only): every product of the SFT
+    /// warm start and of each GRPO step, forward and backward (dx and dW), runs on cooperative
+    /// matrices (`WgpuBackend::set_tensor_cores`: f16 operands, f32 sums, the gradient scaled
+    /// by a power of two per product so that small gradients keep f16's precision); master
+    /// weights, moments and every other kernel stay f32. Refused before the run directory is
+    /// touched where the adapter has no tensor cores, naming what it lacks. Absent from run
+    /// directories written before it existed (off).
+    #[serde(default)]
+    pub tensor_cores: bool,
 }
 
 /// `[fault]`: test-only switches.
@@ -375,6 +384,19 @@ pub struct FaultSection {
 }
 
 impl TrainConfig {
+    /// The config keys that ask for tensor cores (`rollout.tensor_cores`,
+    /// `trainer.tensor_cores`), for a refusal to name.
+    pub fn tensor_core_keys(&self) -> Vec<&'static str> {
+        let mut keys = Vec::new();
+        if self.rollout.tensor_cores {
+            keys.push("rollout.tensor_cores");
+        }
+        if self.trainer.tensor_cores {
+            keys.push("trainer.tensor_cores");
+        }
+        keys
+    }
+
     /// The embedded default.
     pub fn default_config() -> anyhow::Result<Self> {
         Self::from_toml_str(DEFAULT_TOML).context("the embedded default config")
@@ -539,6 +561,11 @@ impl TrainConfig {
                  buffers each micro-batch at dispatch, so no dispatched group waits for the trainer"
             );
         }
+        ensure!(
+            !self.trainer.tensor_cores || r.backend == "wgpu",
+            "trainer.tensor_cores = true needs run.backend = \"wgpu\" (got {:?}): only the wgpu trainer has the cooperative-matrix path",
+            r.backend
+        );
         ensure!(
             !ro.tensor_cores || r.backend == "wgpu",
             "rollout.tensor_cores = true needs run.backend = \"wgpu\" (got {:?}): only wgpu engines have the cooperative-matrix path",
@@ -826,53 +853,51 @@ mod tests {
     }
 
     #[test]
-    fn rollout_tensor_cores_defaults_off_and_needs_wgpu() {
-        // The embedded default has the key, off; a config without it (run directories written
-        // before it existed) reads as off.
+    fn tensor_cores_default_off_and_need_wgpu() {
+        // The embedded default has both keys, off; a config without them (run directories
+        // written before they existed) reads as off.
         let table: toml::Table = toml::from_str(DEFAULT_TOML).unwrap();
-        assert_eq!(
-            table["rollout"].get("tensor_cores"),
-            Some(&toml::Value::Boolean(false)),
-            "default.toml's [rollout] must set tensor_cores = false"
-        );
         let c = TrainConfig::default_config().unwrap();
-        assert!(!c.rollout.tensor_cores);
         let old = toml_without(&c, "tensor_cores");
         assert!(!old.contains("tensor_cores"), "{old}");
-        assert!(
-            !TrainConfig::from_toml_str(&old)
-                .unwrap()
-                .rollout
-                .tensor_cores
-        );
-        // It parses from a file and from --set, and validates on wgpu.
-        let file = TrainConfig::from_partial_toml(
-            "[run]\nbackend = \"wgpu\"\n[rollout]\ntensor_cores = true\n",
-        )
-        .unwrap();
-        assert!(file.rollout.tensor_cores);
-        file.validate().unwrap();
-        let on = c
-            .with_overrides(&["rollout.tensor_cores=true".into()])
-            .unwrap();
-        assert!(on.rollout.tensor_cores);
-        let err = c
-            .with_overrides(&["rollout.tensor_cores=\"yes\"".into()])
-            .unwrap_err();
-        assert!(format!("{err:#}").contains("tensor_cores"), "{err:#}");
-        // Any other backend is refused in one line naming the key and the backend.
-        for backend in ["cpu", "cuda"] {
-            let bad = on
-                .with_overrides(&[format!("run.backend=\"{backend}\"")])
-                .unwrap();
-            let e = format!("{:#}", bad.validate().unwrap_err());
-            assert_eq!(e.lines().count(), 1, "{e}");
-            assert!(
-                e.starts_with(&format!(
-                    "rollout.tensor_cores = true needs run.backend = \"wgpu\" (got \"{backend}\")"
-                )),
-                "{e}"
+        let old = TrainConfig::from_toml_str(&old).unwrap();
+        let get = |c: &TrainConfig, section: &str| match section {
+            "rollout" => c.rollout.tensor_cores,
+            _ => c.trainer.tensor_cores,
+        };
+        for section in ["rollout", "trainer"] {
+            let key = format!("{section}.tensor_cores");
+            assert_eq!(
+                table[section].get("tensor_cores"),
+                Some(&toml::Value::Boolean(false)),
+                "default.toml's [{section}] must set tensor_cores = false"
             );
+            assert!(!get(&c, section) && !get(&old, section), "{key}");
+            // It parses from a file and from --set, and validates on wgpu.
+            let file = TrainConfig::from_partial_toml(&format!(
+                "[run]\nbackend = \"wgpu\"\n[{section}]\ntensor_cores = true\n"
+            ))
+            .unwrap();
+            assert!(get(&file, section), "{key}");
+            file.validate().unwrap();
+            let on = c.with_overrides(&[format!("{key}=true")]).unwrap();
+            assert!(get(&on, section), "{key}");
+            let err = c.with_overrides(&[format!("{key}=\"yes\"")]).unwrap_err();
+            assert!(format!("{err:#}").contains("tensor_cores"), "{err:#}");
+            // Any other backend is refused in one line naming the key and the backend.
+            for backend in ["cpu", "cuda"] {
+                let bad = on
+                    .with_overrides(&[format!("run.backend=\"{backend}\"")])
+                    .unwrap();
+                let e = format!("{:#}", bad.validate().unwrap_err());
+                assert_eq!(e.lines().count(), 1, "{e}");
+                assert!(
+                    e.starts_with(&format!(
+                        "{key} = true needs run.backend = \"wgpu\" (got \"{backend}\")"
+                    )),
+                    "{e}"
+                );
+            }
         }
         // Off, every backend validates as before.
         for backend in ["cpu", "wgpu", "cuda"] {

@@ -83,7 +83,7 @@ pub fn run_with_transport(
     cfg.validate()?;
     // The SFT warm start trains on this machine whatever the transport.
     let here = transport.workers_here() || (!resume && cfg.sft.steps > 0);
-    check_backend(&cfg.run.backend, cfg.rollout.tensor_cores, here)?;
+    check_backend(&cfg.run.backend, &cfg.tensor_core_keys(), here)?;
     // Held until the run returns: a second writer of `out` is refused meanwhile.
     let _lock = guard::prepare(cfg, out, opts)?;
     let started = Instant::now();
@@ -183,7 +183,13 @@ pub fn run_with_transport(
     } else {
         let mut w = init_weights;
         if cfg.sft.steps > 0 {
-            let mut be = make_trainer(&cfg.run.backend, &model_cfg, &w, cfg.trainer.threads)?;
+            let mut be = make_trainer(
+                &cfg.run.backend,
+                &model_cfg,
+                &w,
+                cfg.trainer.threads,
+                cfg.trainer.tensor_cores,
+            )?;
             accuracy_initial = Some(eval(&mut eval_backend, &w, &problems.heldout)?);
             test_initial = test_eval(&mut eval_backend, &w)?;
             let t = Instant::now();

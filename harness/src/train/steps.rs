@@ -407,7 +407,13 @@ pub fn trainer_setup(
         std: cfg.std_mode()?,
         rollout_logprobs: cfg.rl.old_logprobs == OldLogprobs::Rollout,
         reference: match reference {
-            Some(r) => Some(make_trainer("cpu", model_cfg, r, cfg.trainer.threads)?),
+            Some(r) => Some(make_trainer(
+                "cpu",
+                model_cfg,
+                r,
+                cfg.trainer.threads,
+                false,
+            )?),
             None => None,
         },
         temperature: cfg.rl.temperature,

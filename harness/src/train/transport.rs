@@ -124,6 +124,7 @@ impl Transport for Local {
             s.model_cfg,
             s.weights,
             cfg.trainer.threads,
+            cfg.trainer.tensor_cores,
         )?;
         if let Some(a) = s.adam {
             trainer_be.set_optimizer_state(a)?;
@@ -156,7 +157,7 @@ pub fn engine_reference(
 ) -> anyhow::Result<Option<EngineReference>> {
     match reference {
         Some(r) if cfg.rollout.multiplex => Ok(Some(EngineReference {
-            backend: make_trainer("cpu", model_cfg, r, cfg.rollout.threads_per_engine)?,
+            backend: make_trainer("cpu", model_cfg, r, cfg.rollout.threads_per_engine, false)?,
             perturb: cfg.fault.perturb_mux,
         })),
         _ => Ok(None),

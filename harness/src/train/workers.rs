@@ -55,14 +55,24 @@ impl EngineBackend {
     }
 }
 
-/// Builds a trainer by name with `threads` CPU threads (ignored by GPU backends).
+/// Builds a trainer by name with `threads` CPU threads (ignored by GPU backends), its
+/// products (forward and backward) on tensor cores with `tensor_cores` (`trainer.tensor_cores`;
+/// wgpu only, refused in one line where the adapter has none).
 pub fn make_trainer(
     name: &str,
     cfg: &ModelConfig,
     w: &Weights,
     threads: usize,
+    tensor_cores: bool,
 ) -> anyhow::Result<TrainerBackend> {
-    let b: Box<dyn Trainer> = make_backend(name, cfg, w, threads)?;
+    let b: Box<dyn Trainer> = match name {
+        "wgpu" if tensor_cores => make_wgpu_tensor_cores(cfg, w)?,
+        other if tensor_cores => anyhow::bail!(
+            "trainer.tensor_cores needs the wgpu backend: the {other} backend has no \
+             cooperative-matrix path"
+        ),
+        _ => make_backend(name, cfg, w, threads)?,
+    };
     Ok(TrainerBackend(b))
 }
 
@@ -93,7 +103,8 @@ impl EngineOptions {
 /// Builds a rollout engine by name as `opts` say: its weights stored in `opts.dtype` (half
 /// storage on the CPU and wgpu backends; the config refuses it on cuda, and so does this, by
 /// name), its forward products on tensor cores with `opts.tensor_cores` (wgpu only; refused
-/// in one line where the adapter has none). The trainer never gets tensor cores.
+/// in one line where the adapter has none). The trainer's are `trainer.tensor_cores`
+/// ([`make_trainer`]).
 pub fn make_engine(
     name: &str,
     cfg: &ModelConfig,
@@ -123,11 +134,12 @@ pub fn make_engine(
 
 /// Refuses, before any work, a backend this machine cannot run when `here` (a worker, or the
 /// SFT warm start, runs in this process): `wgpu` without its feature or without an adapter,
-/// `cuda` without its feature or without a loadable NVIDIA driver, and with `tensor_cores`
-/// (`rollout.tensor_cores`) a wgpu adapter without tensor cores (the adapter's one-line
-/// reason, [`rolloutpipe_backends::wgpu::Gpu::coop_refusal`]). With every worker on other
-/// hosts nothing here is checked: they refuse at `Init`, on their own devices.
-pub fn check_backend(name: &str, tensor_cores: bool, here: bool) -> anyhow::Result<()> {
+/// `cuda` without its feature or without a loadable NVIDIA driver, and where `tensor_cores`
+/// names the keys that ask for them (`rollout.tensor_cores`, `trainer.tensor_cores`) a wgpu
+/// adapter without tensor cores (the adapter's one-line reason,
+/// [`rolloutpipe_backends::wgpu::Gpu::coop_refusal`], after the keys). With every worker on
+/// other hosts nothing here is checked: they refuse at `Init`, on their own devices.
+pub fn check_backend(name: &str, tensor_cores: &[&str], here: bool) -> anyhow::Result<()> {
     match name {
         _ if !here => Ok(()),
         "wgpu" => check_wgpu(tensor_cores),
@@ -139,15 +151,15 @@ pub fn check_backend(name: &str, tensor_cores: bool, here: bool) -> anyhow::Resu
     }
 }
 
-/// Opens the default wgpu adapter as every engine will: refuses a machine with none, and
-/// `rollout.tensor_cores` where it has no tensor cores, in one line.
+/// Opens the default wgpu adapter as every engine and the trainer will: refuses a machine
+/// with none, and the `tensor_cores` keys where it has no tensor cores, in one line.
 #[cfg(feature = "wgpu")]
-fn check_wgpu(tensor_cores: bool) -> anyhow::Result<()> {
+fn check_wgpu(tensor_cores: &[&str]) -> anyhow::Result<()> {
     use rolloutpipe_backends::wgpu::Gpu;
-    let key = if tensor_cores {
-        "rollout.tensor_cores"
+    let key = if tensor_cores.is_empty() {
+        "run.backend \"wgpu\"".to_string()
     } else {
-        "run.backend \"wgpu\""
+        tensor_cores.join(", ")
     };
     let gpu = match Gpu::new() {
         Ok(Some(g)) => g,
@@ -158,13 +170,13 @@ fn check_wgpu(tensor_cores: bool) -> anyhow::Result<()> {
         Err(e) => anyhow::bail!("{key}: opening the wgpu adapter: {e}"),
     };
     match gpu.coop_refusal() {
-        Some(why) if tensor_cores => anyhow::bail!("{key}: {why}"),
+        Some(why) if !tensor_cores.is_empty() => anyhow::bail!("{key}: {why}"),
         _ => Ok(()),
     }
 }
 
 #[cfg(not(feature = "wgpu"))]
-fn check_wgpu(_tensor_cores: bool) -> anyhow::Result<()> {
+fn check_wgpu(_tensor_cores: &[&str]) -> anyhow::Result<()> {
     make_wgpu_unavailable()
 }
 
@@ -230,6 +242,22 @@ fn make_wgpu_engine(
 
 #[cfg(not(feature = "wgpu"))]
 fn make_wgpu(_cfg: &ModelConfig, _w: &Weights) -> anyhow::Result<Box<dyn Policy>> {
+    make_wgpu_unavailable()
+}
+
+/// A wgpu trainer whose products, forward and backward, run on tensor cores (refused, naming
+/// what the adapter lacks, where it has none).
+#[cfg(feature = "wgpu")]
+fn make_wgpu_tensor_cores(cfg: &ModelConfig, w: &Weights) -> anyhow::Result<Box<dyn Trainer>> {
+    use anyhow::Context;
+    let mut b = rolloutpipe_backends::wgpu::WgpuBackend::new(cfg, w)
+        .context("starting the wgpu backend (is there a GPU adapter?)")?;
+    b.set_tensor_cores(true).context("trainer.tensor_cores")?;
+    Ok(Box::new(b))
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn make_wgpu_tensor_cores(_cfg: &ModelConfig, _w: &Weights) -> anyhow::Result<Box<dyn Trainer>> {
     make_wgpu_unavailable()
 }
 

@@ -174,7 +174,7 @@ impl EngineHost {
                         let r = ref_w
                             .map(|r| -> anyhow::Result<EngineReference> {
                                 Ok(EngineReference {
-                                    backend: make_trainer("cpu", &mc, &r, threads)?,
+                                    backend: make_trainer("cpu", &mc, &r, threads, false)?,
                                     perturb: perturb_mux,
                                 })
                             })
@@ -284,7 +284,11 @@ impl TrainerHost {
         let (msg, parts): (TrainerMsg, _) = wire::decode(msg)?;
         let t = Instant::now();
         let fatal = |e: anyhow::Error| -> anyhow::Result<Vec<u8>> {
-            Ok(wire::encode(&TrainerAnswer::Fatal(e.to_string()), &[]))
+            // The whole chain ("trainer.tensor_cores: adapter … lacks …"), on one line.
+            Ok(wire::encode(
+                &TrainerAnswer::Fatal(format!("trainer: {e:#}")),
+                &[],
+            ))
         };
         let answer = match msg {
             TrainerMsg::Init {
@@ -315,8 +319,9 @@ impl TrainerHost {
                 };
                 let mc = model_config(&model)?;
                 let built = (|| {
+                    let t = &config.trainer;
                     let mut be =
-                        make_trainer(&config.run.backend, &mc, &w, config.trainer.threads)?;
+                        make_trainer(&config.run.backend, &mc, &w, t.threads, t.tensor_cores)?;
                     if let Some(a) = adam {
                         be.set_optimizer_state(a)?;
                     }
