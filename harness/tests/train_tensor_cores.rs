@@ -401,37 +401,43 @@ tensor_cores = {trainer}
         cfg
     }
 
+    /// Runs `tc` (tensor cores where `who` says) in-process and behind the wire, and the f32
+    /// job beside it: the tensor-core runs train the same samples and weights bit for bit, and
+    /// their weights are not the f32 run's. `tag` names the scratch directories.
+    fn alike_and_not_f32(tag: &str, who: &str, tc: &TrainConfig) {
+        let f32_cfg = tiny(false, false);
+        let dirs = ["f32", "tc", "tc-remote"].map(|d| dir(&format!("{tag}-{d}")));
+        let full = run_with_transport(&f32_cfg, &dirs[0], FRESH, &Local).unwrap();
+        let local = run_with_transport(tc, &dirs[1], FRESH, &Local).unwrap();
+        let lb = Loopback::new(tc);
+        let remote = run_with_transport(tc, &dirs[2], FRESH, &lb.transport()).unwrap();
+        assert!(!local.trained.is_empty(), "{who}: no sample trained");
+        assert_eq!(
+            trained(&local),
+            trained(&remote),
+            "{who}: the same samples trained"
+        );
+        assert!(
+            bits(&local.weights) == bits(&remote.weights),
+            "{who}: weights differ in-process vs remote"
+        );
+        assert!(
+            bits(&full.weights) != bits(&local.weights),
+            "{who}: the weights are bit-identical to the f32 run's"
+        );
+        for d in dirs {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+
     /// Where the adapter has tensor cores: the engines run on them in-process and behind the
     /// wire alike (same samples, same weights bit for bit), and not like f32 engines (the
     /// update moves). Were the flag dropped on the wire, the remote run would match the f32
     /// one instead; were it never applied, all three would agree.
     #[test]
     fn tensor_core_engines_train_in_process_and_remote_alike() {
-        if !has_tensor_cores("the tensor-core engines' run") {
-            return;
-        }
-        let (f32_cfg, tc_cfg) = (tiny(false, false), tiny(true, false));
-        let full = run_with_transport(&f32_cfg, &dir("f32"), FRESH, &Local).unwrap();
-        let local = run_with_transport(&tc_cfg, &dir("tc"), FRESH, &Local).unwrap();
-        let lb = Loopback::new(&tc_cfg);
-        let remote =
-            run_with_transport(&tc_cfg, &dir("tc-remote"), FRESH, &lb.transport()).unwrap();
-        assert!(!local.trained.is_empty(), "no sample trained");
-        assert_eq!(
-            trained(&local),
-            trained(&remote),
-            "the same samples trained"
-        );
-        assert!(
-            bits(&local.weights) == bits(&remote.weights),
-            "tensor-core weights differ in-process vs remote"
-        );
-        assert!(
-            bits(&full.weights) != bits(&local.weights),
-            "tensor-core engines left the update bit-identical to f32 engines'"
-        );
-        for d in ["f32", "tc", "tc-remote"] {
-            let _ = std::fs::remove_dir_all(dir(d));
+        if has_tensor_cores("the tensor-core engines' run") {
+            alike_and_not_f32("engines", "tensor-core engines", &tiny(true, false));
         }
     }
 
@@ -441,31 +447,8 @@ tensor_cores = {trainer}
     /// trainer.
     #[test]
     fn a_tensor_core_trainer_trains_in_process_and_remote_alike() {
-        if !has_tensor_cores("the tensor-core trainer's run") {
-            return;
-        }
-        let (f32_cfg, tc_cfg) = (tiny(false, false), tiny(false, true));
-        let full = run_with_transport(&f32_cfg, &dir("t-f32"), FRESH, &Local).unwrap();
-        let local = run_with_transport(&tc_cfg, &dir("t-tc"), FRESH, &Local).unwrap();
-        let lb = Loopback::new(&tc_cfg);
-        let remote =
-            run_with_transport(&tc_cfg, &dir("t-tc-remote"), FRESH, &lb.transport()).unwrap();
-        assert!(!local.trained.is_empty(), "no sample trained");
-        assert_eq!(
-            trained(&local),
-            trained(&remote),
-            "the same samples trained"
-        );
-        assert!(
-            bits(&local.weights) == bits(&remote.weights),
-            "tensor-core trainer's weights differ in-process vs remote"
-        );
-        assert!(
-            bits(&full.weights) != bits(&local.weights),
-            "the tensor-core trainer left the weights bit-identical to the f32 trainer's"
-        );
-        for d in ["t-f32", "t-tc", "t-tc-remote"] {
-            let _ = std::fs::remove_dir_all(dir(d));
+        if has_tensor_cores("the tensor-core trainer's run") {
+            alike_and_not_f32("trainer", "tensor-core trainer", &tiny(false, true));
         }
     }
 }

@@ -91,16 +91,7 @@ fn matmul_fwd_coop(
             coop_b[e] = coop_half(b);
         }
         workgroupBarrier();
-        for (var kf = 0u; kf < KT; kf += CT) {
-            let a0 = coopLoadT<CoopA>(&coop_a[sr * KT + kf], KT);
-            let a1 = coopLoadT<CoopA>(&coop_a[(sr + CT) * KT + kf], KT);
-            let b0 = coopLoad<CoopB>(&coop_b[sc * KT + kf], KT);
-            let b1 = coopLoad<CoopB>(&coop_b[(sc + CT) * KT + kf], KT);
-            c00 = coopMultiplyAdd(a0, b0, c00);
-            c01 = coopMultiplyAdd(a0, b1, c01);
-            c10 = coopMultiplyAdd(a1, b0, c10);
-            c11 = coopMultiplyAdd(a1, b1, c11);
-        }
+        coop_tile_mma(sr, sc, &c00, &c01, &c10, &c11);
         workgroupBarrier();
     }
     let slice = sg * CT * CT;

@@ -22,3 +22,25 @@ var<workgroup> coop_out: array<f32, 1024>; // 4 subgroups * CT * CT at most
 fn coop_half(v: f32) -> f16 {
     return f16(clamp(v, -65504.0, 65504.0));
 }
+
+// The multiply-adds of one KT-step staged in coop_a and coop_b: the subgroup's 2 x 2 fragments
+// at (sr, sc) of the workgroup tile, each one more chain link over k, ascending.
+fn coop_tile_mma(
+    sr: u32,
+    sc: u32,
+    c00: ptr<function, CoopC>,
+    c01: ptr<function, CoopC>,
+    c10: ptr<function, CoopC>,
+    c11: ptr<function, CoopC>,
+) {
+    for (var kf = 0u; kf < KT; kf += CT) {
+        let a0 = coopLoadT<CoopA>(&coop_a[sr * KT + kf], KT);
+        let a1 = coopLoadT<CoopA>(&coop_a[(sr + CT) * KT + kf], KT);
+        let b0 = coopLoad<CoopB>(&coop_b[sc * KT + kf], KT);
+        let b1 = coopLoad<CoopB>(&coop_b[(sc + CT) * KT + kf], KT);
+        *c00 = coopMultiplyAdd(a0, b0, *c00);
+        *c01 = coopMultiplyAdd(a0, b1, *c01);
+        *c10 = coopMultiplyAdd(a1, b0, *c10);
+        *c11 = coopMultiplyAdd(a1, b1, *c11);
+    }
+}
