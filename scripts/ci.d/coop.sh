@@ -12,20 +12,20 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 python3 scripts/coop_lavapipe.py
 
-# The test executable cargo builds for `--test $2` of package $1 (features as `cargo test
-# --workspace` builds them, so nothing is rebuilt after it).
-test_bin() {
-  cargo test --locked -p "$1" --features wgpu --test "$2" --no-run --message-format=json |
-    python3 -c 'import json,sys
-name = sys.argv[1]
+# The test executables of `cargo test --workspace --locked` (the same command and features as
+# scripts/test.sh's, so after it nothing is rebuilt; a per-package build with other features
+# rebuilt the dependency tree, about 20 CPU minutes), by test name.
+bins=$(cargo test --workspace --locked --no-run --message-format=json |
+  python3 -c 'import json,sys
+want = {"wgpu_coop", "train_tensor_cores"}
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == name and m.get("executable"):
-        print(m["executable"])' "$2"
-}
+    name = m.get("target", {}).get("name")
+    if m.get("reason") == "compiler-artifact" and name in want and m.get("executable"):
+        print(name, m["executable"])')
 
-for t in rolloutpipe-backends:wgpu_coop rolloutpipe-harness:train_tensor_cores; do
-  bin=$(test_bin "${t%%:*}" "${t#*:}")
-  [ -n "$bin" ] || { echo "coop.sh: no ${t#*:} test binary was built"; exit 1; }
+for t in wgpu_coop train_tensor_cores; do
+  bin=$(awk -v t="$t" '$1 == t { print $2 }' <<<"$bins")
+  [ -n "$bin" ] || { echo "coop.sh: no $t test binary was built"; exit 1; }
   ROLLOUTPIPE_REQUIRE_GPU=1 ROLLOUTPIPE_REQUIRE_COOP=1 target/coop-lavapipe/run "$bin"
 done
