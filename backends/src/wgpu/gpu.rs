@@ -972,8 +972,8 @@ impl Exec {
         } else {
             None
         };
-        gpu.queue.submit([enc.finish()]);
-        Ok(InFlight::start(gpu, staging, read_bytes))
+        let index = gpu.queue.submit([enc.finish()]);
+        Ok(InFlight::start(gpu, index, staging, read_bytes))
     }
 
     /// Encodes everything recorded, submits it, waits, and returns the bytes asked for.

@@ -40,14 +40,22 @@ fn receive<T>(rx: &Receiver<T>, wait: bool) -> Result<Option<T>> {
 #[derive(Debug)]
 pub struct InFlight {
     gpu: Arc<Gpu>,
+    /// The submission, so that waiting for it does not wait for later ones (a decode step
+    /// queued behind it, a trainer call).
+    index: wgpu::SubmissionIndex,
     staging: Option<wgpu::Buffer>,
     read_bytes: usize,
     done: Done,
 }
 
 impl InFlight {
-    /// Tracks the submission just made on `gpu`, reading `read_bytes` of `staging` back.
-    pub(super) fn start(gpu: Arc<Gpu>, staging: Option<wgpu::Buffer>, read_bytes: usize) -> Self {
+    /// Tracks submission `index` just made on `gpu`, reading `read_bytes` of `staging` back.
+    pub(super) fn start(
+        gpu: Arc<Gpu>,
+        index: wgpu::SubmissionIndex,
+        staging: Option<wgpu::Buffer>,
+        read_bytes: usize,
+    ) -> Self {
         let done = match &staging {
             Some(buf) if read_bytes > 0 => {
                 let (tx, rx) = channel();
@@ -67,6 +75,7 @@ impl InFlight {
         };
         Self {
             gpu,
+            index,
             staging,
             read_bytes,
             done,
@@ -77,7 +86,10 @@ impl InFlight {
     /// `wait` is false. Collecting twice is an error.
     pub fn poll(&mut self, wait: bool) -> Result<Option<Readback>> {
         let kind = if wait {
-            wgpu::PollType::wait_indefinitely()
+            wgpu::PollType::Wait {
+                submission_index: Some(self.index.clone()),
+                timeout: None,
+            }
         } else {
             wgpu::PollType::Poll
         };
