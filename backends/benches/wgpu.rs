@@ -10,7 +10,8 @@
 //! - `wgpu_generate/{wgpu,cpu}/N`: generated tokens/s of the default small model with N
 //!   concurrent requests (16-token prompts, 32 new tokens, prefill included), the same
 //!   workload as `cpu_generate`, with the CPU backend measured in the same run;
-//!   `wgpu_generate/wgpu_bf16/N` is the same model as a bf16-storage wgpu engine;
+//!   `wgpu_generate/wgpu_bf16/N` is the same model as a bf16-storage wgpu engine,
+//!   `wgpu_generate/wgpu_lookahead/N` the f32 engine with look-ahead decoding;
 //!   `wgpu_generate/wgpu_group/8` is one group of 8 samples of a 64-token prompt
 //!   (`add_group`: the samples share the prompt's KV pages), 32 new tokens each.
 //! - `wgpu_train/{wgpu,cpu}`: tokens/s (prompt + response) of one GRPO optimizer step on
@@ -584,6 +585,9 @@ fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
         be.set_tensor_cores(true).expect("tensor cores");
         be
     });
+    // The f32 engine with look-ahead decoding (`WgpuBackend::set_lookahead`).
+    let mut ahead = WgpuBackend::with_gpu(Arc::clone(g), &cfg, &w).expect("wgpu backend");
+    ahead.set_lookahead(true);
     let mut grp = c.benchmark_group("wgpu_generate");
     grp.sample_size(10);
     grp.throughput(Throughput::Elements(8 * 32));
@@ -596,6 +600,9 @@ fn bench_generate(c: &mut Criterion, g: &Arc<Gpu>) {
         let mut next = 0;
         grp.bench_function(BenchmarkId::new("wgpu", conc), |b| {
             b.iter(|| generate(gpu.as_mut(), conc, &mut next))
+        });
+        grp.bench_function(BenchmarkId::new("wgpu_lookahead", conc), |b| {
+            b.iter(|| generate(&mut ahead, conc, &mut next))
         });
         grp.bench_function(BenchmarkId::new("cpu", conc), |b| {
             b.iter(|| generate(cpu.as_mut(), conc, &mut next))

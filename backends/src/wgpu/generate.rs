@@ -8,7 +8,14 @@
 //! each row's positions through its page table. Only the last row of each request reaches
 //! the final norm, `lm_head` and `sample`, and only the sampled tokens and their log-probs
 //! come back (8 bytes per request). [`Generator::submit`] queues the step and returns;
-//! [`Generator::poll`] collects it, so the host is free while the device runs.
+//! [`Generator::poll`] collects it, so the host is free while the device runs. The step's
+//! buffers and its recording are in `wgpu/decode.rs`.
+//!
+//! With look-ahead ([`Generator::set_lookahead`]) each submission also queues the step after
+//! it: every request of the running step continues one position later from the token that
+//! step samples, which the device copies into the next step's input (token feedback), so the
+//! host never waits for a token before it can queue work. What the host learns from the
+//! running step (a stop token, a cancel) drops that request's row in the queued one.
 //!
 //! A group's samples share the pages of their prompt's first [`shared_prefix`] positions
 //! (whole pages). In the group's first step one sample (the first still active) prefills the
@@ -29,9 +36,10 @@ use wgpu::Buffer;
 
 use std::collections::HashMap;
 
+use super::decode::{StepBufs, encode_step, feed_tokens};
 use super::gpu::{Exec, Gpu, Ticket};
 use super::inflight::InFlight;
-use super::kv::{KvPool, PAGE, StepRows, pages_for};
+use super::kv::{KvPool, PAGE, pages_for};
 use super::model::DeviceModel;
 use super::ops;
 use crate::config::ModelConfig;
@@ -69,6 +77,12 @@ fn pool_in<'p>(slot: &'p mut Option<KvPool>, gpu: &Gpu, c: &ModelConfig) -> Resu
 #[derive(Debug)]
 struct Active {
     id: RequestKey,
+    /// The engine's own serial for this admission: a step's rows name it, so that a request
+    /// cancelled and added again under the same key never receives the old one's row.
+    uid: u64,
+    /// Where its sampling stream stood before the draw for its row in the look-ahead step
+    /// (`None`: it has no row there); an export rewinds to it, as that row is dropped.
+    ahead_rng: Option<u128>,
     /// The prompt, and after a resume the tokens generated before it (prefilled together).
     prompt: Vec<u32>,
     /// Length of the prompt as the request was asked.
@@ -96,86 +110,16 @@ struct Prefix {
     filled: bool,
 }
 
-/// Per-step buffers for up to `cap_n` rows, `cap_r` requests and `cap_p` page-table entries.
-#[derive(Debug)]
-struct StepBufs {
-    cap_n: usize,
-    cap_r: usize,
-    cap_p: usize,
-    ids: Buffer,
-    pos: Buffer,
-    meta: Buffer,
-    pages: Buffer,
-    last: Buffer,
-    rowp: Buffer,
-    x: Buffer,
-    x_mid: Buffer,
-    ln: Buffer,
-    rstd: Buffer,
-    q_pre: Buffer,
-    q: Buffer,
-    k_pre: Buffer,
-    k: Buffer,
-    v: Buffer,
-    att_out: Buffer,
-    /// Decode attention's running max and sum per (row, head) between split launches.
-    att_state: Buffer,
-    tmp: Buffer,
-    gate: Buffer,
-    up: Buffer,
-    h: Buffer,
-    hsel: Buffer,
-    hnorm: Buffer,
-    logits: Buffer,
-    tokens: Buffer,
-    logp: Buffer,
-}
-
-impl StepBufs {
-    fn new(gpu: &Gpu, c: &ModelConfig, n: usize, r: usize, pages: usize) -> Self {
-        let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
-        let (qd, kd, h) = (c.q_dim(), c.kv_dim(), c.num_attention_heads);
-        let b = |name: &str, len: usize| gpu.buffer(&format!("decode {name}"), len);
-        Self {
-            cap_n: n,
-            cap_r: r,
-            cap_p: pages,
-            ids: b("ids", n),
-            pos: b("pos", n),
-            meta: b("row meta", 2 * n),
-            pages: b("page tables", pages),
-            last: b("last rows", r),
-            rowp: b("sampling rows", 4 * r),
-            x: b("x", n * d),
-            x_mid: b("x_mid", n * d),
-            ln: b("ln", n * d),
-            rstd: b("rstd", n * h),
-            q_pre: b("q_pre", n * qd),
-            q: b("q", n * qd),
-            k_pre: b("k_pre", n * kd),
-            k: b("k", n * kd),
-            v: b("v", n * kd),
-            att_out: b("att_out", n * qd),
-            att_state: b("attention state", 2 * n * h),
-            tmp: b("tmp", n * d),
-            gate: b("gate", n * f),
-            up: b("up", n * f),
-            h: b("h", n * f),
-            hsel: b("hsel", r * d),
-            hnorm: b("hnorm", r * d),
-            logits: b("logits", r * v),
-            tokens: b("tokens", r),
-            logp: b("token logp", r),
-        }
-    }
-}
-
-/// A submitted step: the requests of its rows (with their new positions) and where their
-/// tokens come back.
+/// A submitted step: its requests (by [`Active::uid`]) with the positions each computes, in
+/// the order of their sampled rows, and where their tokens come back.
 #[derive(Debug)]
 struct Stepped {
     run: InFlight,
-    rows: Vec<(RequestKey, usize)>,
+    rows: Vec<(u64, usize)>,
+    /// The buffer its sampler writes the tokens to, which a look-ahead step behind it reads
+    /// its input tokens from (kept here so that a reallocation of the step buffers cannot
+    /// drop it first).
+    sampled: Buffer,
     tokens: Ticket,
     logp: Ticket,
 }
@@ -188,13 +132,22 @@ pub struct Generator {
     next_prefix: u64,
     pool: Option<KvPool>,
     bufs: Option<StepBufs>,
+    /// The step submitted by [`Generator::submit`] and not yet collected.
     stepped: Option<Stepped>,
+    /// Look-ahead: the next step, queued on the device behind `stepped` (see
+    /// [`Generator::set_lookahead`]).
+    ahead: Option<Stepped>,
+    lookahead: bool,
+    next_uid: u64,
     ids: Vec<u32>,
     pos: Vec<u32>,
     meta: Vec<u32>,
     pages: Vec<u32>,
     last: Vec<u32>,
     rowp: Vec<[f32; 4]>,
+    /// Rows of a look-ahead step whose input token the previous step samples:
+    /// `(row of this step, sampled row of the previous step)`.
+    feedback: Vec<(u32, u32)>,
 }
 
 impl Generator {
@@ -221,6 +174,40 @@ impl Generator {
     /// Whether a step is submitted and not yet collected.
     pub fn in_flight(&self) -> bool {
         self.stepped.is_some()
+    }
+
+    /// Whether a look-ahead step is queued on the device (behind the submitted step, or, once
+    /// that is collected, waiting to become the next submission).
+    pub fn ahead_in_flight(&self) -> bool {
+        self.ahead.is_some()
+    }
+
+    /// Look-ahead decoding: each submission also queues the step after it, whose input
+    /// tokens the device copies from the step before (device-side token feedback), so that
+    /// the device runs step n + 1 while the host collects step n and prepares n + 2. The next
+    /// [`submit`](Generator::submit) hands that step over and queues another. Requests added
+    /// meanwhile join the step after it (one step later than without look-ahead), a request
+    /// that stops at step n leaves one dropped row in step n + 1, and none is queued past a
+    /// request's `max_new_tokens`. Every row depends only on its own request (batch
+    /// invariance), so each request's tokens and log-probs are the same bits as without it.
+    /// Turning it off queues no further step; one already queued is still handed over by the
+    /// next submission.
+    pub fn set_lookahead(&mut self, on: bool) {
+        self.lookahead = on;
+    }
+
+    /// Whether look-ahead decoding is on ([`Generator::set_lookahead`]).
+    pub fn lookahead(&self) -> bool {
+        self.lookahead
+    }
+
+    /// Forgets a queued look-ahead step once no request is active (every row in it is one
+    /// that would be dropped). It may still run on the device; later work is queued behind
+    /// it.
+    pub fn drop_ahead(&mut self) {
+        if self.active.is_empty() {
+            self.ahead = None;
+        }
     }
 
     fn prefix_len(&self, a: &Active) -> usize {
@@ -298,8 +285,11 @@ impl Generator {
             tables.push(alloc(n)?);
         }
         for (req, own) in reqs.into_iter().zip(tables) {
+            self.next_uid += 1;
             self.active.push(Active {
                 id: req.id,
+                uid: self.next_uid,
+                ahead_rng: None,
                 rng: ChaCha8Rng::seed_from_u64(req.params.seed),
                 tokens: Vec::with_capacity(req.params.max_new_tokens),
                 logprobs: Vec::with_capacity(req.params.max_new_tokens),
@@ -316,8 +306,9 @@ impl Generator {
 
     /// Long-tail migration: removes a request that has generated tokens and returns its state
     /// (prompt, tokens so far, stream position); its pages are freed (a group's shared prompt
-    /// pages once no sample holds them). Refused while a step is in flight, since that step
-    /// has drawn from the request's stream already.
+    /// pages once no sample holds them). Refused while a submitted step is in flight, since
+    /// that step has drawn from the request's stream already. A look-ahead step's row is
+    /// dropped instead: the stream is rewound past its draw.
     pub fn export(&mut self, id: RequestKey) -> Result<ResumeState> {
         if self.in_flight() {
             return Err(BackendError::StepInFlight("export_request"));
@@ -332,6 +323,9 @@ impl Generator {
         }
         let mut a = self.active.remove(i);
         self.release(&a);
+        if let Some(pos) = a.ahead_rng.take() {
+            a.rng.set_word_pos(pos);
+        }
         a.prompt.truncate(a.orig);
         Ok(exported(
             a.id, a.prompt, a.params, a.tokens, a.logprobs, &a.rng,
@@ -369,8 +363,11 @@ impl Generator {
         rng.set_word_pos(stream_words);
         let mut prompt = request.prompt;
         prompt.extend_from_slice(&tokens);
+        self.next_uid += 1;
         self.active.push(Active {
             id: request.id,
+            uid: self.next_uid,
+            ahead_rng: None,
             prompt,
             orig,
             params: request.params,
@@ -415,18 +412,29 @@ impl Generator {
         Ok(())
     }
 
-    /// Lays the step's rows out on the host: ids, positions, per-row page-table offsets and
+    /// Lays a step's rows out on the host: ids, positions, per-row page-table offsets and
     /// the sampling rows; chooses each unfilled group prefix's writer. Returns the rows'
-    /// requests and lengths.
-    fn pack(&mut self) -> Vec<(RequestKey, usize)> {
+    /// requests and lengths. `front` is the uncollected step that a look-ahead step follows
+    /// (its rows): a request with a row there continues one position later, from the token
+    /// that step samples (a [`Generator::feedback`] row), and has no row once that token is
+    /// its last by `max_new_tokens`.
+    fn pack(&mut self, front: Option<&[(u64, usize)]>) -> Vec<(u64, usize)> {
         self.ids.clear();
         self.pos.clear();
         self.meta.clear();
         self.pages.clear();
         self.last.clear();
         self.rowp.clear();
+        self.feedback.clear();
+        let front: HashMap<u64, (u32, usize)> = (front.unwrap_or_default().iter().enumerate())
+            .map(|(row, &(uid, len))| (uid, (row as u32, len)))
+            .collect();
         let mut rows = Vec::with_capacity(self.active.len());
         for a in &mut self.active {
+            let pending = front.get(&a.uid).copied();
+            if pending.is_some() && a.tokens.len() + 1 >= a.params.max_new_tokens {
+                continue;
+            }
             let table_start = self.pages.len() as u32;
             if let Some(p) = a.prefix.and_then(|id| self.prefixes.get_mut(&id)) {
                 if !p.filled && a.cached == p.len {
@@ -438,19 +446,27 @@ impl Generator {
             }
             self.pages.extend_from_slice(&a.own);
             let start = self.ids.len();
-            if a.cached < a.prompt.len() {
+            let from = a.cached + pending.map_or(0, |(_, len)| len);
+            if let Some((src, _)) = pending {
+                // The token the front step samples: copied in on the device.
+                self.feedback.push((start as u32, src));
+                self.ids.push(0);
+            } else if a.cached < a.prompt.len() {
                 self.ids.extend_from_slice(&a.prompt[a.cached..]);
             } else {
                 self.ids
                     .push(*a.tokens.last().unwrap_or(&a.prompt[a.prompt.len() - 1]));
             }
             let len = self.ids.len() - start;
-            for t in a.cached..a.cached + len {
+            for t in from..from + len {
                 self.pos.push(t as u32);
                 self.meta.extend([table_start, t as u32]);
             }
             self.last.push((start + len - 1) as u32);
-            rows.push((a.id, len));
+            rows.push((a.uid, len));
+            if !front.is_empty() {
+                a.ahead_rng = Some(a.rng.get_word_pos());
+            }
             // One draw per token per request, as the CPU reference (which draws after the
             // forward; the stream is the request's own, so the order across requests is moot).
             let u = uniform(&mut a.rng);
@@ -461,26 +477,61 @@ impl Generator {
         rows
     }
 
-    /// Encodes and submits one engine step (see the module docs) without waiting for it.
-    /// Refused while the previous step has not been collected.
+    /// Encodes and submits one engine step (see the module docs) without waiting for it;
+    /// with look-ahead on ([`Generator::set_lookahead`]) the queued step becomes this one and
+    /// the step after it is queued. Refused while the previous step has not been collected.
     pub fn submit(&mut self, gpu: &Gpu, ex: &mut Exec, md: &DeviceModel) -> Result<()> {
         if self.stepped.is_some() {
             return Err(BackendError::StepInFlight("submit_step"));
         }
         if self.active.is_empty() {
+            self.drop_ahead();
             return Ok(());
         }
+        self.stepped = match self.ahead.take() {
+            Some(next) => {
+                for a in &mut self.active {
+                    a.ahead_rng = None;
+                }
+                Some(next)
+            }
+            None => self.launch(gpu, ex, md, None)?,
+        };
+        if self.lookahead
+            && let Some(front) = &self.stepped
+        {
+            let front = (front.rows.clone(), front.sampled.clone());
+            self.ahead = self.launch(gpu, ex, md, Some(front))?;
+        }
+        Ok(())
+    }
+
+    /// Packs, encodes and submits a step (`None` when no request has a row in it): behind
+    /// `front` (its rows and sampled-token buffer) when a look-ahead step.
+    fn launch(
+        &mut self,
+        gpu: &Gpu,
+        ex: &mut Exec,
+        md: &DeviceModel,
+        front: Option<(Vec<(u64, usize)>, Buffer)>,
+    ) -> Result<Option<Stepped>> {
         let c = &md.cfg;
+        let rows = self.pack(front.as_ref().map(|f| f.0.as_slice()));
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        // A pool growth copies the old pages after the steps already queued have run.
         if pool_in(&mut self.pool, gpu, c)?.ensure_built(gpu, ex, c) {
             ex.forget_bind_groups();
         }
-        let rows = self.pack();
-        let (n, r, np) = (self.ids.len(), self.active.len(), self.pages.len());
+        let (n, r, np) = (self.ids.len(), rows.len(), self.pages.len());
         if self
             .bufs
             .as_ref()
             .is_none_or(|b| b.cap_n < n || b.cap_r < r || b.cap_p < np)
         {
+            // Steps in flight keep the old buffers alive; the front's sampled tokens are read
+            // from its own buffer.
             let cap_n = n.next_power_of_two().max(64);
             let cap_r = r.next_power_of_two().max(16);
             let cap_p = np.next_power_of_two().max(64);
@@ -491,28 +542,33 @@ impl Generator {
         let (Some(s), Some(pool)) = (self.bufs.as_ref(), self.pool.as_ref()) else {
             return Err(BackendError::Device("decode buffers missing".into()));
         };
+        // Queue writes land after the steps already submitted have read these buffers.
         gpu.write(&s.ids, &self.ids);
         gpu.write(&s.pos, &self.pos);
         gpu.write(&s.meta, &self.meta);
         gpu.write(&s.pages, &self.pages);
         gpu.write(&s.last, &self.last);
         gpu.write(&s.rowp, &self.rowp);
+        if let Some((_, sampled)) = &front {
+            feed_tokens(ex, sampled, &s.ids, &self.feedback);
+        }
         let max_pos = self.pos.iter().copied().max().unwrap_or(0) as usize;
         encode_step(ex, md, s, pool, n, r, np, max_pos)?;
         let tokens = ex.read_back(&s.tokens, 0, r * 4);
         let logp = ex.read_back(&s.logp, 0, r * 4);
         let run = ex.submit_async()?;
-        self.stepped = Some(Stepped {
+        Ok(Some(Stepped {
             run,
             rows,
+            sampled: s.tokens.clone(),
             tokens,
             logp,
-        });
-        Ok(())
+        }))
     }
 
     /// Collects the submitted step: the requests that finished in it, `None` while it runs
-    /// and `wait` is false, `Some(vec![])` with no step in flight.
+    /// and `wait` is false, `Some(vec![])` with no step in flight. Waiting waits for this
+    /// step only, not for a look-ahead step queued behind it.
     pub fn poll(&mut self, ex: &mut Exec, wait: bool) -> Result<Option<Vec<GenOutput>>> {
         let Some(mut st) = self.stepped.take() else {
             return Ok(Some(Vec::new()));
@@ -525,9 +581,9 @@ impl Generator {
         ex.recycle(&mut st.run);
         let (toks, lps) = (back.get::<u32>(st.tokens), back.get::<f32>(st.logp));
         let mut finished = Vec::new();
-        for (row, &(id, len)) in st.rows.iter().enumerate() {
-            // Cancelled while the step ran: dropped.
-            let Some(i) = self.active.iter().position(|a| a.id == id) else {
+        for (row, &(uid, len)) in st.rows.iter().enumerate() {
+            // Cancelled, exported or finished since the step was packed: dropped.
+            let Some(i) = self.active.iter().position(|a| a.uid == uid) else {
                 continue;
             };
             let (tok, lp) = (toks[row], lps[row]);
@@ -548,65 +604,4 @@ impl Generator {
         }
         Ok(Some(finished))
     }
-}
-
-/// Records the model's forward over the step's `n` rows (positions up to `max_pos`) and the
-/// sampling of its `r` requests' last rows (`np` page-table entries).
-#[allow(clippy::too_many_arguments)]
-fn encode_step(
-    ex: &mut Exec,
-    md: &DeviceModel,
-    s: &StepBufs,
-    pool: &KvPool,
-    n: usize,
-    r: usize,
-    np: usize,
-    max_pos: usize,
-) -> Result<()> {
-    let c = &md.cfg;
-    let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
-    let (h, kvh, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-    let (qd, kd) = (c.q_dim(), c.kv_dim());
-    let eps = c.rms_norm_eps;
-    let maxp = c.max_position_embeddings;
-    let p = &md.params;
-    let wf = md.weights;
-    let rows = StepRows {
-        q: &s.q,
-        out: &s.att_out,
-        state: &s.att_state,
-        k: &s.k,
-        v: &s.v,
-        meta: &s.meta,
-        pages: &s.pages,
-        n,
-        pages_len: np,
-        max_pos,
-    };
-    ops::embedding_fwd_as(ex, &s.x, &s.ids, &p[md.embed], wf, n, d, v);
-    for (l, li) in md.layers.iter().enumerate() {
-        ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x, &p[li.input_norm], n, d, eps);
-        ops::matmul_fwd_as(ex, &s.q_pre, &s.ln, &p[li.q], wf, n, d, qd, false);
-        ops::matmul_fwd_as(ex, &s.k_pre, &s.ln, &p[li.k], wf, n, d, kd, false);
-        ops::matmul_fwd_as(ex, &s.v, &s.ln, &p[li.v], wf, n, d, kd, false);
-        ops::rmsnorm_fwd(ex, &s.q, &s.rstd, &s.q_pre, &p[li.q_norm], n * h, hd, eps);
-        ops::rmsnorm_fwd(ex, &s.k, &s.rstd, &s.k_pre, &p[li.k_norm], n * kvh, hd, eps);
-        ops::rope_fwd(ex, &s.q, &s.pos, &md.cos, &md.sin, n, h, hd, maxp);
-        ops::rope_fwd(ex, &s.k, &s.pos, &md.cos, &md.sin, n, kvh, hd, maxp);
-        rows.kv_append(ex, pool, l, c)?;
-        rows.attention_decode(ex, pool, l, c)?;
-        ops::matmul_fwd_as(ex, &s.tmp, &s.att_out, &p[li.o], wf, n, qd, d, false);
-        ops::residual_fwd(ex, &s.x_mid, &s.x, &s.tmp, n * d);
-        ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x_mid, &p[li.post_norm], n, d, eps);
-        ops::matmul_fwd_as(ex, &s.gate, &s.ln, &p[li.gate], wf, n, d, f, false);
-        ops::matmul_fwd_as(ex, &s.up, &s.ln, &p[li.up], wf, n, d, f, false);
-        ops::swiglu_fwd(ex, &s.h, &s.gate, &s.up, n * f);
-        ops::matmul_fwd_as(ex, &s.tmp, &s.h, &p[li.down], wf, n, f, d, false);
-        ops::residual_fwd(ex, &s.x, &s.x_mid, &s.tmp, n * d);
-    }
-    ops::embedding_fwd(ex, &s.hsel, &s.last, &s.x, r, d, n);
-    ops::rmsnorm_fwd(ex, &s.hnorm, &s.rstd, &s.hsel, &p[md.final_norm], r, d, eps);
-    ops::matmul_fwd_as(ex, &s.logits, &s.hnorm, &p[md.lm_head], wf, r, d, v, false);
-    ops::sample(ex, &s.tokens, &s.logp, &s.logits, &s.rowp, r, v);
-    Ok(())
 }

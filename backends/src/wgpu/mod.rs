@@ -44,6 +44,7 @@
 //! ```
 
 pub mod coop;
+mod decode;
 pub mod generate;
 pub mod gpu;
 pub mod inflight;
@@ -267,6 +268,27 @@ impl WgpuBackend {
         self.ex.tensor_cores().is_some()
     }
 
+    /// Look-ahead decoding with device-side token feedback (off by default): each
+    /// `submit_step` also queues the step after it, whose input tokens the device copies
+    /// from the step before, so that the device runs step n + 1 while the host collects step
+    /// n and prepares n + 2 (SGLang's overlap scheduling, without its host thread). What
+    /// changes for a caller: a request added after a submission joins one step later, and
+    /// `poll_step(true)` waits for its own step only. Each request's tokens and log-probs are
+    /// the same bits as with it off (batch invariance; `tests/wgpu_lookahead.rs`).
+    pub fn set_lookahead(&mut self, on: bool) {
+        self.generator.set_lookahead(on);
+    }
+
+    /// Whether look-ahead decoding is on ([`WgpuBackend::set_lookahead`]).
+    pub fn lookahead(&self) -> bool {
+        self.generator.lookahead()
+    }
+
+    /// Whether a look-ahead step is queued on the device now.
+    pub fn lookahead_queued(&self) -> bool {
+        self.generator.ahead_in_flight()
+    }
+
     /// The generation KV pool's capacity in pages of [`kv::PAGE`] positions.
     pub fn kv_pages(&mut self) -> Result<usize> {
         self.generator.kv_pages(&self.gpu, &self.model.cfg)
@@ -414,6 +436,9 @@ impl RolloutEngine for WgpuBackend {
             return Err(BackendError::StepInFlight("load_weights"));
         }
         crate::cpu::refuse_while_generating(self.generator.active())?;
+        // A look-ahead step queued behind the last one holds only rows of finished requests;
+        // the new weights are written after it has run.
+        self.generator.drop_ahead();
         snap.check_config(&self.model.cfg)?;
         if let SnapshotPayload::Device(d) = &snap.payload
             && let Some(src) = d.handle.downcast_ref::<WgpuSnapshot>()
