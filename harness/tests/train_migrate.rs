@@ -80,6 +80,36 @@ fn migrated_requests_on_wgpu_engines_leave_samples_and_weights_bit_identical() {
     check_bit_identical(Mode::Rolloutpipe, &["run.backend=wgpu"], "wgpu", go);
 }
 
+/// Look-ahead decoding (`rollout.lookahead`) on wgpu engines: the same samples and weights as
+/// without it, and migration with it still moves only requests that have started (a request
+/// added behind a queued step joins an iteration later) and ends bit-identical.
+#[cfg(feature = "wgpu")]
+#[test]
+fn lookahead_wgpu_engines_train_bit_identical_with_and_without_migration() {
+    if !matches!(rolloutpipe_backends::wgpu::Gpu::new(), Ok(Some(_))) {
+        eprintln!("SKIP: no wgpu adapter; the wgpu look-ahead run did not run");
+        return;
+    }
+    let mode = Mode::Rolloutpipe;
+    let plain = go(&cfg(mode, &["run.backend=wgpu"]), "wgpu-blocking");
+    let ahead = go(
+        &cfg(mode, &["run.backend=wgpu", "rollout.lookahead=true"]),
+        "wgpu-lookahead",
+    );
+    assert!(
+        bits(&ahead.weights) == bits(&plain.weights),
+        "look-ahead changed the weights"
+    );
+    assert_eq!(kl_loss_bits(&ahead), kl_loss_bits(&plain));
+    assert_eq!(trained(&ahead), trained(&plain));
+    check_bit_identical(
+        mode,
+        &["run.backend=wgpu", "rollout.lookahead=true"],
+        "wgpu-lookahead",
+        go,
+    );
+}
+
 /// Runs `mode` without and with migration (up to 4 times, until some request moves) and
 /// checks that every run trains the same samples into the same weights; the runs with
 /// migration go through `run_on`.

@@ -271,6 +271,7 @@ fn a_remote_engine_host_honours_tensor_cores_from_its_init() {
             reference: false,
             perturb_mux: false,
             tensor_cores,
+            lookahead: false,
         };
         let mut host = EngineHost::new();
         let reply = host.handle(&wire::encode(&msg, &[]), Some(&blob)).unwrap();

@@ -329,6 +329,14 @@ pub struct RolloutSection {
     /// Absent from run directories written before it existed (off).
     #[serde(default)]
     pub tensor_cores: bool,
+    /// Look-ahead decoding for the rollout engines (`run.backend = "wgpu"` only): each decode
+    /// iteration also queues the next one on the device, its input tokens copied there from
+    /// the step before (`WgpuBackend::set_lookahead`), so that the device decodes while the
+    /// host collects, scores and admits. Samples are the same bits as without it; a request
+    /// admitted after a submission joins one decode iteration later. Absent from run
+    /// directories written before it existed (off).
+    #[serde(default)]
+    pub lookahead: bool,
 }
 
 fn default_migrate_min_generated() -> u32 {
@@ -564,6 +572,11 @@ impl TrainConfig {
         ensure!(
             !self.trainer.tensor_cores || r.backend == "wgpu",
             "trainer.tensor_cores = true needs run.backend = \"wgpu\" (got {:?}): only the wgpu trainer has the cooperative-matrix path",
+            r.backend
+        );
+        ensure!(
+            !ro.lookahead || r.backend == "wgpu",
+            "rollout.lookahead = true needs run.backend = \"wgpu\" (got {:?}): only wgpu engines queue a step on the device behind the running one",
             r.backend
         );
         ensure!(
@@ -905,6 +918,50 @@ mod tests {
                 .unwrap()
                 .validate()
                 .unwrap();
+        }
+    }
+
+    #[test]
+    fn lookahead_defaults_off_and_needs_wgpu() {
+        // The embedded default sets it off; a config without it (run directories written
+        // before it existed) reads as off.
+        let table: toml::Table = toml::from_str(DEFAULT_TOML).unwrap();
+        assert_eq!(
+            table["rollout"].get("lookahead"),
+            Some(&toml::Value::Boolean(false))
+        );
+        let c = TrainConfig::default_config().unwrap();
+        let old = toml_without(&c, "lookahead");
+        assert!(!old.contains("lookahead"), "{old}");
+        assert!(
+            !c.rollout.lookahead && !TrainConfig::from_toml_str(&old).unwrap().rollout.lookahead
+        );
+        let file = TrainConfig::from_partial_toml(
+            "[run]\nbackend = \"wgpu\"\n[rollout]\nlookahead = true\n",
+        )
+        .unwrap();
+        assert!(file.rollout.lookahead);
+        file.validate().unwrap();
+        let on = c
+            .with_overrides(&["rollout.lookahead=true".into()])
+            .unwrap();
+        assert!(on.rollout.lookahead);
+        let err = c
+            .with_overrides(&["rollout.lookahead=1".into()])
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("lookahead"), "{err:#}");
+        for backend in ["cpu", "cuda"] {
+            let bad = on
+                .with_overrides(&[format!("run.backend=\"{backend}\"")])
+                .unwrap();
+            let e = format!("{:#}", bad.validate().unwrap_err());
+            assert_eq!(e.lines().count(), 1, "{e}");
+            assert!(
+                e.starts_with(&format!(
+                    "rollout.lookahead = true needs run.backend = \"wgpu\" (got \"{backend}\")"
+                )),
+                "{e}"
+            );
         }
     }
 

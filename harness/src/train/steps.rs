@@ -60,7 +60,8 @@ pub struct EngineStep {
     fail_at_request: Option<u64>,
     /// Decode iterations so far, and per running request the iteration count at which it
     /// would have been added had it run here from its start: every iteration gives every
-    /// running request one token, so the difference is the tokens it generated.
+    /// running request one token, so the difference is the tokens it generated (at most: with
+    /// look-ahead decoding a request added while no step was queued starts an iteration early).
     decodes: i64,
     born: HashMap<RequestKey, i64>,
     /// Requests resumed since the last iteration (long-tail migration) and their tokens.
@@ -118,6 +119,7 @@ impl EngineStep {
         }
         self.added += 1;
         let key = key_of(rid);
+        let lag = self.backend.admission_lag();
         let be = self.backend.as_dyn();
         be.add_request(GenRequest {
             id: key,
@@ -126,7 +128,9 @@ impl EngineStep {
         })
         .map_err(|e| anyhow!("engine {engine}: {e}"))?;
         self.active.insert(key, rid);
-        self.born.insert(key, self.decodes);
+        // Counted from when its first step can run, so that the count never exceeds the
+        // tokens generated (a migration exports only requests that have started).
+        self.born.insert(key, self.decodes + lag);
         if self.fail_at_request == Some(self.added) {
             // Injected failure: every running request is lost and the engine stops generating
             // (its backend state is gone with it).
@@ -271,7 +275,8 @@ impl EngineStep {
         (self.backend.as_dyn().resume_request(st))
             .map_err(|e| anyhow!("engine {engine} resume: {e}"))?;
         self.active.insert(key, rid);
-        self.born.insert(key, self.decodes - n as i64);
+        self.born
+            .insert(key, self.decodes - n as i64 + self.backend.admission_lag());
         self.resumed.push((rid, n as u32));
         Ok(None)
     }

@@ -339,6 +339,10 @@ pub enum EngineMsg {
         /// absent = off, as from a sender that predates it).
         #[serde(default)]
         tensor_cores: bool,
+        /// `rollout.lookahead`: the engine decodes a step ahead (wgpu only; absent = off, as
+        /// from a sender that predates it).
+        #[serde(default)]
+        lookahead: bool,
     },
     /// Admissions, resumes and cancels, in order, then one decode iteration when `decode`.
     Step {
@@ -730,7 +734,7 @@ mod tests {
     }
 
     #[test]
-    fn engine_init_carries_tensor_cores_and_older_senders_mean_off() {
+    fn engine_init_carries_tensor_cores_and_lookahead_and_older_senders_mean_off() {
         let init = EngineMsg::Init {
             engine: 1,
             backend: "wgpu".into(),
@@ -741,6 +745,7 @@ mod tests {
             reference: false,
             perturb_mux: false,
             tensor_cores: true,
+            lookahead: true,
         };
         let (back, _): (EngineMsg, _) = decode(&encode(&init, &[])).unwrap();
         assert_eq!(back, init);
@@ -750,13 +755,14 @@ mod tests {
         let (m, _): (EngineMsg, _) = decode(&encode(&old, &[])).unwrap();
         let EngineMsg::Init {
             tensor_cores,
+            lookahead,
             dtype,
             ..
         } = m
         else {
             panic!("{m:?}")
         };
-        assert!(!tensor_cores);
+        assert!(!tensor_cores && !lookahead);
         assert_eq!(dtype, "f32");
     }
 

@@ -40,10 +40,17 @@ impl TrainerBackend {
     }
 }
 
-/// A rollout engine's backend: any seam-v2 [`RolloutEngine`].
-pub struct EngineBackend(Box<dyn RolloutEngine>);
+/// A rollout engine's backend: any seam-v2 [`RolloutEngine`], and how many decode iterations
+/// a request added between two of them may wait before its first step (1 with look-ahead
+/// decoding, whose next step was queued before the request arrived; else 0).
+pub struct EngineBackend(Box<dyn RolloutEngine>, i64);
 
 impl EngineBackend {
+    /// Decode iterations a newly added request may run without a step (see the type).
+    pub fn admission_lag(&self) -> i64 {
+        self.1
+    }
+
     /// The backend through the engine interface.
     pub fn as_dyn(&mut self) -> &mut dyn RolloutEngine {
         self.0.as_mut()
@@ -87,6 +94,8 @@ pub struct EngineOptions {
     pub dtype: DType,
     /// Forward products on tensor cores (`rollout.tensor_cores`; wgpu only).
     pub tensor_cores: bool,
+    /// Look-ahead decoding (`rollout.lookahead`; wgpu only).
+    pub lookahead: bool,
 }
 
 impl EngineOptions {
@@ -96,6 +105,7 @@ impl EngineOptions {
             threads: cfg.rollout.threads_per_engine,
             dtype: cfg.engine_dtype()?,
             tensor_cores: cfg.rollout.tensor_cores,
+            lookahead: cfg.rollout.lookahead,
         })
     }
 }
@@ -103,8 +113,8 @@ impl EngineOptions {
 /// Builds a rollout engine by name as `opts` say: its weights stored in `opts.dtype` (half
 /// storage on the CPU and wgpu backends; the config refuses it on cuda, and so does this, by
 /// name), its forward products on tensor cores with `opts.tensor_cores` (wgpu only; refused
-/// in one line where the adapter has none). The trainer's are `trainer.tensor_cores`
-/// ([`make_trainer`]).
+/// in one line where the adapter has none), and decoding a step ahead with `opts.lookahead`
+/// (wgpu only). The trainer's are `trainer.tensor_cores` ([`make_trainer`]).
 pub fn make_engine(
     name: &str,
     cfg: &ModelConfig,
@@ -115,9 +125,13 @@ pub fn make_engine(
         threads,
         dtype,
         tensor_cores,
+        lookahead,
     } = *opts;
     let b: Box<dyn RolloutEngine> = match (name, dtype) {
-        ("wgpu", _) => make_wgpu_engine(cfg, w, dtype, tensor_cores)?,
+        ("wgpu", _) => make_wgpu_engine(cfg, w, dtype, tensor_cores, lookahead)?,
+        (other, _) if lookahead => anyhow::bail!(
+            "rollout.lookahead needs the wgpu backend: the {other} backend runs one step at a time"
+        ),
         (other, _) if tensor_cores => anyhow::bail!(
             "rollout.tensor_cores needs the wgpu backend: the {other} backend has no \
              cooperative-matrix path"
@@ -129,7 +143,7 @@ pub fn make_engine(
             dtype.name().to_ascii_lowercase()
         ),
     };
-    Ok(EngineBackend(b))
+    Ok(EngineBackend(b, i64::from(lookahead)))
 }
 
 /// Refuses, before any work, a backend this machine cannot run when `here` (a worker, or the
@@ -213,13 +227,14 @@ fn make_wgpu(cfg: &ModelConfig, w: &Weights) -> anyhow::Result<Box<dyn Policy>> 
 
 /// A wgpu engine storing its weights in `dtype` (f32, or bf16 / f16: engine-only, f32
 /// compute), its forward products on tensor cores when `tensor_cores` (refused, naming what
-/// the adapter lacks, where it has none).
+/// the adapter lacks, where it has none), decoding a step ahead when `lookahead`.
 #[cfg(feature = "wgpu")]
 fn make_wgpu_engine(
     cfg: &ModelConfig,
     w: &Weights,
     dtype: DType,
     tensor_cores: bool,
+    lookahead: bool,
 ) -> anyhow::Result<Box<dyn RolloutEngine>> {
     use anyhow::Context;
     let mut b = rolloutpipe_backends::wgpu::WgpuBackend::with_dtype(cfg, w, dtype)
@@ -227,6 +242,7 @@ fn make_wgpu_engine(
     if tensor_cores {
         b.set_tensor_cores(true).context("rollout.tensor_cores")?;
     }
+    b.set_lookahead(lookahead);
     Ok(Box::new(b))
 }
 
@@ -236,6 +252,7 @@ fn make_wgpu_engine(
     _w: &Weights,
     _dtype: DType,
     _tensor_cores: bool,
+    _lookahead: bool,
 ) -> anyhow::Result<Box<dyn RolloutEngine>> {
     make_wgpu_unavailable()
 }
@@ -824,6 +841,63 @@ pub fn trainer_thread(
             Err(e) => {
                 let _ = events.send(Event::Fatal(e.to_string()));
                 return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(lookahead: bool) -> EngineOptions {
+        EngineOptions {
+            threads: 1,
+            dtype: DType::F32,
+            tensor_cores: false,
+            lookahead,
+        }
+    }
+
+    /// `rollout.lookahead` reaches the engine: a request added after the first decode
+    /// iteration has not started after the second with it (its first step was queued behind
+    /// the step already on the device) and has without it; the lag the migration count uses
+    /// says so. Other backends refuse it by name.
+    #[test]
+    fn lookahead_engines_start_a_later_request_one_iteration_later() {
+        let mc = ModelConfig::tiny();
+        let w = Weights::random(&mc, 3).unwrap();
+        let e = make_engine("cpu", &mc, &w, &opts(true)).err().unwrap();
+        assert_eq!(
+            e.to_string(),
+            "rollout.lookahead needs the wgpu backend: the cpu backend runs one step at a time"
+        );
+        #[cfg(feature = "wgpu")]
+        {
+            use rolloutpipe_backends::{GenRequest, RequestKey, SamplingParams};
+            if !matches!(rolloutpipe_backends::wgpu::Gpu::new(), Ok(Some(_))) {
+                eprintln!("SKIP: no wgpu adapter; the look-ahead engine test did not run");
+                return;
+            }
+            let req = |id| GenRequest {
+                id: RequestKey(id),
+                prompt: vec![1, 2, 3],
+                params: SamplingParams {
+                    max_new_tokens: 8,
+                    seed: id,
+                    ..Default::default()
+                },
+            };
+            for lookahead in [false, true] {
+                let mut e = make_engine("wgpu", &mc, &w, &opts(lookahead)).unwrap();
+                assert_eq!(e.admission_lag(), i64::from(lookahead));
+                let be = e.as_dyn();
+                be.add_request(req(1)).unwrap();
+                be.decode_step().unwrap();
+                be.add_request(req(2)).unwrap();
+                be.decode_step().unwrap();
+                let started = be.export_request(RequestKey(2)).is_ok();
+                assert_eq!(started, !lookahead, "lookahead {lookahead}");
             }
         }
     }

@@ -148,6 +148,7 @@ impl EngineHost {
                 reference,
                 perturb_mux,
                 tensor_cores,
+                lookahead,
             } => {
                 let blob = published.ok_or(WireError::Missing("published weights"))?;
                 let w = wire::weights_from(blob, "weights")?;
@@ -167,6 +168,7 @@ impl EngineHost {
                             threads,
                             dtype,
                             tensor_cores,
+                            lookahead,
                         };
                         make_engine(&backend, &mc, &w, &opts)
                     })
@@ -562,6 +564,7 @@ impl Transport for Forwarding {
                 reference: reference.is_some(),
                 perturb_mux: cfg.fault.perturb_mux,
                 tensor_cores: cfg.rollout.tensor_cores,
+                lookahead: cfg.rollout.lookahead,
             };
             let parts: Vec<&[u8]> = reference.iter().map(Vec::as_slice).collect();
             let reply = link.call(&Route::EngineSync(e), wire::encode(&init, &parts))?;
