@@ -26,7 +26,8 @@
 //!   the cooperative matrices are emulated in scalar code, so there they measure only that
 //!   the path runs; the speed-up is a GPU's (`scripts/device/wgpu.sh`).
 //! - `wgpu_e2e_{0.6b,1.7b}/{generate,train}/<dtype>` (prod shapes only, see `bench_e2e`):
-//!   generate (8 × 64-token prompts, 32 new tokens) and a GRPO train step (4 × 128 tokens)
+//!   generate (8 × 64-token prompts, 32 new tokens; `f32_ahead`: the f32 engine with
+//!   look-ahead decoding) and a GRPO train step (4 × 128 tokens)
 //!   at Qwen3-0.6B and 1.7B shapes with random weights; `scripts/device/torch_e2e.py` runs
 //!   the same workloads in PyTorch.
 //!
@@ -691,10 +692,11 @@ const E2E_TRAIN_PROMPT: usize = 64;
 const E2E_TRAIN_RESPONSE: usize = 64;
 /// The end-to-end generate cases: the engine's weight dtype, the case's name, and whether its
 /// forward products run on tensor cores (`_tc`, where the adapter has them).
-const E2E_GENERATE: [(DType, &str, bool); 3] = [
-    (DType::F32, "f32", false),
-    (DType::Bf16, "bf16", false),
-    (DType::Bf16, "bf16_tc", true),
+const E2E_GENERATE: [(DType, &str, bool, bool); 4] = [
+    (DType::F32, "f32", false, false),
+    (DType::Bf16, "bf16", false, false),
+    (DType::Bf16, "bf16_tc", true, false),
+    (DType::F32, "f32_ahead", false, true),
 ];
 /// The end-to-end train cases of the f32 trainer: the case's name and tensor cores.
 const E2E_TRAIN: [(&str, bool); 2] = [("f32", false), ("f32_tc", true)];
@@ -774,7 +776,8 @@ fn first_timed(what: &str, first: &mut bool, f: impl FnOnce()) {
 /// weights), with `ROLLOUTPIPE_BENCH_SHAPES=prod` only:
 /// - `generate/{f32,bf16}`: 8 requests of 64-token prompts, 32 new tokens each, prefill
 ///   included; throughput in generated tokens (256 an iteration). `f32` is the trainer's
-///   own model generating, `bf16` the 16-bit-storage engine a trainer syncs to.
+///   own model generating, `bf16` the 16-bit-storage engine a trainer syncs to, `f32_ahead`
+///   the f32 one decoding a step ahead (`WgpuBackend::set_lookahead`).
 /// - `train/f32`: one GRPO optimizer step (zero_grad, accumulate, optimizer_step: forward,
 ///   backward, AdamW) on 4 sequences of 64 + 64 tokens; throughput in tokens (512).
 ///
@@ -818,7 +821,7 @@ fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
         // `_tc`: the same backend with its forward products on tensor cores (turned on for
         // the benchmark and off after it), where the adapter has them.
         let tc = g.coop().is_some();
-        for (dtype, id, on) in E2E_GENERATE {
+        for (dtype, id, on, ahead) in E2E_GENERATE {
             if on && !tc {
                 continue;
             }
@@ -831,12 +834,14 @@ fn bench_e2e(c: &mut Criterion, g: &Arc<Gpu>) {
             grp.bench_function(BenchmarkId::new("generate", id), |b| {
                 let be = lazy.backend(dtype);
                 be.set_tensor_cores(on).expect("tensor cores");
+                be.set_lookahead(ahead);
                 b.iter(|| {
                     first_timed(&format!("{group}/generate/{id}"), &mut first, || {
                         generate_n(be, E2E_REQUESTS, E2E_PROMPT, E2E_NEW, vocab, &mut next)
                     })
                 });
                 be.set_tensor_cores(false).expect("f32 kernels");
+                be.set_lookahead(false);
             });
         }
         if let Some(why) = too_large(g, &lazy.cfg, DType::F32) {
@@ -893,7 +898,7 @@ fn e2e_once(group: &str, lazy: &mut Lazy) {
         );
     };
     let mut next = 0u64;
-    for (dtype, id, on) in E2E_GENERATE {
+    for (dtype, id, on, ahead) in E2E_GENERATE {
         if (on && !tc)
             || too_large(&lazy.g, &lazy.cfg, dtype).is_some()
             || !wanted(&format!("generate/{id}"))
@@ -902,12 +907,14 @@ fn e2e_once(group: &str, lazy: &mut Lazy) {
         }
         let be = lazy.backend(dtype);
         be.set_tensor_cores(on).expect("tensor cores");
+        be.set_lookahead(ahead);
         report(
             &format!("generate/{id}"),
             E2E_REQUESTS * E2E_NEW,
             &mut || generate_n(be, E2E_REQUESTS, E2E_PROMPT, E2E_NEW, vocab, &mut next),
         );
         be.set_tensor_cores(false).expect("f32 kernels");
+        be.set_lookahead(false);
     }
     if too_large(&lazy.g, &lazy.cfg, DType::F32).is_some() {
         return;

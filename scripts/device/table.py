@@ -62,22 +62,23 @@ def main():
 
 # (model, workload, torch_e2e.py's shape key, criterion benchmark of wgpu f32, of wgpu bf16,
 # of wgpu on tensor cores: the bf16 engine for generate, the f32 trainer with tensor-core
-# forward and backward products for train); the bf16 train cell stays empty: the wgpu trainer
-# keeps f32 weights.
+# forward and backward products for train; of the f32 engine with look-ahead decoding); the
+# bf16 train cell stays empty: the wgpu trainer keeps f32 weights.
 E2E = [
     ("default model", "generate 16 × (16 + 32)", None,
      ("wgpu_generate", "wgpu/16"), ("wgpu_generate", "wgpu_bf16/16"),
-     ("wgpu_generate", "wgpu_bf16_tc/16")),
+     ("wgpu_generate", "wgpu_bf16_tc/16"), ("wgpu_generate", "wgpu_lookahead/16")),
     ("default model", "GRPO step 8 × (16 + 48)", None,
-     ("wgpu_train", "wgpu/grpo_step_8x64"), None, ("wgpu_train", "wgpu_tc/grpo_step_8x64")),
+     ("wgpu_train", "wgpu/grpo_step_8x64"), None, ("wgpu_train", "wgpu_tc/grpo_step_8x64"),
+     None),
 ]
 for shape, model in [("0.6b", "Qwen3-0.6B"), ("1.7b", "Qwen3-1.7B")]:
     E2E += [
         (model, "generate 8 × (64 + 32)", (shape, "generate"),
          (f"wgpu_e2e_{shape}", "generate/f32"), (f"wgpu_e2e_{shape}", "generate/bf16"),
-         (f"wgpu_e2e_{shape}", "generate/bf16_tc")),
+         (f"wgpu_e2e_{shape}", "generate/bf16_tc"), (f"wgpu_e2e_{shape}", "generate/f32_ahead")),
         (model, "GRPO step 4 × (64 + 64)", (shape, "train"),
-         (f"wgpu_e2e_{shape}", "train/f32"), None, (f"wgpu_e2e_{shape}", "train/f32_tc")),
+         (f"wgpu_e2e_{shape}", "train/f32"), None, (f"wgpu_e2e_{shape}", "train/f32_tc"), None),
     ]
 
 
@@ -88,21 +89,22 @@ def e2e_table(rate, torch_e2e):
     print("\nEnd to end, tokens/s (generate: new tokens, prefill included; train: prompt + "
           "response tokens of one forward, backward and AdamW step; PyTorch bf16 train is "
           "autocast over f32 weights)\n")
-    print("| model | workload | wgpu f32 | wgpu bf16 | wgpu tensor cores | PyTorch f32 "
-          "| PyTorch bf16 | wgpu / PyTorch f32 | wgpu bf16 / PyTorch bf16 "
-          "| wgpu tensor cores / PyTorch bf16 |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for model, work, tkey, b32, b16, btc in E2E:
+    print("| model | workload | wgpu f32 | wgpu bf16 | wgpu tensor cores | wgpu f32 look-ahead "
+          "| PyTorch f32 | PyTorch bf16 | wgpu / PyTorch f32 | wgpu bf16 / PyTorch bf16 "
+          "| wgpu tensor cores / PyTorch bf16 | look-ahead / wgpu f32 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for model, work, tkey, b32, b16, btc, bla in E2E:
         w32 = rate.get(b32) if b32 else None
         w16 = rate.get(b16) if b16 else None
         wtc = rate.get(btc) if btc else None
+        wla = rate.get(bla) if bla else None
         t32 = torch_e2e.get((*tkey, "float32")) if tkey else None
         t16 = torch_e2e.get((*tkey, "bfloat16")) if tkey else None
-        if not any([w32, w16, wtc, t32, t16]):
+        if not any([w32, w16, wtc, wla, t32, t16]):
             continue
         print(f"| {model} | {work} | {fmt_tok(w32)} | {fmt_tok(w16)} | {fmt_tok(wtc)} | "
-              f"{fmt_tok(t32)} | {fmt_tok(t16)} | {ratio(w32, t32)} | {ratio(w16, t16)} | "
-              f"{ratio(wtc, t16)} |")
+              f"{fmt_tok(wla)} | {fmt_tok(t32)} | {fmt_tok(t16)} | {ratio(w32, t32)} | "
+              f"{ratio(w16, t16)} | {ratio(wtc, t16)} | {ratio(wla, w32)} |")
 
 
 def fmt_tok(r):

@@ -11,7 +11,7 @@
 #   4. runs the criterion benchmarks of backends/benches/wgpu.rs (every kernel, plus generate
 #      and train tokens/s of the default model), with ROLLOUTPIPE_BENCH_SHAPES=prod so the
 #      matrix products also run at Qwen3-0.6B and 1.7B shapes, and so do end-to-end generate
-#      (8 x 64-token prompts, 32 new tokens; f32 and bf16) and a GRPO train step (4 x 128
+#      (8 x 64-token prompts, 32 new tokens; f32, bf16, and f32 with look-ahead decoding) and a GRPO train step (4 x 128
 #      tokens, f32) on random weights (the wgpu_e2e_* groups), and the tensor-core (tc)
 #      variants of the products and of both workloads where the adapter has them;
 #   5. times the same matrix products (scripts/device/torch_matmul.py) and the same
