@@ -15,20 +15,16 @@ mod engine;
 #[path = "support/wgpu_small.rs"]
 mod small;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use check::{assert_close, rand_vec, tol};
-use engine::{
-    assert_same_outputs as assert_same, drain, overlap_reference, overlap_start, params,
-    poll_until_done,
-};
+use engine::{assert_same_outputs as assert_same, drain, overlap_reference, params};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::SeedableRng;
 use rolloutpipe_backends::wgpu::Exec;
 use rolloutpipe_backends::wgpu::kv::{KvPool, PAGE, StepRows};
 use rolloutpipe_backends::*;
-use small::{engine, prompt, setup};
+use small::{engine, overlap_matches, prompt, setup};
 
 #[test]
 fn group_references_the_shared_prefix_and_matches_independent_requests_bit_for_bit() {
@@ -129,30 +125,9 @@ fn submit_returns_with_the_step_queued_and_poll_collects_it() {
     let Some((cfg, w, g)) = setup(4) else { return };
     // Reference with blocking steps.
     let want = overlap_reference(&mut engine(&cfg, &w, &g));
-    let mut be = engine(&cfg, &w, &g);
     // While the step runs: add and cancel for the next one; what needs the engine idle is
     // refused.
-    overlap_start(&mut be);
-    let snap = be
-        .snapshot_weights(SyncTarget {
-            device: DeviceId::Host,
-            dtype: DType::F32,
-        })
-        .unwrap();
-    assert!(matches!(
-        be.load_weights(&snap),
-        Err(BackendError::StepInFlight(_))
-    ));
-    let mut got: BTreeMap<u64, GenOutput> = (poll_until_done(&mut be).into_iter())
-        .map(|o| (o.id.0, o))
-        .collect();
-    // Every later step the same way: submit, host work, poll without blocking.
-    while be.active_requests() > 0 {
-        be.submit_step().unwrap();
-        got.extend(poll_until_done(&mut be).into_iter().map(|o| (o.id.0, o)));
-    }
-    assert_same(&got, &want);
-    assert_eq!(be.poll_step(false).unwrap(), Some(vec![]));
+    overlap_matches(&mut engine(&cfg, &w, &g), &want, |_| {});
 }
 
 /// The kernel itself against the CPU's `attention_fwd` on contiguous keys: a 150-position

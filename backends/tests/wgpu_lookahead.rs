@@ -18,13 +18,10 @@ mod small;
 
 use std::collections::BTreeMap;
 
-use engine::{
-    assert_same_outputs as assert_same, drain, overlap_reference, overlap_start, params,
-    poll_until_done,
-};
+use engine::{assert_same_outputs as assert_same, drain, overlap_reference, params};
 use rolloutpipe_backends::wgpu::WgpuBackend;
 use rolloutpipe_backends::*;
-use small::{engine, prompt, setup};
+use small::{engine, overlap_matches, prompt, setup};
 
 /// Stops on any of a sixth of the vocabulary, so that some requests end before their
 /// `max_new_tokens` and some do not.
@@ -148,27 +145,9 @@ fn lookahead_submit_and_poll_overlap_the_host_as_blocking_steps_do() {
     let want = overlap_reference(&mut engine(&cfg, &w, &g));
     let mut be = engine(&cfg, &w, &g);
     be.set_lookahead(true);
-    overlap_start(&mut be);
-    assert!(be.lookahead_queued(), "the step after the first is queued");
-    let snap = be
-        .snapshot_weights(SyncTarget {
-            device: DeviceId::Host,
-            dtype: DType::F32,
-        })
-        .unwrap();
-    assert!(matches!(
-        be.load_weights(&snap),
-        Err(BackendError::StepInFlight(_))
-    ));
-    let mut got: BTreeMap<u64, GenOutput> = (poll_until_done(&mut be).into_iter())
-        .map(|o| (o.id.0, o))
-        .collect();
-    while be.active_requests() > 0 {
-        be.submit_step().unwrap();
-        got.extend(poll_until_done(&mut be).into_iter().map(|o| (o.id.0, o)));
-    }
-    assert_same(&got, &want);
-    assert_eq!(be.poll_step(false).unwrap(), Some(vec![]));
+    overlap_matches(&mut be, &want, |be| {
+        assert!(be.lookahead_queued(), "the step after the first is queued")
+    });
     // Turned off, the engine steps as a blocking one.
     be.set_lookahead(false);
     let mut plain = engine(&cfg, &w, &g);

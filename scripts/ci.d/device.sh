@@ -21,6 +21,7 @@ nocargo=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 fail() { cat "$bare/all.log"; echo "device rehearsal: $1"; exit 1; }
 grep -q "test result: ok. [1-9]" "$bare/out/wgpu/wgpu-log.txt" || fail "wgpu.sh ran no test"
 grep -q "^tensor-core tests: " "$bare/out/wgpu/wgpu-log.txt" || fail "wgpu.sh ran no tensor-core step"
+grep -q "^look-ahead tests: passed" "$bare/out/wgpu/wgpu-log.txt" || fail "wgpu.sh's look-ahead tests did not pass"
 grep -q "^| wgpu_matmul | 64x128x384 " "$bare/out/wgpu/wgpu-table.md" || fail "wgpu.sh wrote no benchmark table"
 grep -q "test result: ok. [1-9]" "$bare/out/cuda/conformance.log" || fail "cuda.sh ran no test"
 grep -q "^SKIP: " "$bare/out/cuda/bench.err" || fail "cuda.sh's benchmark did not run"

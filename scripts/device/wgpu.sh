@@ -7,7 +7,7 @@
 #   2. runs the wgpu conformance suite on the adapter wgpu picks, with ROLLOUTPIPE_REQUIRE_GPU=1
 #      so that a missing adapter fails instead of skipping;
 #   3. runs the tensor-core tests (backends/tests/wgpu_coop.rs), which skip where the adapter
-#      has no cooperative matrices;
+#      has no cooperative matrices, and the look-ahead decoding tests (wgpu_lookahead.rs);
 #   4. runs the criterion benchmarks of backends/benches/wgpu.rs (every kernel, plus generate
 #      and train tokens/s of the default model), with ROLLOUTPIPE_BENCH_SHAPES=prod so the
 #      matrix products also run at Qwen3-0.6B and 1.7B shapes, and so do end-to-end generate
@@ -115,6 +115,22 @@ elif grep -q "^SKIP: .*tensor cores need" "$coop_log"; then
 fi
 echo "tensor-core tests: $coop_state" | tee -a "$log"
 
+step "look-ahead decoding (backends/tests/wgpu_lookahead.rs)"
+# The queued step reads its input tokens from the running step's sampler output and rewrites
+# buffers that step reads: on a real GPU this is where wgpu's ordering of queue writes and
+# submissions is tested for real. Reported in the table's header; the benchmarks run anyway.
+ahead_log="$outdir/wgpu-lookahead.txt"
+if [ "$have_pack" = 1 ]; then
+  (cd backends && timeout "$(limit 60)" "$bin/wgpu_lookahead" 2>&1)
+else
+  timeout "$(limit 60)" cargo test --release --locked -p rolloutpipe-backends --features wgpu \
+    --test wgpu_lookahead 2>&1
+fi > "$ahead_log" || true
+grep -E "test result|FAILED|panicked" "$ahead_log" | tee -a "$log" || true
+ahead_state="passed"
+grep -q "test result: ok. [1-9]" "$ahead_log" || ahead_state="FAILED (see $ahead_log)"
+echo "look-ahead tests: $ahead_state" | tee -a "$log"
+
 step "criterion benchmarks"
 export CRITERION_HOME="$PWD/target/criterion"
 rm -rf "$CRITERION_HOME"/wgpu_*
@@ -149,6 +165,6 @@ fi
 step "table"
 adapter=$(grep -m1 "wgpu adapter:" "$log" | sed 's/^wgpu adapter: //' || true)
 python3 scripts/device/table.py "$CRITERION_HOME" "$torch_json" \
-  "${adapter:-unknown adapter}; tensor-core tests: $coop_state" \
+  "${adapter:-unknown adapter}; tensor-core tests: $coop_state; look-ahead tests: $ahead_state" \
   | tee "$outdir/wgpu-table.md"
 step "done"
