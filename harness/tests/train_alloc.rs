@@ -2,10 +2,9 @@
 //! Pilot-Commit's verdicts run through the real engines and trainer, stay within the step's
 //! sample budget, and are counted in metrics.jsonl.
 mod support;
-use std::path::PathBuf;
 use support::train::TINY_MODEL;
 
-use rolloutpipe_harness::train::{RunOutcome, TrainConfig, read_metrics, run};
+use rolloutpipe_harness::train::{RunOutcome, TrainConfig, read_metrics};
 
 /// About a second: a 1-layer model warm-started on 1-digit addition (mixed rewards), 4 groups
 /// of G = 8 per step, 2 engines of 4 slots.
@@ -92,9 +91,7 @@ fn alloc_parameters_are_validated_whatever_the_policy() {
 }
 
 fn go(cfg: &TrainConfig, name: &str) -> RunOutcome {
-    let d: PathBuf = std::env::temp_dir().join(format!("rp-alloc-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    run(cfg, &d, false).unwrap()
+    support::train::go(cfg, "alloc", name)
 }
 
 /// Rollouts per step within the budget, cumulative counts adding up, conservation per step.

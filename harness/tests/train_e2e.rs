@@ -57,9 +57,7 @@ max_groups_factor = 4.0
 }
 
 fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("rp-train-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    support::train::scratch("train", name)
 }
 
 fn dir_of(o: &RunOutcome) -> PathBuf {

@@ -3,8 +3,7 @@
 //! and the run ends with the same samples and weights, bit for bit, as the run without it.
 mod support;
 
-use rolloutpipe_harness::train::remote::Loopback;
-use rolloutpipe_harness::train::{Mode, RunOptions, RunOutcome, TrainConfig, run_with_transport};
+use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig};
 use support::train::{bits, kl_loss_bits, tiny_cfg, trace_count};
 
 /// Two engines, and one micro-batch holding the whole batch: the trainer sees the groups in
@@ -28,16 +27,9 @@ fn go(c: &TrainConfig, name: &str) -> RunOutcome {
     support::train::go(c, "migrate", name)
 }
 
-/// The same run with every worker behind the wire (`remote::Loopback`: hosts answering
-/// encoded messages on other threads, as Ray actors do).
+/// The same run with every worker behind the wire ([`support::train::go_remote`]).
 fn go_remote(c: &TrainConfig, name: &str) -> RunOutcome {
-    let d = std::env::temp_dir().join(format!("rp-migrate-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let fresh = RunOptions {
-        resume: false,
-        force: false,
-    };
-    run_with_transport(c, &d, fresh, &Loopback::new(c).transport()).unwrap()
+    support::train::go_remote(c, "migrate", name)
 }
 
 fn migrations(o: &RunOutcome) -> u32 {

@@ -3,8 +3,7 @@
 //! the same run without it.
 mod support;
 
-use rolloutpipe_harness::train::remote::Loopback;
-use rolloutpipe_harness::train::{Mode, RunOptions, RunOutcome, TrainConfig, run_with_transport};
+use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig};
 use support::train::{bits, kl_loss_bits, tiny_cfg, trace_count};
 
 /// A tiny run whose schedule is deterministic, so that two runs can be compared bit for bit:
@@ -24,15 +23,9 @@ fn go(c: &TrainConfig, name: &str) -> RunOutcome {
     support::train::go(c, "mux", name)
 }
 
-/// The same run with every worker behind the wire (`remote::Loopback`).
+/// The same run with every worker behind the wire ([`support::train::go_remote`]).
 fn go_remote(c: &TrainConfig, name: &str) -> RunOutcome {
-    let d = std::env::temp_dir().join(format!("rp-mux-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let fresh = RunOptions {
-        resume: false,
-        force: false,
-    };
-    run_with_transport(c, &d, fresh, &Loopback::new(c).transport()).unwrap()
+    support::train::go_remote(c, "mux", name)
 }
 
 fn mux_groups(o: &RunOutcome) -> u32 {

@@ -5,7 +5,10 @@
 use std::path::PathBuf;
 
 use rolloutpipe_backends::Weights;
-use rolloutpipe_harness::train::{Mode, RunOptions, RunOutcome, TrainConfig, run};
+use rolloutpipe_harness::train::remote::Loopback;
+use rolloutpipe_harness::train::{
+    Mode, RunOptions, RunOutcome, TrainConfig, run, run_with_transport,
+};
 
 /// The `[model]` section of every tiny test run: a 1-layer model with GQA (2 query heads, 1
 /// KV head), small enough that a run takes a second.
@@ -81,6 +84,14 @@ pub fn scratch(prefix: &str, name: &str) -> PathBuf {
 /// Runs `c` in a fresh scratch directory named `{prefix}-{name}`.
 pub fn go(c: &TrainConfig, prefix: &str, name: &str) -> RunOutcome {
     run(c, &scratch(prefix, name), false).unwrap()
+}
+
+/// Runs `c` in a fresh scratch directory named `{prefix}-{name}` with every worker behind the
+/// wire (`remote::Loopback`: hosts answering encoded messages on other threads, as Ray actors
+/// do).
+pub fn go_remote(c: &TrainConfig, prefix: &str, name: &str) -> RunOutcome {
+    let d = scratch(prefix, name);
+    run_with_transport(c, &d, FRESH, &Loopback::new(c).transport()).unwrap()
 }
 
 /// Trained samples as (step, group, sample, version), sorted.
