@@ -108,7 +108,10 @@ pub enum Rejected {
 /// step (prefill of newly added requests and one token for every active request), and
 /// [`poll_step`](RolloutEngine::poll_step), which collects its finished requests. Between the
 /// two the host may add and cancel requests for the next step; they take effect at the next
-/// submission. A backend that cannot overlap runs the step inside `submit_step`.
+/// submission. A backend that cannot overlap runs the step inside `submit_step`. One that
+/// decodes ahead (wgpu with `set_lookahead`, opt-in) also queues the following step at each
+/// submission; a request added after a submission then joins one step later, and its outputs
+/// are the same, since they depend only on the request and the weights.
 pub trait RolloutEngine: BackendInfo {
     /// The storage type of the engine's weights (what a snapshot for it is converted to).
     fn weight_dtype(&self) -> DType;
