@@ -501,9 +501,24 @@ impl Generator {
             && let Some(front) = &self.stepped
         {
             let front = (front.rows.clone(), front.sampled.clone());
-            self.ahead = self.launch(gpu, ex, md, Some(front))?;
+            // On an error the step itself is still in flight (poll collects it); nothing is
+            // queued behind it and no stream has moved for it.
+            self.ahead = self
+                .launch(gpu, ex, md, Some(front))
+                .inspect_err(|_| self.lose_ahead())?;
         }
         Ok(())
+    }
+
+    /// Forgets a look-ahead step whose rows no request may take (the step before it was lost,
+    /// or it could not be submitted): the streams of its requests are rewound past its draws.
+    fn lose_ahead(&mut self) {
+        self.ahead = None;
+        for a in &mut self.active {
+            if let Some(pos) = a.ahead_rng.take() {
+                a.rng.set_word_pos(pos);
+            }
+        }
     }
 
     /// Packs, encodes and submits a step (`None` when no request has a row in it): behind
@@ -573,8 +588,9 @@ impl Generator {
         let Some(mut st) = self.stepped.take() else {
             return Ok(Some(Vec::new()));
         };
-        // On an error the step is lost; its requests stay and can be cancelled.
-        let Some(back) = st.run.poll(wait)? else {
+        // On an error the step is lost, and a look-ahead step built on its tokens with it; its
+        // requests stay and can be cancelled.
+        let Some(back) = st.run.poll(wait).inspect_err(|_| self.lose_ahead())? else {
             self.stepped = Some(st);
             return Ok(None);
         };
