@@ -65,8 +65,7 @@ fn migration_crosses_the_remote_transport_bit_identical() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn migrated_requests_on_wgpu_engines_leave_samples_and_weights_bit_identical() {
-    if !matches!(rolloutpipe_backends::wgpu::Gpu::new(), Ok(Some(_))) {
-        eprintln!("SKIP: no wgpu adapter; the wgpu migration run did not run");
+    if !wgpu_adapter("the wgpu migration run") {
         return;
     }
     check_bit_identical(Mode::Rolloutpipe, &["run.backend=wgpu"], "wgpu", go);
@@ -78,15 +77,16 @@ fn migrated_requests_on_wgpu_engines_leave_samples_and_weights_bit_identical() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn lookahead_wgpu_engines_train_bit_identical_with_and_without_migration() {
-    if !matches!(rolloutpipe_backends::wgpu::Gpu::new(), Ok(Some(_))) {
-        eprintln!("SKIP: no wgpu adapter; the wgpu look-ahead run did not run");
+    if !wgpu_adapter("the wgpu look-ahead run") {
         return;
     }
     let mode = Mode::Rolloutpipe;
     let plain = go(&cfg(mode, &["run.backend=wgpu"]), "wgpu-blocking");
-    let ahead = go(
-        &cfg(mode, &["run.backend=wgpu", "rollout.lookahead=true"]),
+    let ahead = check_bit_identical(
+        mode,
+        &["run.backend=wgpu", "rollout.lookahead=true"],
         "wgpu-lookahead",
+        go,
     );
     assert!(
         bits(&ahead.weights) == bits(&plain.weights),
@@ -94,23 +94,27 @@ fn lookahead_wgpu_engines_train_bit_identical_with_and_without_migration() {
     );
     assert_eq!(kl_loss_bits(&ahead), kl_loss_bits(&plain));
     assert_eq!(trained(&ahead), trained(&plain));
-    check_bit_identical(
-        mode,
-        &["run.backend=wgpu", "rollout.lookahead=true"],
-        "wgpu-lookahead",
-        go,
-    );
+}
+
+/// Whether the machine has a wgpu adapter; prints a SKIP line naming `run` where it has none.
+#[cfg(feature = "wgpu")]
+fn wgpu_adapter(run: &str) -> bool {
+    let found = matches!(rolloutpipe_backends::wgpu::Gpu::new(), Ok(Some(_)));
+    if !found {
+        eprintln!("SKIP: no wgpu adapter; {run} did not run");
+    }
+    found
 }
 
 /// Runs `mode` without and with migration (up to 4 times, until some request moves) and
 /// checks that every run trains the same samples into the same weights; the runs with
-/// migration go through `run_on`.
+/// migration go through `run_on`. Returns the run without migration.
 fn check_bit_identical(
     mode: Mode,
     base: &[&str],
     tag: &str,
     run_on: fn(&TrainConfig, &str) -> RunOutcome,
-) {
+) -> RunOutcome {
     {
         let plain = go(&cfg(mode, base), &format!("{tag}-{mode}-plain"));
         assert_eq!(migrations(&plain), 0);
@@ -167,6 +171,7 @@ fn check_bit_identical(
         for key in ["\"migrations\"", "\"migrated_tokens\"", "\"reprefill_s\""] {
             assert!(lines.contains(key), "{key}");
         }
+        plain
     }
 }
 

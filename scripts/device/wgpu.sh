@@ -79,15 +79,23 @@ if [ "$have_pack" = 0 ]; then
     --benches 2>&1 | tail -3 | tee -a "$log"
 fi
 
+# Runs test target $1 of the backends crate within $2 seconds, the rest of the arguments
+# passed to the test harness: the pack's executable (from the package's folder, as cargo runs
+# a test), or a cargo build's.
+run_tests() {
+  local name=$1 secs=$2
+  shift 2
+  if [ "$have_pack" = 1 ]; then
+    (cd backends && timeout "$(limit "$secs")" "$bin/$name" "$@" 2>&1)
+  else
+    timeout "$(limit "$secs")" cargo test --release --locked -p rolloutpipe-backends \
+      --features wgpu --test "$name" -- "$@" 2>&1
+  fi
+}
+
 step "conformance (ROLLOUTPIPE_REQUIRE_GPU=1)"
 export ROLLOUTPIPE_REQUIRE_GPU=1
-if [ "$have_pack" = 1 ]; then
-  # From the package's folder, as cargo runs a test.
-  (cd backends && timeout "$(limit 240)" "$bin/conformance" "$tests" 2>&1)
-else
-  timeout "$(limit 240)" cargo test --release --locked -p rolloutpipe-backends --features wgpu \
-    --test conformance -- "$tests" 2>&1
-fi | tee -a "$log" | grep -E "adapter|test result|FAILED|panicked" || true
+run_tests conformance 240 "$tests" | tee -a "$log" | grep -E "adapter|test result|FAILED|panicked" || true
 if ! grep -q "test result: ok" "$log"; then
   echo "wgpu.sh: the conformance suite failed; see $log" >&2
   exit 1
@@ -100,12 +108,7 @@ step "tensor cores (backends/tests/wgpu_coop.rs)"
 # print why and skip, and the tc benchmarks below do not run. A failure here is reported in
 # the table's header but does not stop the benchmarks.
 coop_log="$outdir/wgpu-coop.txt"
-if [ "$have_pack" = 1 ]; then
-  (cd backends && timeout "$(limit 120)" "$bin/wgpu_coop" 2>&1)
-else
-  timeout "$(limit 120)" cargo test --release --locked -p rolloutpipe-backends --features wgpu \
-    --test wgpu_coop 2>&1
-fi > "$coop_log" || true
+run_tests wgpu_coop 120 > "$coop_log" || true
 grep -E "tensor cores:|SKIP|worst|relative to the f32|test result|FAILED|panicked" "$coop_log" | sort -u | tee -a "$log" || true
 coop_state="passed"
 if ! grep -q "test result: ok" "$coop_log"; then
@@ -120,12 +123,7 @@ step "look-ahead decoding (backends/tests/wgpu_lookahead.rs)"
 # buffers that step reads: on a real GPU this is where wgpu's ordering of queue writes and
 # submissions is tested for real. Reported in the table's header; the benchmarks run anyway.
 ahead_log="$outdir/wgpu-lookahead.txt"
-if [ "$have_pack" = 1 ]; then
-  (cd backends && timeout "$(limit 60)" "$bin/wgpu_lookahead" 2>&1)
-else
-  timeout "$(limit 60)" cargo test --release --locked -p rolloutpipe-backends --features wgpu \
-    --test wgpu_lookahead 2>&1
-fi > "$ahead_log" || true
+run_tests wgpu_lookahead 60 > "$ahead_log" || true
 grep -E "test result|FAILED|panicked" "$ahead_log" | tee -a "$log" || true
 ahead_state="passed"
 grep -q "test result: ok. [1-9]" "$ahead_log" || ahead_state="FAILED (see $ahead_log)"

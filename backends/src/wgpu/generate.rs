@@ -201,12 +201,16 @@ impl Generator {
         self.lookahead
     }
 
-    /// Forgets a queued look-ahead step once no request is active (every row in it is one
-    /// that would be dropped). It may still run on the device; later work is queued behind
-    /// it.
+    /// Forgets the queued look-ahead step: no request takes its rows, and the streams of its
+    /// requests are rewound past its draws. It may still run on the device; later work is
+    /// queued behind it. For a step with no active request's row (none is active, the engine
+    /// is idle), the step before it lost, or one that could not be submitted.
     pub fn drop_ahead(&mut self) {
-        if self.active.is_empty() {
-            self.ahead = None;
+        self.ahead = None;
+        for a in &mut self.active {
+            if let Some(pos) = a.ahead_rng.take() {
+                a.rng.set_word_pos(pos);
+            }
         }
     }
 
@@ -323,7 +327,7 @@ impl Generator {
         }
         let mut a = self.active.remove(i);
         self.release(&a);
-        if let Some(pos) = a.ahead_rng.take() {
+        if let Some(pos) = a.ahead_rng {
             a.rng.set_word_pos(pos);
         }
         a.prompt.truncate(a.orig);
@@ -426,6 +430,7 @@ impl Generator {
         self.last.clear();
         self.rowp.clear();
         self.feedback.clear();
+        let ahead = front.is_some();
         let front: HashMap<u64, (u32, usize)> = (front.unwrap_or_default().iter().enumerate())
             .map(|(row, &(uid, len))| (uid, (row as u32, len)))
             .collect();
@@ -464,7 +469,7 @@ impl Generator {
             }
             self.last.push((start + len - 1) as u32);
             rows.push((a.uid, len));
-            if !front.is_empty() {
+            if ahead {
                 a.ahead_rng = Some(a.rng.get_word_pos());
             }
             // One draw per token per request, as the CPU reference (which draws after the
@@ -498,27 +503,15 @@ impl Generator {
             None => self.launch(gpu, ex, md, None)?,
         };
         if self.lookahead
-            && let Some(front) = &self.stepped
+            && let Some(front) = self.stepped.take()
         {
-            let front = (front.rows.clone(), front.sampled.clone());
+            let ahead = self.launch(gpu, ex, md, Some((&front.rows, &front.sampled)));
+            self.stepped = Some(front);
             // On an error the step itself is still in flight (poll collects it); nothing is
             // queued behind it and no stream has moved for it.
-            self.ahead = self
-                .launch(gpu, ex, md, Some(front))
-                .inspect_err(|_| self.lose_ahead())?;
+            self.ahead = ahead.inspect_err(|_| self.drop_ahead())?;
         }
         Ok(())
-    }
-
-    /// Forgets a look-ahead step whose rows no request may take (the step before it was lost,
-    /// or it could not be submitted): the streams of its requests are rewound past its draws.
-    fn lose_ahead(&mut self) {
-        self.ahead = None;
-        for a in &mut self.active {
-            if let Some(pos) = a.ahead_rng.take() {
-                a.rng.set_word_pos(pos);
-            }
-        }
     }
 
     /// Packs, encodes and submits a step (`None` when no request has a row in it): behind
@@ -528,10 +521,10 @@ impl Generator {
         gpu: &Gpu,
         ex: &mut Exec,
         md: &DeviceModel,
-        front: Option<(Vec<(u64, usize)>, Buffer)>,
+        front: Option<(&[(u64, usize)], &Buffer)>,
     ) -> Result<Option<Stepped>> {
         let c = &md.cfg;
-        let rows = self.pack(front.as_ref().map(|f| f.0.as_slice()));
+        let rows = self.pack(front.map(|f| f.0));
         if rows.is_empty() {
             return Ok(None);
         }
@@ -564,7 +557,7 @@ impl Generator {
         gpu.write(&s.pages, &self.pages);
         gpu.write(&s.last, &self.last);
         gpu.write(&s.rowp, &self.rowp);
-        if let Some((_, sampled)) = &front {
+        if let Some((_, sampled)) = front {
             feed_tokens(ex, sampled, &s.ids, &self.feedback);
         }
         let max_pos = self.pos.iter().copied().max().unwrap_or(0) as usize;
@@ -590,7 +583,7 @@ impl Generator {
         };
         // On an error the step is lost, and a look-ahead step built on its tokens with it; its
         // requests stay and can be cancelled.
-        let Some(back) = st.run.poll(wait).inspect_err(|_| self.lose_ahead())? else {
+        let Some(back) = st.run.poll(wait).inspect_err(|_| self.drop_ahead())? else {
             self.stepped = Some(st);
             return Ok(None);
         };

@@ -1,13 +1,12 @@
 //! The small wgpu engine the engine-level wgpu tests share: GQA 2:1 with 32-wide heads, two
 //! layers, peaked weights, and a prompt of two whole KV pages and 5 positions.
 #![allow(dead_code)] // each test crate uses a subset
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use rolloutpipe_backends::wgpu::kv::PAGE;
 use rolloutpipe_backends::wgpu::{Gpu, WgpuBackend};
 use rolloutpipe_backends::*;
-
-use std::collections::BTreeMap;
 
 use super::device;
 use super::engine::{assert_same_outputs, overlap_start, peaked_weights, poll_until_done};

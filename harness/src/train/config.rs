@@ -569,21 +569,30 @@ impl TrainConfig {
                  buffers each micro-batch at dispatch, so no dispatched group waits for the trainer"
             );
         }
-        ensure!(
-            !self.trainer.tensor_cores || r.backend == "wgpu",
-            "trainer.tensor_cores = true needs run.backend = \"wgpu\" (got {:?}): only the wgpu trainer has the cooperative-matrix path",
-            r.backend
-        );
-        ensure!(
-            !ro.lookahead || r.backend == "wgpu",
-            "rollout.lookahead = true needs run.backend = \"wgpu\" (got {:?}): only wgpu engines queue a step on the device behind the running one",
-            r.backend
-        );
-        ensure!(
-            !ro.tensor_cores || r.backend == "wgpu",
-            "rollout.tensor_cores = true needs run.backend = \"wgpu\" (got {:?}): only wgpu engines have the cooperative-matrix path",
-            r.backend
-        );
+        // The switches only the wgpu backend has, and why.
+        for (on, key, why) in [
+            (
+                self.trainer.tensor_cores,
+                "trainer.tensor_cores",
+                "only the wgpu trainer has the cooperative-matrix path",
+            ),
+            (
+                ro.lookahead,
+                "rollout.lookahead",
+                "only wgpu engines queue a step on the device behind the running one",
+            ),
+            (
+                ro.tensor_cores,
+                "rollout.tensor_cores",
+                "only wgpu engines have the cooperative-matrix path",
+            ),
+        ] {
+            ensure!(
+                !on || r.backend == "wgpu",
+                "{key} = true needs run.backend = \"wgpu\" (got {:?}): {why}",
+                r.backend
+            );
+        }
         if ro.migrate {
             ensure!(
                 matches!(r.backend.as_str(), "cpu" | "wgpu"),
@@ -897,20 +906,7 @@ mod tests {
             assert!(get(&on, section), "{key}");
             let err = c.with_overrides(&[format!("{key}=\"yes\"")]).unwrap_err();
             assert!(format!("{err:#}").contains("tensor_cores"), "{err:#}");
-            // Any other backend is refused in one line naming the key and the backend.
-            for backend in ["cpu", "cuda"] {
-                let bad = on
-                    .with_overrides(&[format!("run.backend=\"{backend}\"")])
-                    .unwrap();
-                let e = format!("{:#}", bad.validate().unwrap_err());
-                assert_eq!(e.lines().count(), 1, "{e}");
-                assert!(
-                    e.starts_with(&format!(
-                        "{key} = true needs run.backend = \"wgpu\" (got \"{backend}\")"
-                    )),
-                    "{e}"
-                );
-            }
+            assert_needs_wgpu(&on, &key);
         }
         // Off, every backend validates as before.
         for backend in ["cpu", "wgpu", "cuda"] {
@@ -950,6 +946,12 @@ mod tests {
             .with_overrides(&["rollout.lookahead=1".into()])
             .unwrap_err();
         assert!(format!("{err:#}").contains("lookahead"), "{err:#}");
+        assert_needs_wgpu(&on, "rollout.lookahead");
+    }
+
+    /// `on` (with `key` set) on any other backend is refused in one line naming the key and
+    /// the backend.
+    fn assert_needs_wgpu(on: &TrainConfig, key: &str) {
         for backend in ["cpu", "cuda"] {
             let bad = on
                 .with_overrides(&[format!("run.backend=\"{backend}\"")])
@@ -958,7 +960,7 @@ mod tests {
             assert_eq!(e.lines().count(), 1, "{e}");
             assert!(
                 e.starts_with(&format!(
-                    "rollout.lookahead = true needs run.backend = \"wgpu\" (got \"{backend}\")"
+                    "{key} = true needs run.backend = \"wgpu\" (got \"{backend}\")"
                 )),
                 "{e}"
             );
