@@ -1,0 +1,2 @@
+//! Shared helpers of the kernel tests: a device with a kernel loaded, seeded inputs and
+//! comparisons with commented tolerances.
