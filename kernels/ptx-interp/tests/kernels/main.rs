@@ -3,6 +3,9 @@
 //! kernel file. Tolerances are stated where each comparison is made.
 
 mod common;
+mod elementwise;
+mod matmul;
+mod rows;
 
 use rolloutpipe_kernels::Kernel;
 use rolloutpipe_ptx_interp::{Device, Error};
