@@ -2,8 +2,10 @@
 //! reference on fresh seeded random inputs at several sizes (tails included), one module per
 //! kernel file. Tolerances are stated where each comparison is made.
 
+mod attention;
 mod common;
 mod elementwise;
+mod loss;
 mod matmul;
 mod rows;
 
