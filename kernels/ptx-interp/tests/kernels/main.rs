@@ -8,6 +8,7 @@ mod elementwise;
 mod loss;
 mod matmul;
 mod rows;
+mod sample;
 
 use rolloutpipe_kernels::Kernel;
 use rolloutpipe_ptx_interp::{Device, Error};
