@@ -140,3 +140,17 @@ fn matmul_fwd_cast_rounds_to_nearest_even_bf16() {
         assert_eq!(got[0], 0x3f80);
     }
 }
+
+/// The header promises 4-byte alignment for src and dst (a view at any f32 offset): the
+/// kernel must not load 8 bytes at once.
+#[test]
+fn matmul_fwd_cast_takes_4_byte_aligned_views() {
+    let k = K::new(Kernel::MatmulFwd);
+    let mut r = rng(24);
+    let n = 9;
+    let src = rand_f32(&mut r, n + 1, 3.0);
+    let (s, d) = (ptr(&k.up(&src)), ptr(&k.out::<u16>(n + 2)));
+    k.run("matmul_fwd_cast", cfg(1, 256), &[Arg::Ptr(d.offset(4)), Arg::Ptr(s.offset(4)), Arg::U32(n as u32)]);
+    let got: Vec<u16> = k.dev.download::<u16>(d.offset(4), n).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(got, to_bf16(&src[1..]));
+}
