@@ -38,6 +38,9 @@ pub struct LaunchStats {
     pub warp_steps: u64,
     /// Blocks run.
     pub blocks: u64,
+    /// The most warp instructions any one warp executed: on a GPU, where warps run side by
+    /// side, the length of the launch's critical path (in instructions).
+    pub max_warp_steps: u64,
 }
 
 /// The running block.
@@ -49,6 +52,7 @@ pub(crate) struct Block<'a> {
     /// Linear block index.
     lin: u32,
     steps: u64,
+    max_warp_steps: u64,
 }
 
 type R<T> = Result<T, Box<Fault>>;
@@ -56,7 +60,7 @@ type R<T> = Result<T, Box<Fault>>;
 /// Runs every block of a launch.
 pub(crate) fn run(spec: &LaunchSpec, global: &mut Global) -> R<LaunchStats> {
     let shared_bytes = (spec.entry.shared_dyn_base + spec.dyn_shared).max(spec.entry.shared_static);
-    let mut b = Block { spec, global, shared: Shared::new(shared_bytes as usize), idx: [0; 3], lin: 0, steps: 0 };
+    let mut b = Block { spec, global, shared: Shared::new(shared_bytes as usize), idx: [0; 3], lin: 0, steps: 0, max_warp_steps: 0 };
     let [gx, gy, gz] = spec.grid;
     let mut blocks = 0;
     for z in 0..gz {
@@ -69,7 +73,7 @@ pub(crate) fn run(spec: &LaunchSpec, global: &mut Global) -> R<LaunchStats> {
             }
         }
     }
-    Ok(LaunchStats { warp_steps: b.steps, blocks })
+    Ok(LaunchStats { warp_steps: b.steps, blocks, max_warp_steps: b.max_warp_steps })
 }
 
 impl Block<'_> {
@@ -120,7 +124,10 @@ impl Block<'_> {
                 self.run_warp(w)?;
             }
             let waiting: Vec<usize> = (0..warps.len()).filter(|&i| !warps[i].groups.is_empty()).collect();
-            let Some(&first) = waiting.first() else { return Ok(()) };
+            let Some(&first) = waiting.first() else {
+                self.max_warp_steps = warps.iter().map(|w| w.steps).fold(self.max_warp_steps, u64::max);
+                return Ok(());
+            };
             // Every warp with lanes left waits at a barrier (run_warp returns only then).
             let pc = warps[first].groups[0].pc;
             let gone: Vec<u32> = warps.iter().flat_map(|w| (0..32).filter(move |l| (w.exists & !w.live) >> l & 1 != 0).map(move |l| w.id * 32 + l)).collect();
@@ -152,6 +159,7 @@ impl Block<'_> {
             let Some(g) = w.pick() else { return self.settle(w) };
             let Group { pc, mask, .. } = w.groups[g];
             self.steps += 1;
+            w.steps += 1;
             if self.steps > self.spec.max_steps {
                 return Err(self.fault(pc, w.id, mask.trailing_zeros() as usize, FaultKind::StepLimit(self.spec.max_steps)));
             }

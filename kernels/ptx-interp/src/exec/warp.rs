@@ -48,6 +48,8 @@ pub(crate) struct Warp {
     /// Per lane: the commit group its next `cp.async` joins.
     pub cp_group: [u32; 32],
     pub copies: Vec<Copy>,
+    /// Instructions this warp executed.
+    pub steps: u64,
 }
 
 impl Warp {
@@ -60,6 +62,7 @@ impl Warp {
             exists,
             cp_group: [0; 32],
             copies: Vec::new(),
+            steps: 0,
         }
     }
 

@@ -165,3 +165,32 @@ fn grad_norm_sums_squares_in_f64_over_tensors_and_partials() {
     // f64 sums of exact f32 squares in another order: relative error ~ 1e-15.
     assert!((got - want).abs() <= 1e-12 * want, "grad_norm {got} vs {want}");
 }
+
+/// dw of q_norm/k_norm (d = 128, rows = tokens x heads) must not run on one block that walks
+/// every row: with 32 columns per block and 1024 threads, each warp sums every 32nd row and
+/// the 32 partial sums are added in warp order. The longest warp's instruction count (the
+/// critical path on a GPU) stays near rows / 32 row steps; the result is the same sum within
+/// f32 rounding, and the old launch geometry (ceil(d / 128) blocks of 128) still works.
+#[test]
+fn rmsnorm_bwd_dw_splits_the_rows_across_warps() {
+    let k = K::new(Kernel::RmsnormBwd);
+    let mut r = rng(16);
+    let (rows, d) = (2048usize, 128usize);
+    let (dout, x) = (rand_f32(&mut r, rows * d, 1.0), rand_f32(&mut r, rows * d, 2.0));
+    let rstd: Vec<f32> = rand_f32(&mut r, rows, 1.0).iter().map(|v| v.abs() + 0.5).collect();
+    let dw0 = rand_f32(&mut r, d, 0.5);
+    let want: Vec<f64> = (0..d).map(|i| dw0[i] as f64 + (0..rows).map(|t| dout[t * d + i] as f64 * x[t * d + i] as f64 * rstd[t] as f64).sum::<f64>()).collect();
+    let (pdo, px, pr) = (k.up(&dout), k.up(&x), k.up(&rstd));
+    for (grid, block) in [(d.div_ceil(32) as u32, 1024u32), (d.div_ceil(128) as u32, 128)] {
+        let pdw = k.up(&dw0);
+        let none = Arg::Ptr(rolloutpipe_ptx_interp::DevicePtr::NULL);
+        let s = k.run("rmsnorm_bwd_dw", cfg(grid, block), &[none.clone(), pdw.clone(), pdo.clone(), px.clone(), none, pr.clone(), Arg::U32(rows as u32), Arg::U32(d as u32)]);
+        // 2048 products per column summed in f32: ~1e-6 relative of the sum of |terms|
+        // (about rows/4 here).
+        assert_close(&format!("rmsnorm_bwd_dw grid {grid} block {block}"), &k.get::<f32>(&pdw, d), &want, 2e-4, 0.0);
+        if block == 1024 {
+            // 64 rows per warp at ~12 instructions each, plus the tile's reduction.
+            assert!(s.max_warp_steps < 64 * 16 + 300, "longest warp: {} instructions", s.max_warp_steps);
+        }
+    }
+}
