@@ -3,6 +3,7 @@
 //! kernel file. Tolerances are stated where each comparison is made.
 
 mod attention;
+mod cache;
 mod common;
 mod elementwise;
 mod loss;
@@ -10,7 +11,7 @@ mod matmul;
 mod rows;
 mod sample;
 
-use rolloutpipe_kernels::Kernel;
+use rolloutpipe_kernels::{Kernel, PTX_ONLY};
 use rolloutpipe_ptx_interp::{Device, Error};
 
 /// Every kernel loads and every entry decodes to implemented instructions only (a launch
@@ -18,10 +19,10 @@ use rolloutpipe_ptx_interp::{Device, Error};
 #[test]
 fn every_entry_is_fully_implemented() {
     let dev = Device::new();
-    for &k in Kernel::CUDA {
-        let src = k.ptx().expect("CUDA kernels have PTX");
-        let m = dev.load_module(k.name(), src).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(dev.entries(m), k.ptx_entry_points(), "{}", k.name());
+    let ops = Kernel::CUDA.iter().map(|k| (k.name(), k.ptx().expect("CUDA kernels have PTX"), k.ptx_entry_points()));
+    for (name, src, eps) in ops.chain(PTX_ONLY.iter().map(|p| (p.name, p.ptx, p.entry_points))) {
+        let m = dev.load_module(name, src).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(dev.entries(m), eps, "{name}");
         for e in dev.entries(m) {
             // Zero arguments: the launch fails on the argument count, after the
             // implementation check, never with `Unimplemented`.
