@@ -99,6 +99,14 @@ pub(crate) fn decode(cx: &Cx, i: &InstAst) -> Result<Op, String> {
         "ldmatrix" => ldmatrix(cx, i, &mut m)?,
         "mma" => mma(cx, i, &mut m)?,
         "shfl" => shfl(cx, i, &mut m)?,
+        "bar" | "barrier" if m.rest.first().is_some_and(|r| r == "warp") => {
+            m.has("warp");
+            if !m.has("sync") {
+                return Ok(unimpl(i, "only bar.warp.sync"));
+            }
+            let o = ops(i, 1)?;
+            Op::WarpBar { mask: cx.src(&o[0], Ty::Int(U32))? }
+        }
         "bar" | "barrier" => {
             m.has("cta");
             if !m.has("sync") {

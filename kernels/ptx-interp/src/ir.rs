@@ -215,6 +215,9 @@ pub(crate) enum Op {
     Shfl { mode: ShflMode, d: Reg, p: Option<Reg>, a: Src, b: Src, c: Src, mask: Src },
     /// `bar.sync 0[, count]` (barrier 0 is the only one modelled).
     Bar { count: Option<Src> },
+    /// `bar.warp.sync membermask` (`__syncwarp`): orders the shared-memory accesses of the
+    /// lanes it names.
+    WarpBar { mask: Src },
     Bra { target: u32, uni: bool },
     Exit,
     /// An instruction or modifier the interpreter does not execute, with the reason; an entry

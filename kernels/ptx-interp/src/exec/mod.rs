@@ -203,7 +203,7 @@ impl Block<'_> {
                     w.groups[g].wait = Wait::Barrier;
                     w.merge(g);
                 }
-                Op::Shfl { .. } | Op::Ldmatrix { .. } | Op::Mma { .. } => self.warp_sync(w, g, exec)?,
+                Op::Shfl { .. } | Op::Ldmatrix { .. } | Op::Mma { .. } | Op::WarpBar { .. } => self.warp_sync(w, g, exec)?,
                 _ => {
                     self.exec(w, pc, exec).map_err(|(l, k)| self.fault(pc, w.id, l, k))?;
                     w.groups[g].pc = pc + 1;
@@ -220,10 +220,10 @@ impl Block<'_> {
         let op = &self.spec.entry.insts[pc as usize].op;
         let lane0 = mask.trailing_zeros() as usize;
         let need = match *op {
-            Op::Shfl { mask: m, .. } => {
+            Op::Shfl { mask: m, .. } | Op::WarpBar { mask: m } => {
                 let mm = w.get(m, exec.trailing_zeros() as usize & 31) as u32;
                 if exec & !mm != 0 {
-                    let msg = format!("lanes {} execute shfl.sync outside its membermask {mm:#x}", lanes_str(exec & !mm));
+                    let msg = format!("lanes {} execute it outside its membermask {mm:#x}", lanes_str(exec & !mm));
                     return Err(self.fault(pc, w.id, lane0, FaultKind::WarpSync(msg)));
                 }
                 mm
@@ -247,6 +247,10 @@ impl Block<'_> {
             Op::Ldmatrix { n, trans, d, addr } => self.ldmatrix(w, exec, pc, n, trans, d, addr),
             Op::Mma { bf16, d, a, b, c } => {
                 sync::mma(w, bf16, d, a, b, c);
+                Ok(())
+            }
+            Op::WarpBar { .. } => {
+                self.shared.warp_barrier(w.id);
                 Ok(())
             }
             _ => Ok(()),
