@@ -59,7 +59,10 @@ fn every_ptx_file_is_listed_and_every_kernel_has_one() {
         }
     }
     let listed: BTreeSet<String> = ptx_files().map(|(name, _, _)| name.to_string()).collect();
-    assert_eq!(on_disk, listed, "kernels/ptx/*.ptx vs Kernel::CUDA and PTX_ONLY");
+    assert_eq!(
+        on_disk, listed,
+        "kernels/ptx/*.ptx vs Kernel::CUDA and PTX_ONLY"
+    );
     for &k in Kernel::ALL {
         assert_eq!(
             k.ptx().is_some(),
@@ -108,13 +111,20 @@ fn headers_document_algorithm_layout_twin_and_arguments() {
                 .unwrap_or_else(|| panic!("{name}: no {part}: section"));
             let after = lines[at].split_once(':').map_or("", |(_, r)| r).trim();
             let next = lines.get(at + 1).copied().unwrap_or("").trim();
-            assert!(after.len() + next.len() > 20, "{name}: empty {part}: section");
+            assert!(
+                after.len() + next.len() > 20,
+                "{name}: empty {part}: section"
+            );
         }
         // An op names its WGSL twin; a CUDA-only kernel says it has none.
         let twin = format!("kernels/wgsl/{name}.wgsl");
         let only = PTX_ONLY.iter().any(|p| p.name == name);
         assert!(
-            if only { h.contains("no WGSL twin") } else { h.contains(&twin) },
+            if only {
+                h.contains("no WGSL twin")
+            } else {
+                h.contains(&twin)
+            },
             "{name}: header must name {twin} (or, CUDA-only, say it has no WGSL twin)"
         );
     }

@@ -3,9 +3,9 @@
 //! silently ignored (cache and eviction hints, which do not change results, are the
 //! exception and are listed in `is_hint`).
 
-use crate::float::{Mode, Rnd, BF16, F16};
+use crate::float::{BF16, F16, Mode, Rnd};
 use crate::ir::{BoolOp, Cmp, FBin, FUn, IntOp, IntTy, IntUn, Op, ShflMode, Space, Src, Ty};
-use crate::lower::{int_ty, ty, Cx};
+use crate::lower::{Cx, int_ty, ty};
 use crate::parse::{InstAst, Operand};
 
 /// The modifiers of an opcode, consumed as they are understood.
@@ -18,7 +18,10 @@ impl Mods {
     fn new(opcode: &str) -> Mods {
         let mut parts = opcode.split('.');
         let base = parts.next().unwrap_or("").to_string();
-        Mods { base, rest: parts.filter(|p| !is_hint(p)).map(str::to_string).collect() }
+        Mods {
+            base,
+            rest: parts.filter(|p| !is_hint(p)).map(str::to_string).collect(),
+        }
     }
 
     fn has(&mut self, m: &str) -> bool {
@@ -37,7 +40,10 @@ impl Mods {
 
     /// The first remaining modifier that is a type, removed.
     fn ty(&mut self) -> Option<(String, Ty)> {
-        let i = self.rest.iter().position(|r| ty(r).is_some() || r == "f16x2" || r == "bf16x2")?;
+        let i = self
+            .rest
+            .iter()
+            .position(|r| ty(r).is_some() || r == "f16x2" || r == "bf16x2")?;
         let name = self.rest.remove(i);
         let t = ty(&name).unwrap_or(Ty::F32);
         Some((name, t))
@@ -52,7 +58,11 @@ impl Mods {
         if self.rest.is_empty() {
             Ok(())
         } else {
-            Err(format!("modifier `.{}` of `{}` is not implemented", self.rest.join("."), self.base))
+            Err(format!(
+                "modifier `.{}` of `{}` is not implemented",
+                self.rest.join("."),
+                self.base
+            ))
         }
     }
 }
@@ -68,7 +78,9 @@ fn rnd_of(s: &str) -> Rnd {
 
 /// Cache, eviction and prefetch hints: they change no value.
 fn is_hint(m: &str) -> bool {
-    m.starts_with("L1::") || m.starts_with("L2::") || matches!(m, "ca" | "cg" | "cs" | "lu" | "cv" | "wb" | "wt")
+    m.starts_with("L1::")
+        || m.starts_with("L2::")
+        || matches!(m, "ca" | "cg" | "cs" | "lu" | "cv" | "wb" | "wt")
 }
 
 fn unimpl(i: &InstAst, why: impl Into<String>) -> Op {
@@ -82,15 +94,20 @@ pub(crate) fn decode(cx: &Cx, i: &InstAst) -> Result<Op, String> {
     let op = match m.base.as_str() {
         "mov" => mov(cx, i, &mut m)?,
         "cvta" => cvta(cx, i, &mut m)?,
-        "add" | "sub" | "mul" | "mad" | "fma" | "div" | "rem" | "min" | "max" | "and" | "or" | "xor"
-        | "shl" | "shr" => binary(cx, i, &mut m)?,
-        "not" | "cnot" | "neg" | "abs" | "clz" | "popc" | "brev" | "rcp" | "sqrt" | "rsqrt" | "ex2"
-        | "lg2" | "sin" | "cos" | "tanh" => unary(cx, i, &mut m)?,
+        "add" | "sub" | "mul" | "mad" | "fma" | "div" | "rem" | "min" | "max" | "and" | "or"
+        | "xor" | "shl" | "shr" => binary(cx, i, &mut m)?,
+        "not" | "cnot" | "neg" | "abs" | "clz" | "popc" | "brev" | "rcp" | "sqrt" | "rsqrt"
+        | "ex2" | "lg2" | "sin" | "cos" | "tanh" => unary(cx, i, &mut m)?,
         "setp" => setp(cx, i, &mut m)?,
         "selp" => {
             let (_, t) = m.ty().ok_or("missing type")?;
             let o = ops(i, 4)?;
-            Op::Selp { d: cx.dst(&o[0])?, a: cx.src(&o[1], t)?, b: cx.src(&o[2], t)?, c: cx.src(&o[3], Ty::Pred)? }
+            Op::Selp {
+                d: cx.dst(&o[0])?,
+                a: cx.src(&o[1], t)?,
+                b: cx.src(&o[2], t)?,
+                c: cx.src(&o[3], Ty::Pred)?,
+            }
         }
         "cvt" => cvt(cx, i, &mut m)?,
         "ld" | "ldu" => ld(cx, i, &mut m)?,
@@ -105,7 +122,9 @@ pub(crate) fn decode(cx: &Cx, i: &InstAst) -> Result<Op, String> {
                 return Ok(unimpl(i, "only bar.warp.sync"));
             }
             let o = ops(i, 1)?;
-            Op::WarpBar { mask: cx.src(&o[0], Ty::Int(U32))? }
+            Op::WarpBar {
+                mask: cx.src(&o[0], Ty::Int(U32))?,
+            }
         }
         "bar" | "barrier" => {
             m.has("cta");
@@ -133,7 +152,10 @@ pub(crate) fn decode(cx: &Cx, i: &InstAst) -> Result<Op, String> {
     Ok(op)
 }
 
-const U32: IntTy = IntTy { bits: 32, signed: false };
+const U32: IntTy = IntTy {
+    bits: 32,
+    signed: false,
+};
 
 /// Exactly `n` operands.
 fn ops(i: &InstAst, n: usize) -> Result<&[Operand], String> {
@@ -150,17 +172,38 @@ fn mov(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     let bits = t.bits();
     Ok(match (&o[0], &o[1]) {
         (Operand::Vector(ds), a) => {
-            let ds = ds.iter().map(|d| cx.dst(d)).collect::<Result<Vec<_>, _>>()?;
+            let ds = ds
+                .iter()
+                .map(|d| cx.dst(d))
+                .collect::<Result<Vec<_>, _>>()?;
             let width = bits / ds.len() as u8;
-            Op::Unpack { a: cx.src(a, t)?, width, ds }
+            Op::Unpack {
+                a: cx.src(a, t)?,
+                width,
+                ds,
+            }
         }
         (d, Operand::Vector(parts)) => {
             let width = bits / parts.len() as u8;
-            let pt = Ty::Int(IntTy { bits: width, signed: false });
-            let parts = parts.iter().map(|p| cx.src(p, pt)).collect::<Result<Vec<_>, _>>()?;
-            Op::Pack { d: cx.dst(d)?, parts, width }
+            let pt = Ty::Int(IntTy {
+                bits: width,
+                signed: false,
+            });
+            let parts = parts
+                .iter()
+                .map(|p| cx.src(p, pt))
+                .collect::<Result<Vec<_>, _>>()?;
+            Op::Pack {
+                d: cx.dst(d)?,
+                parts,
+                width,
+            }
         }
-        (d, a) => Op::Mov { d: cx.dst(d)?, a: cx.src(a, t)?, bits },
+        (d, a) => Op::Mov {
+            d: cx.dst(d)?,
+            a: cx.src(a, t)?,
+            bits,
+        },
     })
 }
 
@@ -169,16 +212,33 @@ fn cvta(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     let space = m.one_of(&["global", "shared"]);
     m.ty().ok_or("missing type")?;
     let o = ops(i, 2)?;
-    let (d, a) = (cx.dst(&o[0])?, cx.src(&o[1], Ty::Int(IntTy { bits: 64, signed: false }))?);
+    let (d, a) = (
+        cx.dst(&o[0])?,
+        cx.src(
+            &o[1],
+            Ty::Int(IntTy {
+                bits: 64,
+                signed: false,
+            }),
+        )?,
+    );
     Ok(match space {
         Some("global") => Op::Mov { d, a, bits: 64 },
-        Some(_) => Op::CvtaShared { d, a, to_generic: !to },
+        Some(_) => Op::CvtaShared {
+            d,
+            a,
+            to_generic: !to,
+        },
         None => unimpl(i, "only the global and shared windows are implemented"),
     })
 }
 
 fn fmode(m: &mut Mods, rnd: Rnd) -> Mode {
-    Mode { rnd: m.rnd().unwrap_or(rnd), ftz: m.has("ftz"), sat: m.has("sat") }
+    Mode {
+        rnd: m.rnd().unwrap_or(rnd),
+        ftz: m.has("ftz"),
+        sat: m.has("sat"),
+    }
 }
 
 fn binary(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
@@ -200,11 +260,25 @@ fn binary(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
                 "div" => FBin::Div,
                 "min" => FBin::Min { nan },
                 "max" => FBin::Max { nan },
-                "mad" | "fma" => return Ok(Op::Fma32 { m: mode, d, a, b, c: cx.src(&o[3], t)? }),
+                "mad" | "fma" => {
+                    return Ok(Op::Fma32 {
+                        m: mode,
+                        d,
+                        a,
+                        b,
+                        c: cx.src(&o[3], t)?,
+                    });
+                }
                 _ => return Ok(unimpl(i, format!("`{base}` on .f32"))),
             };
             let _ = approx; // div.approx/.full: the IEEE quotient, within their stated error.
-            Ok(Op::F32 { op, m: mode, d, a, b })
+            Ok(Op::F32 {
+                op,
+                m: mode,
+                d,
+                a,
+                b,
+            })
         }
         Ty::F64 => {
             if m.one_of(&["rz", "rm", "rp"]).is_some() {
@@ -219,7 +293,14 @@ fn binary(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
                 "div" => FBin::Div,
                 "min" => FBin::Min { nan: m.has("NaN") },
                 "max" => FBin::Max { nan: m.has("NaN") },
-                "mad" | "fma" => return Ok(Op::Fma64 { d, a, b, c: cx.src(&o[3], t)? }),
+                "mad" | "fma" => {
+                    return Ok(Op::Fma64 {
+                        d,
+                        a,
+                        b,
+                        c: cx.src(&o[3], t)?,
+                    });
+                }
                 _ => return Ok(unimpl(i, format!("`{base}` on .f64"))),
             };
             Ok(Op::F64 { op, d, a, b })
@@ -231,13 +312,25 @@ fn binary(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
                 "or" => BoolOp::Or,
                 _ => BoolOp::Xor,
             };
-            Ok(Op::Pred { op: Some(op), d, a: cx.src(&o[1], t)?, b: cx.src(&o[2], t)? })
+            Ok(Op::Pred {
+                op: Some(op),
+                d,
+                a: cx.src(&o[1], t)?,
+                b: cx.src(&o[2], t)?,
+            })
         }
         _ => Ok(unimpl(i, format!("`{base}` on .{tname}"))),
     }
 }
 
-fn int_binary(cx: &Cx, i: &InstAst, m: &mut Mods, base: &str, t: IntTy, o: &[Operand]) -> Result<Op, String> {
+fn int_binary(
+    cx: &Cx,
+    i: &InstAst,
+    m: &mut Mods,
+    base: &str,
+    t: IntTy,
+    o: &[Operand],
+) -> Result<Op, String> {
     let part = m.one_of(&["lo", "hi", "wide"]);
     let op = match (base, part) {
         ("add", None) => IntOp::Add,
@@ -261,10 +354,32 @@ fn int_binary(cx: &Cx, i: &InstAst, m: &mut Mods, base: &str, t: IntTy, o: &[Ope
     };
     let wide = matches!(op, IntOp::MulWide | IntOp::MadWide);
     let at = Ty::Int(t);
-    let st = if matches!(op, IntOp::Shl | IntOp::Shr) { Ty::Int(U32) } else { at };
-    let ct = if wide { Ty::Int(IntTy { bits: t.bits * 2, signed: t.signed }) } else { at };
-    let c = if o.len() == 4 { cx.src(&o[3], ct)? } else { Src::I(0) };
-    Ok(Op::Int { op, t, d: cx.dst(&o[0])?, a: cx.src(&o[1], at)?, b: cx.src(&o[2], st)?, c })
+    let st = if matches!(op, IntOp::Shl | IntOp::Shr) {
+        Ty::Int(U32)
+    } else {
+        at
+    };
+    let ct = if wide {
+        Ty::Int(IntTy {
+            bits: t.bits * 2,
+            signed: t.signed,
+        })
+    } else {
+        at
+    };
+    let c = if o.len() == 4 {
+        cx.src(&o[3], ct)?
+    } else {
+        Src::I(0)
+    };
+    Ok(Op::Int {
+        op,
+        t,
+        d: cx.dst(&o[0])?,
+        a: cx.src(&o[1], at)?,
+        b: cx.src(&o[2], st)?,
+        c,
+    })
 }
 
 fn unary(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
@@ -286,7 +401,12 @@ fn unary(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
             };
             Ok(Op::IntUn { op, t: it, d, a })
         }
-        Ty::Pred if base == "not" => Ok(Op::Pred { op: None, d, a, b: Src::I(0) }),
+        Ty::Pred if base == "not" => Ok(Op::Pred {
+            op: None,
+            d,
+            a,
+            b: Src::I(0),
+        }),
         Ty::F32 | Ty::F64 => {
             let approx = m.has("approx");
             let op = match (base.as_str(), approx) {
@@ -302,7 +422,12 @@ fn unary(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
                 ("sin", true) => FUn::Sin,
                 ("cos", true) => FUn::Cos,
                 ("tanh", true) => FUn::Tanh,
-                _ => return Ok(unimpl(i, format!("`{base}` without .approx or with it where the ISA has none"))),
+                _ => {
+                    return Ok(unimpl(
+                        i,
+                        format!("`{base}` without .approx or with it where the ISA has none"),
+                    ));
+                }
             };
             if t == Ty::F64 {
                 if m.one_of(&["rz", "rm", "rp"]).is_some() {
@@ -356,7 +481,10 @@ fn setp(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     let _ = ftz; // comparisons of subnormals against each other are exact either way except vs 0
     let o = &i.operands;
     if o.len() != 3 + usize::from(bop.is_some()) {
-        return Err(format!("expected {} operands", 3 + usize::from(bop.is_some())));
+        return Err(format!(
+            "expected {} operands",
+            3 + usize::from(bop.is_some())
+        ));
     }
     let (p, q) = match &o[0] {
         Operand::Pair(p, q) => (cx.reg(p)?, Some(cx.reg(q)?)),
@@ -370,7 +498,15 @@ fn setp(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     if ftz && t == Ty::F32 {
         return Ok(Op::Unimplemented(format!("{} (.ftz comparison)", i.opcode)));
     }
-    Ok(Op::Setp { cmp, t, p, q, a: cx.src(&o[1], t)?, b: cx.src(&o[2], t)?, comb })
+    Ok(Op::Setp {
+        cmp,
+        t,
+        p,
+        q,
+        a: cx.src(&o[1], t)?,
+        b: cx.src(&o[2], t)?,
+        comb,
+    })
 }
 
 fn cvt(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
@@ -381,14 +517,32 @@ fn cvt(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     if to_name == "bf16x2" || to_name == "f16x2" {
         let o = ops(i, 3)?;
         if from != Ty::F32 || !matches!(r, Some("rn" | "rz" | "rm" | "rp")) || ftz || sat {
-            return Ok(unimpl(i, "packed conversion other than cvt.rnd.{bf16x2,f16x2}.f32"));
+            return Ok(unimpl(
+                i,
+                "packed conversion other than cvt.rnd.{bf16x2,f16x2}.f32",
+            ));
         }
         let fmt = if to_name == "bf16x2" { BF16 } else { F16 };
-        return Ok(Op::CvtPack { d: cx.dst(&o[0])?, hi: cx.src(&o[1], from)?, lo: cx.src(&o[2], from)?, fmt, rnd: rnd_of(r.unwrap_or("rn")) });
+        return Ok(Op::CvtPack {
+            d: cx.dst(&o[0])?,
+            hi: cx.src(&o[1], from)?,
+            lo: cx.src(&o[2], from)?,
+            fmt,
+            rnd: rnd_of(r.unwrap_or("rn")),
+        });
     }
     let o = ops(i, 2)?;
     let int_rnd = matches!(r, Some("rni" | "rzi" | "rmi" | "rpi"));
-    Ok(Op::Cvt { d: cx.dst(&o[0])?, a: cx.src(&o[1], from)?, to, from, rnd: r.map(rnd_of), int_rnd, ftz, sat })
+    Ok(Op::Cvt {
+        d: cx.dst(&o[0])?,
+        a: cx.src(&o[1], from)?,
+        to,
+        from,
+        rnd: r.map(rnd_of),
+        int_rnd,
+        ftz,
+        sat,
+    })
 }
 
 fn space(m: &mut Mods) -> Option<Space> {
@@ -411,7 +565,9 @@ fn vec_n(m: &mut Mods) -> u8 {
 
 fn ld(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     m.has("shared::cta");
-    let Some(space) = space(m) else { return Ok(unimpl(i, "local and const spaces")) };
+    let Some(space) = space(m) else {
+        return Ok(unimpl(i, "local and const spaces"));
+    };
     let nc = m.has("nc") || m.base == "ldu";
     m.has("volatile");
     let n = vec_n(m);
@@ -428,12 +584,22 @@ fn ld(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
         _ => return Err("vector width and destination count differ".into()),
     }
     let sext = matches!(int_ty(&tname), Some(IntTy { signed: true, .. }));
-    Ok(Op::Ld { space, bytes: t.bits() / 8, n, d, addr: cx.addr(&o[1])?, sext, nc })
+    Ok(Op::Ld {
+        space,
+        bytes: t.bits() / 8,
+        n,
+        d,
+        addr: cx.addr(&o[1])?,
+        sext,
+        nc,
+    })
 }
 
 fn st(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     m.has("shared::cta");
-    let Some(space) = space(m) else { return Ok(unimpl(i, "local and const spaces")) };
+    let Some(space) = space(m) else {
+        return Ok(unimpl(i, "local and const spaces"));
+    };
     if space == Space::Param {
         return Ok(unimpl(i, "stores to the param space"));
     }
@@ -451,7 +617,13 @@ fn st(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
         r if n == 1 => a[0] = cx.src(r, t)?,
         _ => return Err("vector width and source count differ".into()),
     }
-    Ok(Op::St { space, bytes: t.bits() / 8, n, a, addr: cx.addr(&o[0])? })
+    Ok(Op::St {
+        space,
+        bytes: t.bits() / 8,
+        n,
+        a,
+        addr: cx.addr(&o[0])?,
+    })
 }
 
 fn cp(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
@@ -463,7 +635,9 @@ fn cp(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     }
     if m.has("wait_group") {
         let o = ops(i, 1)?;
-        let Operand::Int(n) = o[0] else { return Err("wait_group takes an integer".into()) };
+        let Operand::Int(n) = o[0] else {
+            return Err("wait_group takes an integer".into());
+        };
         return Ok(Op::CpWait(n as u32));
     }
     if m.has("wait_all") {
@@ -477,12 +651,19 @@ fn cp(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     if !(3..=4).contains(&o.len()) {
         return Err("cp.async takes dst, src, cp-size[, src-size]".into());
     }
-    let Operand::Int(size) = o[2] else { return Err("cp-size must be an integer".into()) };
+    let Operand::Int(size) = o[2] else {
+        return Err("cp-size must be an integer".into());
+    };
     if ![4, 8, 16].contains(&size) || (i.opcode.contains(".cg") && size != 16) {
         return Err(format!("cp-size {size} is not allowed here"));
     }
     let src_size = o.get(3).map(|s| cx.src(s, Ty::Int(U32))).transpose()?;
-    Ok(Op::CpAsync { dst: cx.addr(&o[0])?, src: cx.addr(&o[1])?, size: size as u8, src_size })
+    Ok(Op::CpAsync {
+        dst: cx.addr(&o[0])?,
+        src: cx.addr(&o[1])?,
+        size: size as u8,
+        src_size,
+    })
 }
 
 fn ldmatrix(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
@@ -497,7 +678,10 @@ fn ldmatrix(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     m.has("shared::cta");
     let shared = m.has("shared");
     if !ok || n == 0 || !shared {
-        return Ok(unimpl(i, "only ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16"));
+        return Ok(unimpl(
+            i,
+            "only ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16",
+        ));
     }
     let o = ops(i, 2)?;
     let mut d = [crate::ir::SINK; 4];
@@ -510,11 +694,18 @@ fn ldmatrix(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
         r if n == 1 => d[0] = cx.dst(r)?,
         _ => return Err("destination count differs from .x".into()),
     }
-    Ok(Op::Ldmatrix { n, trans, d, addr: cx.addr(&o[1])? })
+    Ok(Op::Ldmatrix {
+        n,
+        trans,
+        d,
+        addr: cx.addr(&o[1])?,
+    })
 }
 
 fn regs<const N: usize>(cx: &Cx, op: &Operand, t: Ty) -> Result<[Src; N], String> {
-    let Operand::Vector(v) = op else { return Err("expected a register vector".into()) };
+    let Operand::Vector(v) = op else {
+        return Err("expected a register vector".into());
+    };
     if v.len() != N {
         return Err(format!("expected {N} registers, found {}", v.len()));
     }
@@ -528,10 +719,18 @@ fn regs<const N: usize>(cx: &Cx, op: &Operand, t: Ty) -> Result<[Src; N], String
 fn mma(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     let want = ["sync", "aligned", "m16n8k16", "row", "col"];
     if !want.iter().all(|w| m.has(w)) || m.rest.len() != 4 {
-        return Ok(unimpl(i, "only mma.sync.aligned.m16n8k16.row.col with f32 accumulators"));
+        return Ok(unimpl(
+            i,
+            "only mma.sync.aligned.m16n8k16.row.col with f32 accumulators",
+        ));
     }
     let types: Vec<String> = m.rest.drain(..).collect();
-    let bf16 = match (types[0].as_str(), types[1].as_str(), types[2].as_str(), types[3].as_str()) {
+    let bf16 = match (
+        types[0].as_str(),
+        types[1].as_str(),
+        types[2].as_str(),
+        types[3].as_str(),
+    ) {
         ("f32", "bf16", "bf16", "f32") => true,
         ("f32", "f16", "f16", "f32") => false,
         _ => return Ok(unimpl(i, format!("types .{}", types.join(".")))),
@@ -541,10 +740,18 @@ fn mma(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     let dv: [Src; 4] = regs(cx, &o[0], b32)?;
     let mut d = [0; 4];
     for (k, s) in dv.iter().enumerate() {
-        let Src::R(r) = s else { return Err("mma destinations must be registers".into()) };
+        let Src::R(r) = s else {
+            return Err("mma destinations must be registers".into());
+        };
         d[k] = *r;
     }
-    Ok(Op::Mma { bf16, d, a: regs(cx, &o[1], b32)?, b: regs(cx, &o[2], b32)?, c: regs(cx, &o[3], Ty::F32)? })
+    Ok(Op::Mma {
+        bf16,
+        d,
+        a: regs(cx, &o[1], b32)?,
+        b: regs(cx, &o[2], b32)?,
+        c: regs(cx, &o[3], Ty::F32)?,
+    })
 }
 
 fn shfl(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
@@ -567,5 +774,13 @@ fn shfl(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
         d => (cx.dst(d)?, None),
     };
     let t = Ty::Int(U32);
-    Ok(Op::Shfl { mode, d, p, a: cx.src(&o[1], t)?, b: cx.src(&o[2], t)?, c: cx.src(&o[3], t)?, mask: cx.src(&o[4], t)? })
+    Ok(Op::Shfl {
+        mode,
+        d,
+        p,
+        a: cx.src(&o[1], t)?,
+        b: cx.src(&o[2], t)?,
+        c: cx.src(&o[3], t)?,
+        mask: cx.src(&o[4], t)?,
+    })
 }

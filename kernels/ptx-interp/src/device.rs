@@ -50,7 +50,11 @@ pub struct LaunchConfig {
 impl LaunchConfig {
     /// A 1-D launch without dynamic shared memory.
     pub fn linear(grid: u32, block: u32) -> LaunchConfig {
-        LaunchConfig { grid: (grid, 1, 1), block: (block, 1, 1), shared_bytes: 0 }
+        LaunchConfig {
+            grid: (grid, 1, 1),
+            block: (block, 1, 1),
+            shared_bytes: 0,
+        }
     }
 }
 
@@ -86,7 +90,10 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Config {
-        Config { max_warp_steps: 1 << 32, max_shared_bytes: 48 * 1024 }
+        Config {
+            max_warp_steps: 1 << 32,
+            max_shared_bytes: 48 * 1024,
+        }
     }
 }
 
@@ -122,7 +129,14 @@ impl Device {
 
     /// A device with `config`.
     pub fn with_config(config: Config) -> Device {
-        Device { state: Mutex::new(State { global: Global::new(), modules: Vec::new(), launches: 0 }), config }
+        Device {
+            state: Mutex::new(State {
+                global: Global::new(),
+                modules: Vec::new(),
+                launches: 0,
+            }),
+            config,
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -143,34 +157,57 @@ impl Device {
 
     /// Copies host bytes to device memory.
     pub fn copy_htod(&self, dst: DevicePtr, src: &[u8]) -> Result<(), Error> {
-        self.lock().global.host(dst.0, src.len(), true).map_err(Error::Memory)?.copy_from_slice(src);
+        self.lock()
+            .global
+            .host(dst.0, src.len(), true)
+            .map_err(Error::Memory)?
+            .copy_from_slice(src);
         Ok(())
     }
 
     /// Copies device memory to host bytes.
     pub fn copy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<(), Error> {
-        dst.copy_from_slice(self.lock().global.host(src.0, dst.len(), false).map_err(Error::Memory)?);
+        dst.copy_from_slice(
+            self.lock()
+                .global
+                .host(src.0, dst.len(), false)
+                .map_err(Error::Memory)?,
+        );
         Ok(())
     }
 
     /// Copies `bytes` between device ranges (they may overlap).
     pub fn copy_dtod(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), Error> {
         let mut s = self.lock();
-        let tmp = s.global.host(src.0, bytes, false).map_err(Error::Memory)?.to_vec();
-        s.global.host(dst.0, bytes, true).map_err(Error::Memory)?.copy_from_slice(&tmp);
+        let tmp = s
+            .global
+            .host(src.0, bytes, false)
+            .map_err(Error::Memory)?
+            .to_vec();
+        s.global
+            .host(dst.0, bytes, true)
+            .map_err(Error::Memory)?
+            .copy_from_slice(&tmp);
         Ok(())
     }
 
     /// Sets `count` bytes to `value`.
     pub fn memset_d8(&self, dst: DevicePtr, value: u8, count: usize) -> Result<(), Error> {
-        self.lock().global.host(dst.0, count, true).map_err(Error::Memory)?.fill(value);
+        self.lock()
+            .global
+            .host(dst.0, count, true)
+            .map_err(Error::Memory)?
+            .fill(value);
         Ok(())
     }
 
     /// Sets `count` 32-bit words to `value`.
     pub fn memset_d32(&self, dst: DevicePtr, value: u32, count: usize) -> Result<(), Error> {
         let mut s = self.lock();
-        let buf = s.global.host(dst.0, count * 4, true).map_err(Error::Memory)?;
+        let buf = s
+            .global
+            .host(dst.0, count * 4, true)
+            .map_err(Error::Memory)?;
         for c in buf.chunks_exact_mut(4) {
             c.copy_from_slice(&value.to_le_bytes());
         }
@@ -184,16 +221,26 @@ impl Device {
 
     /// Parses and decodes PTX source; `name` appears in errors.
     pub fn load_module(&self, name: &str, ptx: &str) -> Result<ModuleId, Error> {
-        let err = |(line, message): (u32, String)| Error::Parse { module: name.to_string(), line, message };
+        let err = |(line, message): (u32, String)| Error::Parse {
+            module: name.to_string(),
+            line,
+            message,
+        };
         let entries = lower_module(&parse(ptx).map_err(err)?).map_err(err)?;
         let mut s = self.lock();
-        s.modules.push(Module { name: name.to_string(), lines: ptx.lines().map(str::to_string).collect(), entries });
+        s.modules.push(Module {
+            name: name.to_string(),
+            lines: ptx.lines().map(str::to_string).collect(),
+            entries,
+        });
         Ok(ModuleId(s.modules.len() - 1))
     }
 
     /// The entry names of a module, in source order.
     pub fn entries(&self, module: ModuleId) -> Vec<String> {
-        self.lock().modules.get(module.0).map_or(Vec::new(), |m| m.entries.iter().map(|e| e.name.clone()).collect())
+        self.lock().modules.get(module.0).map_or(Vec::new(), |m| {
+            m.entries.iter().map(|e| e.name.clone()).collect()
+        })
     }
 
     /// The parameters of `entry`, in order, with their buffer layout.
@@ -205,12 +252,21 @@ impl Device {
     /// Runs `entry` of `module` to completion. The first fault stops the launch and is
     /// returned as [`Error::Fault`]; an invalid launch or an entry with an instruction the
     /// interpreter does not implement runs nothing.
-    pub fn launch(&self, module: ModuleId, entry: &str, cfg: &LaunchConfig, args: &[Arg]) -> Result<LaunchStats, Error> {
+    pub fn launch(
+        &self,
+        module: ModuleId,
+        entry: &str,
+        cfg: &LaunchConfig,
+        args: &[Arg],
+    ) -> Result<LaunchStats, Error> {
         let mut guard = self.lock();
         let s = &mut *guard;
         s.launches += 1;
         let stamp = s.launches + 1;
-        let m = s.modules.get(module.0).ok_or_else(|| Error::Launch { kernel: entry.to_string(), reason: "unknown module".into() })?;
+        let m = s.modules.get(module.0).ok_or_else(|| Error::Launch {
+            kernel: entry.to_string(),
+            reason: "unknown module".into(),
+        })?;
         let e = find_entry_in(m, entry)?;
         check_implemented(m, e)?;
         let spec = LaunchSpec {
@@ -229,16 +285,27 @@ impl Device {
 }
 
 fn find_entry<'a>(s: &'a State, module: ModuleId, entry: &str) -> Result<&'a Entry, Error> {
-    let m = s.modules.get(module.0).ok_or_else(|| Error::Launch { kernel: entry.to_string(), reason: "unknown module".into() })?;
+    let m = s.modules.get(module.0).ok_or_else(|| Error::Launch {
+        kernel: entry.to_string(),
+        reason: "unknown module".into(),
+    })?;
     find_entry_in(m, entry)
 }
 
 fn find_entry_in<'a>(m: &'a Module, entry: &str) -> Result<&'a Entry, Error> {
-    m.entries.iter().find(|e| e.name == entry).ok_or_else(|| Error::NoEntry {
-        module: m.name.clone(),
-        entry: entry.to_string(),
-        available: m.entries.iter().map(|e| e.name.as_str()).collect::<Vec<_>>().join(", "),
-    })
+    m.entries
+        .iter()
+        .find(|e| e.name == entry)
+        .ok_or_else(|| Error::NoEntry {
+            module: m.name.clone(),
+            entry: entry.to_string(),
+            available: m
+                .entries
+                .iter()
+                .map(|e| e.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
 }
 
 fn check_implemented(m: &Module, e: &Entry) -> Result<(), Error> {
@@ -247,7 +314,11 @@ fn check_implemented(m: &Module, e: &Entry) -> Result<(), Error> {
             return Err(Error::Unimplemented {
                 kernel: e.name.clone(),
                 line: i.line,
-                text: m.lines.get(i.line as usize - 1).map_or("", |s| s.trim()).to_string(),
+                text: m
+                    .lines
+                    .get(i.line as usize - 1)
+                    .map_or("", |s| s.trim())
+                    .to_string(),
                 reason: reason.clone(),
             });
         }
@@ -256,28 +327,47 @@ fn check_implemented(m: &Module, e: &Entry) -> Result<(), Error> {
 }
 
 fn check_dims(e: &Entry, spec: &LaunchSpec, max_shared: u32) -> Result<(), Error> {
-    let bad = |reason: String| Err(Error::Launch { kernel: e.name.clone(), reason });
+    let bad = |reason: String| {
+        Err(Error::Launch {
+            kernel: e.name.clone(),
+            reason,
+        })
+    };
     let [bx, by, bz] = spec.block;
     let [gx, gy, gz] = spec.grid;
     let threads = bx as u64 * by as u64 * bz as u64;
     if bx == 0 || by == 0 || bz == 0 || threads > 1024 || bx > 1024 || by > 1024 || bz > 64 {
-        return bad(format!("block ({bx},{by},{bz}) is empty or above the limits (1024 threads; x, y <= 1024, z <= 64)"));
+        return bad(format!(
+            "block ({bx},{by},{bz}) is empty or above the limits (1024 threads; x, y <= 1024, z <= 64)"
+        ));
     }
     if gx == 0 || gy == 0 || gz == 0 || gx >= 1 << 31 || gy > 65535 || gz > 65535 {
-        return bad(format!("grid ({gx},{gy},{gz}) is empty or above the limits (x < 2^31, y, z <= 65535)"));
+        return bad(format!(
+            "grid ({gx},{gy},{gz}) is empty or above the limits (x < 2^31, y, z <= 65535)"
+        ));
     }
     let shared = e.shared_static.max(e.shared_dyn_base + spec.dyn_shared);
     if shared > max_shared {
-        return bad(format!("{shared} bytes of shared memory ({} static + {} dynamic) exceed {max_shared}", e.shared_static, spec.dyn_shared));
+        return bad(format!(
+            "{shared} bytes of shared memory ({} static + {} dynamic) exceed {max_shared}",
+            e.shared_static, spec.dyn_shared
+        ));
     }
     Ok(())
 }
 
 /// The parameter buffer of a launch: each argument checked against its parameter.
 fn pack_args(e: &Entry, args: &[Arg]) -> Result<Vec<u8>, Error> {
-    let bad = |reason: String| Error::Launch { kernel: e.name.clone(), reason };
+    let bad = |reason: String| Error::Launch {
+        kernel: e.name.clone(),
+        reason,
+    };
     if args.len() != e.params.len() {
-        return Err(bad(format!("{} arguments for {} parameters", args.len(), e.params.len())));
+        return Err(bad(format!(
+            "{} arguments for {} parameters",
+            args.len(),
+            e.params.len()
+        )));
     }
     let mut buf = vec![0u8; e.param_bytes as usize];
     for (p, a) in e.params.iter().zip(args) {
@@ -289,10 +379,20 @@ fn pack_args(e: &Entry, args: &[Arg]) -> Result<Vec<u8>, Error> {
             ("f32", Arg::F32(v)) => v.to_le_bytes().to_vec(),
             ("f64", Arg::F64(v)) => v.to_le_bytes().to_vec(),
             (_, Arg::Bytes(b)) if b.len() == p.size as usize => b.clone(),
-            (ty, a) => return Err(bad(format!("parameter `{}` is `.{ty}` ({} bytes), the argument is {a:?}", p.name, p.size))),
+            (ty, a) => {
+                return Err(bad(format!(
+                    "parameter `{}` is `.{ty}` ({} bytes), the argument is {a:?}",
+                    p.name, p.size
+                )));
+            }
         };
         if bytes.len() != p.size as usize {
-            return Err(bad(format!("parameter `{}` takes {} bytes, the argument has {}", p.name, p.size, bytes.len())));
+            return Err(bad(format!(
+                "parameter `{}` takes {} bytes, the argument has {}",
+                p.name,
+                p.size,
+                bytes.len()
+            )));
         }
         buf[p.offset as usize..(p.offset + p.size) as usize].copy_from_slice(&bytes);
     }

@@ -27,7 +27,9 @@ pub enum Error {
         available: String,
     },
     /// The entry contains an instruction the interpreter does not execute; nothing ran.
-    #[error("kernel `{kernel}`, line {line}: `{text}` is not implemented by the interpreter: {reason}")]
+    #[error(
+        "kernel `{kernel}`, line {line}: `{text}` is not implemented by the interpreter: {reason}"
+    )]
     Unimplemented {
         /// The entry.
         kernel: String,
@@ -183,37 +185,77 @@ impl fmt::Display for Fault {
 impl fmt::Display for FaultKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            FaultKind::OutOfBounds { space, addr, size, access, detail } => {
-                let a = if *access == Access::Read { "read" } else { "write" };
-                write!(f, "out-of-bounds {space} {a} of {size} bytes at {addr:#x} ({detail})")
+            FaultKind::OutOfBounds {
+                space,
+                addr,
+                size,
+                access,
+                detail,
+            } => {
+                let a = if *access == Access::Read {
+                    "read"
+                } else {
+                    "write"
+                };
+                write!(
+                    f,
+                    "out-of-bounds {space} {a} of {size} bytes at {addr:#x} ({detail})"
+                )
             }
             FaultKind::Misaligned { space, addr, align } => {
-                write!(f, "misaligned {space} access at {addr:#x} (needs {align}-byte alignment)")
+                write!(
+                    f,
+                    "misaligned {space} access at {addr:#x} (needs {align}-byte alignment)"
+                )
             }
             FaultKind::Uninitialized { space, addr } => {
                 write!(f, "read of uninitialised {space} memory at {addr:#x}")
             }
-            FaultKind::SharedRace { hazard, addr, other_thread, other_line } => {
+            FaultKind::SharedRace {
+                hazard,
+                addr,
+                other_thread,
+                other_line,
+            } => {
                 let who = match other_thread {
                     Some(t) => format!("thread {t}"),
                     None => "several threads".to_string(),
                 };
                 let at = other_line.map_or(String::new(), |l| format!(" at line {l}"));
-                write!(f, "shared-memory race ({hazard:?}) at {addr:#x} with {who}{at}, no barrier between")
+                write!(
+                    f,
+                    "shared-memory race ({hazard:?}) at {addr:#x} with {who}{at}, no barrier between"
+                )
             }
-            FaultKind::BlockRace { addr, access, other_block } => write!(
+            FaultKind::BlockRace {
+                addr,
+                access,
+                other_block,
+            } => write!(
                 f,
                 "global {} at {addr:#x} of bytes block {other_block} wrote in this launch: the result depends on block order",
-                if *access == Access::Read { "read" } else { "write" }
+                if *access == Access::Read {
+                    "read"
+                } else {
+                    "write"
+                }
             ),
             FaultKind::NonCoherentRead { addr } => {
-                write!(f, "ld.global.nc at {addr:#x} reads memory this launch writes (the .nc path is read-only)")
+                write!(
+                    f,
+                    "ld.global.nc at {addr:#x} reads memory this launch writes (the .nc path is read-only)"
+                )
             }
             FaultKind::Barrier(s) => write!(f, "barrier: {s}"),
             FaultKind::WarpSync(s) => write!(f, "warp-synchronous instruction: {s}"),
-            FaultKind::DivergentUniformBranch => write!(f, "bra.uni diverged (its lanes took different ways)"),
+            FaultKind::DivergentUniformBranch => {
+                write!(f, "bra.uni diverged (its lanes took different ways)")
+            }
             FaultKind::DivideByZero => write!(f, "integer division by zero"),
-            FaultKind::StepLimit(n) => write!(f, "instruction budget of {n} warp steps exhausted (endless loop?)"),
+            FaultKind::StepLimit(n) => write!(
+                f,
+                "instruction budget of {n} warp steps exhausted (endless loop?)"
+            ),
             FaultKind::Unsupported(s) => write!(f, "not supported: {s}"),
         }
     }

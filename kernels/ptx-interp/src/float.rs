@@ -63,7 +63,11 @@ pub const NAN32: u32 = 0x7fff_ffff;
 
 /// `x` with subnormal values replaced by a zero of the same sign (`.ftz`).
 pub fn ftz(x: f32) -> f32 {
-    if x.is_subnormal() { f32::from_bits(x.to_bits() & 0x8000_0000) } else { x }
+    if x.is_subnormal() {
+        f32::from_bits(x.to_bits() & 0x8000_0000)
+    } else {
+        x
+    }
 }
 
 /// The bits of an f32 result: NaN becomes the canonical NaN.
@@ -128,7 +132,11 @@ pub fn round_nearest(x: f64, fmt: Fmt) -> u64 {
     if e < emin {
         return sign | n; // subnormal, or the smallest normal when rounding carried into it
     }
-    let (n, e) = if n >> (fmt.frac + 1) != 0 { (n >> 1, e + 1) } else { (n, e) };
+    let (n, e) = if n >> (fmt.frac + 1) != 0 {
+        (n >> 1, e + 1)
+    } else {
+        (n, e)
+    };
     let biased = (e + bias) as u64;
     if biased >= (1 << fmt.exp) - 1 {
         return sign | fmt.inf();
@@ -183,9 +191,17 @@ pub fn round(s: f64, e: f64, fmt: Fmt, rnd: Rnd) -> u64 {
     };
     if rnd == Rnd::N && rel != Ordering::Equal && s != v {
         // s may sit exactly on a midpoint of fmt while the exact value lies past it.
-        let nb = if rel == Ordering::Greater { next_up(rv, fmt) } else { next_down(rv, fmt) };
+        let nb = if rel == Ordering::Greater {
+            next_up(rv, fmt)
+        } else {
+            next_down(rv, fmt)
+        };
         let mid = (v + to_f64(nb, fmt)) / 2.0;
-        let past = if rel == Ordering::Greater { e > 0.0 } else { e < 0.0 };
+        let past = if rel == Ordering::Greater {
+            e > 0.0
+        } else {
+            e < 0.0
+        };
         return if s == mid && past { nb } else { rv };
     }
     direct(rv, rel, fmt, rnd)
@@ -212,7 +228,11 @@ pub struct Mode {
 
 impl Mode {
     /// `.rn`, no flush, no saturation.
-    pub const RN: Mode = Mode { rnd: Rnd::N, ftz: false, sat: false };
+    pub const RN: Mode = Mode {
+        rnd: Rnd::N,
+        ftz: false,
+        sat: false,
+    };
 
     fn fr(self, x: f32) -> f32 {
         if self.ftz { ftz(x) } else { x }
@@ -259,7 +279,9 @@ pub fn mul(a: f32, b: f32, m: Mode) -> u32 {
     if m.rnd == Rnd::N {
         return m.out(a * b);
     }
-    m.out(f32::from_bits(round(a as f64 * b as f64, 0.0, F32, m.rnd) as u32))
+    m.out(f32::from_bits(
+        round(a as f64 * b as f64, 0.0, F32, m.rnd) as u32
+    ))
 }
 
 /// `fma.rnd{.ftz}{.sat}.f32`: a*b + c rounded once.
@@ -271,7 +293,11 @@ pub fn fma(a: f32, b: f32, c: f32, m: Mode) -> u32 {
     let p = a as f64 * b as f64;
     let (s, e) = two_sum(p, c as f64);
     if s == 0.0 && e == 0.0 {
-        return m.out(zero_sum_sign(f32::from_bits(round_nearest(p, F32) as u32), c, m.rnd));
+        return m.out(zero_sum_sign(
+            f32::from_bits(round_nearest(p, F32) as u32),
+            c,
+            m.rnd,
+        ));
     }
     m.out(f32::from_bits(round(s, e, F32, m.rnd) as u32))
 }
@@ -283,11 +309,19 @@ fn quotient_side(a: f32, b: f32, q: f32) -> Ordering {
     }
     if q.is_infinite() {
         // Finite operands: the quotient overflowed, so the exact value is finite.
-        return if q > 0.0 { Ordering::Less } else { Ordering::Greater };
+        return if q > 0.0 {
+            Ordering::Less
+        } else {
+            Ordering::Greater
+        };
     }
     // q*b is exact in f64 and the rounded difference keeps the exact difference's sign.
     let r = q as f64 * b as f64 - a as f64;
-    let q_vs_t = if b > 0.0 { r.partial_cmp(&0.0) } else { 0.0.partial_cmp(&r) };
+    let q_vs_t = if b > 0.0 {
+        r.partial_cmp(&0.0)
+    } else {
+        0.0.partial_cmp(&r)
+    };
     q_vs_t.unwrap_or(Ordering::Equal).reverse()
 }
 
@@ -299,7 +333,9 @@ pub fn div(a: f32, b: f32, m: Mode) -> u32 {
         return m.out(q);
     }
     let rel = quotient_side(a, b, q);
-    m.out(f32::from_bits(direct(canon(q) as u64, rel, F32, m.rnd) as u32))
+    m.out(f32::from_bits(
+        direct(canon(q) as u64, rel, F32, m.rnd) as u32
+    ))
 }
 
 /// `rcp.rnd{.ftz}.f32`: 1/a rounded per the mode.
@@ -316,7 +352,9 @@ pub fn sqrt(a: f32, m: Mode) -> u32 {
     }
     let sq = r as f64 * r as f64; // exact
     let rel = (a as f64).partial_cmp(&sq).unwrap_or(Ordering::Equal);
-    m.out(f32::from_bits(direct(r.to_bits() as u64, rel, F32, m.rnd) as u32))
+    m.out(f32::from_bits(
+        direct(r.to_bits() as u64, rel, F32, m.rnd) as u32
+    ))
 }
 
 /// `min{.ftz}{.NaN}.f32`: a NaN operand yields the other operand (with `.NaN`, the canonical
@@ -389,7 +427,11 @@ pub fn int_to_float(v: i128, fmt: Fmt, rnd: Rnd) -> u64 {
 /// f64 from an integer, rounded per the mode.
 pub fn int_to_f64(v: i128, rnd: Rnd) -> f64 {
     let r = v as f64;
-    let rel = if r.is_finite() { v.cmp(&(r as i128)) } else { Ordering::Equal };
+    let rel = if r.is_finite() {
+        v.cmp(&(r as i128))
+    } else {
+        Ordering::Equal
+    };
     let step = match (rnd, rel) {
         (Rnd::N, _) | (_, Ordering::Equal) => 0,
         (Rnd::M, Ordering::Less) => -1,

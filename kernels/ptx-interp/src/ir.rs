@@ -9,9 +9,26 @@ pub(crate) type Reg = u32;
 
 /// Special registers, in register-file order (filled in when a warp starts).
 pub(crate) const SPECIALS: [&str; 20] = [
-    "%tid.x", "%tid.y", "%tid.z", "%ntid.x", "%ntid.y", "%ntid.z", "%ctaid.x", "%ctaid.y",
-    "%ctaid.z", "%nctaid.x", "%nctaid.y", "%nctaid.z", "%laneid", "%warpid", "%nwarpid",
-    "%lanemask_eq", "%lanemask_le", "%lanemask_lt", "%lanemask_ge", "%lanemask_gt",
+    "%tid.x",
+    "%tid.y",
+    "%tid.z",
+    "%ntid.x",
+    "%ntid.y",
+    "%ntid.z",
+    "%ctaid.x",
+    "%ctaid.y",
+    "%ctaid.z",
+    "%nctaid.x",
+    "%nctaid.y",
+    "%nctaid.z",
+    "%laneid",
+    "%warpid",
+    "%nwarpid",
+    "%lanemask_eq",
+    "%lanemask_le",
+    "%lanemask_lt",
+    "%lanemask_ge",
+    "%lanemask_gt",
 ];
 /// The register `_` writes to (a sink).
 pub(crate) const SINK: Reg = SPECIALS.len() as Reg;
@@ -116,9 +133,13 @@ pub(crate) enum FBin {
     Mul,
     Div,
     /// `min`; `nan` is the `.NaN` modifier.
-    Min { nan: bool },
+    Min {
+        nan: bool,
+    },
     /// `max`.
-    Max { nan: bool },
+    Max {
+        nan: bool,
+    },
 }
 
 /// One-operand float operations.
@@ -180,45 +201,182 @@ pub(crate) enum ShflMode {
 #[derive(Clone, Debug)]
 pub(crate) enum Op {
     /// `mov`, `cvta` (generic and global addresses coincide): `d = a` masked to `bits`.
-    Mov { d: Reg, a: Src, bits: u8 },
+    Mov {
+        d: Reg,
+        a: Src,
+        bits: u8,
+    },
     /// `cvta.shared` (`to_generic`) and `cvta.to.shared`: add or remove the shared window.
-    CvtaShared { d: Reg, a: Src, to_generic: bool },
+    CvtaShared {
+        d: Reg,
+        a: Src,
+        to_generic: bool,
+    },
     /// `mov.bN d, {a, b, ..}`: parts of `width` bits, the first in the low bits.
-    Pack { d: Reg, parts: Vec<Src>, width: u8 },
+    Pack {
+        d: Reg,
+        parts: Vec<Src>,
+        width: u8,
+    },
     /// `mov.bN {d0, d1, ..}, a`.
-    Unpack { ds: Vec<Reg>, a: Src, width: u8 },
-    Int { op: IntOp, t: IntTy, d: Reg, a: Src, b: Src, c: Src },
-    IntUn { op: IntUn, t: IntTy, d: Reg, a: Src },
-    F32 { op: FBin, m: Mode, d: Reg, a: Src, b: Src },
-    Fma32 { m: Mode, d: Reg, a: Src, b: Src, c: Src },
-    F32Un { op: FUn, m: Mode, d: Reg, a: Src },
-    F64 { op: FBin, d: Reg, a: Src, b: Src },
-    Fma64 { d: Reg, a: Src, b: Src, c: Src },
-    F64Un { op: FUn, d: Reg, a: Src },
+    Unpack {
+        ds: Vec<Reg>,
+        a: Src,
+        width: u8,
+    },
+    Int {
+        op: IntOp,
+        t: IntTy,
+        d: Reg,
+        a: Src,
+        b: Src,
+        c: Src,
+    },
+    IntUn {
+        op: IntUn,
+        t: IntTy,
+        d: Reg,
+        a: Src,
+    },
+    F32 {
+        op: FBin,
+        m: Mode,
+        d: Reg,
+        a: Src,
+        b: Src,
+    },
+    Fma32 {
+        m: Mode,
+        d: Reg,
+        a: Src,
+        b: Src,
+        c: Src,
+    },
+    F32Un {
+        op: FUn,
+        m: Mode,
+        d: Reg,
+        a: Src,
+    },
+    F64 {
+        op: FBin,
+        d: Reg,
+        a: Src,
+        b: Src,
+    },
+    Fma64 {
+        d: Reg,
+        a: Src,
+        b: Src,
+        c: Src,
+    },
+    F64Un {
+        op: FUn,
+        d: Reg,
+        a: Src,
+    },
     /// `setp.cmp[.bool].ty p[|q], a, b[, {!}c]`.
-    Setp { cmp: Cmp, t: Ty, p: Reg, q: Option<Reg>, a: Src, b: Src, comb: Option<(BoolOp, Src, bool)> },
+    Setp {
+        cmp: Cmp,
+        t: Ty,
+        p: Reg,
+        q: Option<Reg>,
+        a: Src,
+        b: Src,
+        comb: Option<(BoolOp, Src, bool)>,
+    },
     /// `selp.ty d, a, b, c`: `c ? a : b`.
-    Selp { d: Reg, a: Src, b: Src, c: Src },
+    Selp {
+        d: Reg,
+        a: Src,
+        b: Src,
+        c: Src,
+    },
     /// `and/or/xor.pred` and `not.pred` (`b` unused).
-    Pred { op: Option<BoolOp>, d: Reg, a: Src, b: Src },
-    Cvt { d: Reg, a: Src, to: Ty, from: Ty, rnd: Option<Rnd>, int_rnd: bool, ftz: bool, sat: bool },
+    Pred {
+        op: Option<BoolOp>,
+        d: Reg,
+        a: Src,
+        b: Src,
+    },
+    Cvt {
+        d: Reg,
+        a: Src,
+        to: Ty,
+        from: Ty,
+        rnd: Option<Rnd>,
+        int_rnd: bool,
+        ftz: bool,
+        sat: bool,
+    },
     /// `cvt.rnd.{bf16x2,f16x2}.f32 d, hi, lo`.
-    CvtPack { d: Reg, hi: Src, lo: Src, fmt: Fmt, rnd: Rnd },
+    CvtPack {
+        d: Reg,
+        hi: Src,
+        lo: Src,
+        fmt: Fmt,
+        rnd: Rnd,
+    },
     /// `ld`: `n` elements of `bytes` each; `sext` sign-extends narrow signed loads.
-    Ld { space: Space, bytes: u8, n: u8, d: [Reg; 4], addr: Addr, sext: bool, nc: bool },
-    St { space: Space, bytes: u8, n: u8, a: [Src; 4], addr: Addr },
-    CpAsync { dst: Addr, src: Addr, size: u8, src_size: Option<Src> },
+    Ld {
+        space: Space,
+        bytes: u8,
+        n: u8,
+        d: [Reg; 4],
+        addr: Addr,
+        sext: bool,
+        nc: bool,
+    },
+    St {
+        space: Space,
+        bytes: u8,
+        n: u8,
+        a: [Src; 4],
+        addr: Addr,
+    },
+    CpAsync {
+        dst: Addr,
+        src: Addr,
+        size: u8,
+        src_size: Option<Src>,
+    },
     CpCommit,
     CpWait(u32),
-    Ldmatrix { n: u8, trans: bool, d: [Reg; 4], addr: Addr },
-    Mma { bf16: bool, d: [Reg; 4], a: [Src; 4], b: [Src; 2], c: [Src; 4] },
-    Shfl { mode: ShflMode, d: Reg, p: Option<Reg>, a: Src, b: Src, c: Src, mask: Src },
+    Ldmatrix {
+        n: u8,
+        trans: bool,
+        d: [Reg; 4],
+        addr: Addr,
+    },
+    Mma {
+        bf16: bool,
+        d: [Reg; 4],
+        a: [Src; 4],
+        b: [Src; 2],
+        c: [Src; 4],
+    },
+    Shfl {
+        mode: ShflMode,
+        d: Reg,
+        p: Option<Reg>,
+        a: Src,
+        b: Src,
+        c: Src,
+        mask: Src,
+    },
     /// `bar.sync 0[, count]` (barrier 0 is the only one modelled).
-    Bar { count: Option<Src> },
+    Bar {
+        count: Option<Src>,
+    },
     /// `bar.warp.sync membermask` (`__syncwarp`): orders the shared-memory accesses of the
     /// lanes it names.
-    WarpBar { mask: Src },
-    Bra { target: u32, uni: bool },
+    WarpBar {
+        mask: Src,
+    },
+    Bra {
+        target: u32,
+        uni: bool,
+    },
     Exit,
     /// An instruction or modifier the interpreter does not execute, with the reason; an entry
     /// containing one refuses to launch.

@@ -53,7 +53,10 @@ pub(crate) fn lex(src: &str) -> Result<Vec<Token>, (u32, String)> {
             let end = src[i + 1..]
                 .find('"')
                 .ok_or((line, "unterminated string".to_string()))?;
-            out.push(Token { tok: Tok::Str(src[i + 1..i + 1 + end].to_string()), line });
+            out.push(Token {
+                tok: Tok::Str(src[i + 1..i + 1 + end].to_string()),
+                line,
+            });
             i += end + 2;
         } else if is_ident_start(c) {
             let start = i;
@@ -62,7 +65,10 @@ pub(crate) fn lex(src: &str) -> Result<Vec<Token>, (u32, String)> {
             while i < b.len() && (is_ident_char(b[i]) || b[i..].starts_with(b"::")) {
                 i += if b[i] == b':' { 2 } else { 1 };
             }
-            out.push(Token { tok: Tok::Ident(src[start..i].to_string()), line });
+            out.push(Token {
+                tok: Tok::Ident(src[start..i].to_string()),
+                line,
+            });
         } else if c.is_ascii_digit() {
             let start = i;
             while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'.') {
@@ -73,9 +79,16 @@ pub(crate) fn lex(src: &str) -> Result<Vec<Token>, (u32, String)> {
                     && !src[start..i].starts_with("0x");
                 i += if exp_sign { 2 } else { 1 };
             }
-            out.push(Token { tok: number(&src[start..i]).ok_or_else(|| (line, format!("bad number `{}`", &src[start..i])))?, line });
+            out.push(Token {
+                tok: number(&src[start..i])
+                    .ok_or_else(|| (line, format!("bad number `{}`", &src[start..i])))?,
+                line,
+            });
         } else if ",;:{}[]()+-@!|<>=".contains(c as char) {
-            out.push(Token { tok: Tok::Punct(c as char), line });
+            out.push(Token {
+                tok: Tok::Punct(c as char),
+                line,
+            });
             i += 1;
         } else {
             return Err((line, format!("unexpected character `{}`", c as char)));
@@ -98,13 +111,20 @@ fn number(s: &str) -> Option<Tok> {
     let body = s.strip_suffix(['U', 'u']).unwrap_or(s);
     let lower = body.to_ascii_lowercase();
     if let Some(h) = lower.strip_prefix("0f") {
-        return (h.len() == 8).then(|| u32::from_str_radix(h, 16).ok().map(Tok::F32)).flatten();
+        return (h.len() == 8)
+            .then(|| u32::from_str_radix(h, 16).ok().map(Tok::F32))
+            .flatten();
     }
     if let Some(h) = lower.strip_prefix("0d") {
-        return (h.len() == 16).then(|| u64::from_str_radix(h, 16).ok().map(Tok::F64)).flatten();
+        return (h.len() == 16)
+            .then(|| u64::from_str_radix(h, 16).ok().map(Tok::F64))
+            .flatten();
     }
     if let Some(h) = lower.strip_prefix("0x") {
-        return u128::from_str_radix(h, 16).ok().and_then(|v| i128::try_from(v).ok()).map(Tok::Int);
+        return u128::from_str_radix(h, 16)
+            .ok()
+            .and_then(|v| i128::try_from(v).ok())
+            .map(Tok::Int);
     }
     if let Some(bits) = lower.strip_prefix("0b") {
         return i128::from_str_radix(bits, 2).ok().map(Tok::Int);
@@ -140,7 +160,16 @@ mod tests {
                 Tok::Punct(';'),
             ]
         );
-        assert_eq!(toks("0x10 010 0b11 7U 1.5"), vec![Tok::Int(16), Tok::Int(8), Tok::Int(3), Tok::Int(7), Tok::F64(1.5f64.to_bits())]);
+        assert_eq!(
+            toks("0x10 010 0b11 7U 1.5"),
+            vec![
+                Tok::Int(16),
+                Tok::Int(8),
+                Tok::Int(3),
+                Tok::Int(7),
+                Tok::F64(1.5f64.to_bits())
+            ]
+        );
         assert_eq!(toks("0d3FF0000000000000"), vec![Tok::F64(1.0f64.to_bits())]);
     }
 
@@ -150,7 +179,10 @@ mod tests {
         assert_eq!(t[0].line, 2);
         assert_eq!(t.last().unwrap().line, 3);
         assert_eq!(t[3].tok, Tok::Ident("%tid.x".into()));
-        assert_eq!(toks("cp.async.ca.shared.global.L2::128B"), vec![Tok::Ident("cp.async.ca.shared.global.L2::128B".into())]);
+        assert_eq!(
+            toks("cp.async.ca.shared.global.L2::128B"),
+            vec![Tok::Ident("cp.async.ca.shared.global.L2::128B".into())]
+        );
         assert_eq!(toks("L:"), vec![Tok::Ident("L".into()), Tok::Punct(':')]);
     }
 

@@ -4,12 +4,15 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::decode::decode;
-use crate::ir::{Addr, Entry, Inst, IntTy, Op, Param, Reg, Src, Ty, SINK, SPECIALS, SPECIAL_REGS};
-use crate::parse::{type_size, Function, Module, Operand, ParseError, Stmt, VarDecl};
+use crate::ir::{Addr, Entry, Inst, IntTy, Op, Param, Reg, SINK, SPECIAL_REGS, SPECIALS, Src, Ty};
+use crate::parse::{Function, Module, Operand, ParseError, Stmt, VarDecl, type_size};
 
 /// Decodes every entry of a parsed module.
 pub(crate) fn lower_module(m: &Module) -> Result<Vec<Entry>, ParseError> {
-    m.entries.iter().map(|f| lower_entry(f, &m.shared)).collect()
+    m.entries
+        .iter()
+        .map(|f| lower_entry(f, &m.shared))
+        .collect()
 }
 
 /// Names in scope while an entry is decoded.
@@ -79,15 +82,27 @@ impl Cx {
             return Err(format!("expected an address `[..]`, found {op:?}"));
         };
         let Some(b) = base else {
-            return Ok(Addr { base: None, off: *offset });
+            return Ok(Addr {
+                base: None,
+                off: *offset,
+            });
         };
         if let Some(a) = self.shared_addr(b) {
-            return Ok(Addr { base: None, off: a as i64 + offset });
+            return Ok(Addr {
+                base: None,
+                off: a as i64 + offset,
+            });
         }
         if let Some(&(o, _)) = self.params.get(b) {
-            return Ok(Addr { base: None, off: o as i64 + offset });
+            return Ok(Addr {
+                base: None,
+                off: o as i64 + offset,
+            });
         }
-        Ok(Addr { base: Some(self.reg(b)?), off: *offset })
+        Ok(Addr {
+            base: Some(self.reg(b)?),
+            off: *offset,
+        })
     }
 
     fn declare(&mut self, name: String) {
@@ -139,12 +154,26 @@ fn shared_layout(f: &Function, module: &[VarDecl]) -> (HashMap<String, u32>, u32
             i.operands.iter().for_each(|o| names(o, &mut used));
         }
     }
-    let own: Vec<&VarDecl> = f.body.iter().filter_map(|s| if let Stmt::Shared(v) = s { Some(v) } else { None }).collect();
+    let own: Vec<&VarDecl> = f
+        .body
+        .iter()
+        .filter_map(|s| {
+            if let Stmt::Shared(v) = s {
+                Some(v)
+            } else {
+                None
+            }
+        })
+        .collect();
     let own_names: HashSet<&str> = own.iter().map(|v| v.name.as_str()).collect();
     let vars: Vec<&VarDecl> = own
         .iter()
         .copied()
-        .chain(module.iter().filter(|v| used.contains(&v.name) && !own_names.contains(v.name.as_str())))
+        .chain(
+            module
+                .iter()
+                .filter(|v| used.contains(&v.name) && !own_names.contains(v.name.as_str())),
+        )
         .collect();
     let mut map = HashMap::new();
     let mut size = 0u32;
@@ -153,7 +182,12 @@ fn shared_layout(f: &Function, module: &[VarDecl]) -> (HashMap<String, u32>, u32
         map.insert(v.name.clone(), size);
         size += v.elem_size * v.count.unwrap_or(0) as u32;
     }
-    let dyn_align = vars.iter().filter(|v| v.count.is_none()).map(|v| v.align).max().unwrap_or(16);
+    let dyn_align = vars
+        .iter()
+        .filter(|v| v.count.is_none())
+        .map(|v| v.align)
+        .max()
+        .unwrap_or(16);
     let dyn_base = align_up(size, dyn_align.max(16));
     for v in vars.iter().filter(|v| v.count.is_none()) {
         map.insert(v.name.clone(), dyn_base);
@@ -161,16 +195,26 @@ fn shared_layout(f: &Function, module: &[VarDecl]) -> (HashMap<String, u32>, u32
     (map, size, dyn_base)
 }
 
-fn param_layout(f: &Function) -> Result<(Vec<Param>, HashMap<String, (u32, u32)>, u32), ParseError> {
+fn param_layout(
+    f: &Function,
+) -> Result<(Vec<Param>, HashMap<String, (u32, u32)>, u32), ParseError> {
     let mut params = Vec::new();
     let mut map = HashMap::new();
     let mut off = 0u32;
     for p in &f.params {
-        let elem = type_size(&p.ty).ok_or((f.line, format!("parameter `{}`: unknown type `.{}`", p.name, p.ty)))?;
+        let elem = type_size(&p.ty).ok_or((
+            f.line,
+            format!("parameter `{}`: unknown type `.{}`", p.name, p.ty),
+        ))?;
         let size = elem * p.count;
         off = align_up(off, p.align.unwrap_or(elem));
         map.insert(p.name.clone(), (off, size));
-        params.push(Param { name: p.name.clone(), ty: p.ty.clone(), offset: off, size });
+        params.push(Param {
+            name: p.name.clone(),
+            ty: p.ty.clone(),
+            offset: off,
+            size,
+        });
         off += size;
     }
     Ok((params, map, off))
@@ -179,7 +223,12 @@ fn param_layout(f: &Function) -> Result<(Vec<Param>, HashMap<String, (u32, u32)>
 fn lower_entry(f: &Function, module_shared: &[VarDecl]) -> Result<Entry, ParseError> {
     let (params, pmap, param_bytes) = param_layout(f)?;
     let (shared, shared_static, shared_dyn_base) = shared_layout(f, module_shared);
-    let mut cx = Cx { scopes: vec![HashMap::new()], nregs: SPECIAL_REGS, shared, params: pmap };
+    let mut cx = Cx {
+        scopes: vec![HashMap::new()],
+        nregs: SPECIAL_REGS,
+        shared,
+        params: pmap,
+    };
     let mut insts: Vec<Inst> = Vec::new();
     let mut labels = HashMap::new();
     let mut fixups = Vec::new();
@@ -215,19 +264,37 @@ fn lower_entry(f: &Function, module_shared: &[VarDecl]) -> Result<Entry, ParseEr
                 if let (Op::Bra { .. }, Some(Operand::Name(l))) = (&op, i.operands.first()) {
                     fixups.push((insts.len(), l.clone(), i.line));
                 }
-                insts.push(Inst { op, guard, line: i.line });
+                insts.push(Inst {
+                    op,
+                    guard,
+                    line: i.line,
+                });
             }
         }
     }
     for (at, label, line) in fixups {
-        let t = *labels.get(&label).ok_or((line, format!("unknown label `{label}`")))?;
+        let t = *labels
+            .get(&label)
+            .ok_or((line, format!("unknown label `{label}`")))?;
         if let Op::Bra { target, .. } = &mut insts[at].op {
             *target = t;
         }
     }
     // Falling off the end of the body ends the thread, as `ret` would.
-    insts.push(Inst { op: Op::Exit, guard: None, line: f.line });
-    Ok(Entry { name: f.name.clone(), params, param_bytes, nregs: cx.nregs, insts, shared_static, shared_dyn_base })
+    insts.push(Inst {
+        op: Op::Exit,
+        guard: None,
+        line: f.line,
+    });
+    Ok(Entry {
+        name: f.name.clone(),
+        params,
+        param_bytes,
+        nregs: cx.nregs,
+        insts,
+        shared_static,
+        shared_dyn_base,
+    })
 }
 
 /// Integer type of a type name, if it is one (`.b` counts as unsigned).

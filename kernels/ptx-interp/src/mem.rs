@@ -39,7 +39,11 @@ pub(crate) struct Global {
 
 impl Global {
     pub(crate) fn new() -> Global {
-        Global { allocs: Vec::new(), next: GLOBAL_BASE, last: 0 }
+        Global {
+            allocs: Vec::new(),
+            next: GLOBAL_BASE,
+            last: 0,
+        }
     }
 
     /// A new zero-length-safe allocation of `bytes` (uninitialised as far as kernels can
@@ -47,7 +51,11 @@ impl Global {
     pub(crate) fn alloc(&mut self, bytes: usize) -> u64 {
         let base = self.next;
         self.next = (base + bytes as u64 + GUARD).div_ceil(256) * 256;
-        self.allocs.push(Alloc { base, data: vec![0; bytes], shadow: vec![0; bytes.div_ceil(2)] });
+        self.allocs.push(Alloc {
+            base,
+            data: vec![0; bytes],
+            shadow: vec![0; bytes.div_ceil(2)],
+        });
         base
     }
 
@@ -73,7 +81,10 @@ impl Global {
         if self.allocs.get(self.last).is_some_and(hit) {
             return Some(self.last);
         }
-        let i = self.allocs.partition_point(|a| a.base <= addr).checked_sub(1)?;
+        let i = self
+            .allocs
+            .partition_point(|a| a.base <= addr)
+            .checked_sub(1)?;
         hit(&self.allocs[i]).then(|| {
             self.last = i;
             i
@@ -84,19 +95,34 @@ impl Global {
         let i = self.allocs.partition_point(|a| a.base <= addr);
         let detail = match i.checked_sub(1).map(|j| &self.allocs[j]) {
             Some(a) if addr < a.base + a.data.len() as u64 + GUARD => {
-                format!("{} bytes past the end of the {}-byte allocation at {:#x}", addr + len - (a.base + a.data.len() as u64), a.data.len(), a.base)
+                format!(
+                    "{} bytes past the end of the {}-byte allocation at {:#x}",
+                    addr + len - (a.base + a.data.len() as u64),
+                    a.data.len(),
+                    a.base
+                )
             }
             _ => "no allocation there".to_string(),
         };
-        FaultKind::OutOfBounds { space: "global", addr, size: len as u32, access, detail }
+        FaultKind::OutOfBounds {
+            space: "global",
+            addr,
+            size: len as u32,
+            access,
+            detail,
+        }
     }
 
     /// Host access: the slice of `[addr, addr + len)`, marking it written by the host when
     /// `write`.
     pub(crate) fn host(&mut self, addr: u64, len: usize, write: bool) -> Result<&mut [u8], String> {
-        let i = self.find(addr, len as u64).ok_or_else(|| match self.oob(addr, len as u64, Access::Read) {
-            FaultKind::OutOfBounds { detail, .. } => format!("{len} bytes at {addr:#x}: {detail}"),
-            k => k.to_string(),
+        let i = self.find(addr, len as u64).ok_or_else(|| {
+            match self.oob(addr, len as u64, Access::Read) {
+                FaultKind::OutOfBounds { detail, .. } => {
+                    format!("{len} bytes at {addr:#x}: {detail}")
+                }
+                k => k.to_string(),
+            }
         })?;
         let a = &mut self.allocs[i];
         let off = (addr - a.base) as usize;
@@ -109,23 +135,40 @@ impl Global {
     }
 
     /// A kernel load of `len` bytes (at most 16) into `out`, checked.
-    pub(crate) fn load(&mut self, addr: u64, out: &mut [u8], who: Who, nc: bool) -> Result<(), FaultKind> {
+    pub(crate) fn load(
+        &mut self,
+        addr: u64,
+        out: &mut [u8],
+        who: Who,
+        nc: bool,
+    ) -> Result<(), FaultKind> {
         let len = out.len() as u64;
-        let i = self.find(addr, len).ok_or_else(|| self.oob(addr, len, Access::Read))?;
+        let i = self
+            .find(addr, len)
+            .ok_or_else(|| self.oob(addr, len, Access::Read))?;
         let a = &self.allocs[i];
         let off = (addr - a.base) as usize;
         for u in off / 2..(off + out.len()).div_ceil(2) {
             let s = a.shadow[u];
             let (stamp, block) = ((s >> 32) as u32, s as u32);
             if stamp == 0 {
-                return Err(FaultKind::Uninitialized { space: "global", addr: a.base + 2 * u as u64 });
+                return Err(FaultKind::Uninitialized {
+                    space: "global",
+                    addr: a.base + 2 * u as u64,
+                });
             }
             if stamp == who.stamp {
                 if nc {
-                    return Err(FaultKind::NonCoherentRead { addr: a.base + 2 * u as u64 });
+                    return Err(FaultKind::NonCoherentRead {
+                        addr: a.base + 2 * u as u64,
+                    });
                 }
                 if block != who.block {
-                    return Err(FaultKind::BlockRace { addr: a.base + 2 * u as u64, access: Access::Read, other_block: block });
+                    return Err(FaultKind::BlockRace {
+                        addr: a.base + 2 * u as u64,
+                        access: Access::Read,
+                        other_block: block,
+                    });
                 }
             }
         }
@@ -136,14 +179,20 @@ impl Global {
     /// A kernel store of `bytes`, checked.
     pub(crate) fn store(&mut self, addr: u64, bytes: &[u8], who: Who) -> Result<(), FaultKind> {
         let len = bytes.len() as u64;
-        let i = self.find(addr, len).ok_or_else(|| self.oob(addr, len, Access::Write))?;
+        let i = self
+            .find(addr, len)
+            .ok_or_else(|| self.oob(addr, len, Access::Write))?;
         let a = &mut self.allocs[i];
         let off = (addr - a.base) as usize;
         let mine = (who.stamp as u64) << 32 | who.block as u64;
         for u in off / 2..(off + bytes.len()).div_ceil(2) {
             let s = a.shadow[u];
             if (s >> 32) as u32 == who.stamp && s != mine {
-                return Err(FaultKind::BlockRace { addr: a.base + 2 * u as u64, access: Access::Write, other_block: s as u32 });
+                return Err(FaultKind::BlockRace {
+                    addr: a.base + 2 * u as u64,
+                    access: Access::Write,
+                    other_block: s as u32,
+                });
             }
             a.shadow[u] = mine;
         }

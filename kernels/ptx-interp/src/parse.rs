@@ -2,7 +2,7 @@
 //! their parameters, register declarations, labels, scopes and instructions. Instructions stay
 //! textual here (`opcode` with its modifiers, operands); `lower` gives them meaning.
 
-use crate::lex::{lex, Tok, Token};
+use crate::lex::{Tok, Token, lex};
 
 /// A parse error: line and message.
 pub(crate) type ParseError = (u32, String);
@@ -50,7 +50,11 @@ pub(crate) struct Function {
 #[derive(Debug)]
 pub(crate) enum Stmt {
     /// `.reg .ty %a, %b<4>;`: names with an optional count (`%b<4>` = `%b0`..`%b3`).
-    Reg { ty: String, names: Vec<(String, Option<u32>)>, line: u32 },
+    Reg {
+        ty: String,
+        names: Vec<(String, Option<u32>)>,
+        line: u32,
+    },
     /// A function-scope `.shared` variable.
     Shared(VarDecl),
     /// `NAME:`
@@ -104,7 +108,10 @@ struct Parser {
 
 /// Parses a whole module.
 pub(crate) fn parse(src: &str) -> Result<Module, ParseError> {
-    let mut p = Parser { toks: lex(src)?, pos: 0 };
+    let mut p = Parser {
+        toks: lex(src)?,
+        pos: 0,
+    };
     let mut m = Module::default();
     while p.pos < p.toks.len() {
         p.module_item(&mut m)?;
@@ -114,7 +121,10 @@ pub(crate) fn parse(src: &str) -> Result<Module, ParseError> {
 
 impl Parser {
     fn line(&self) -> u32 {
-        self.toks.get(self.pos).or(self.toks.last()).map_or(0, |t| t.line)
+        self.toks
+            .get(self.pos)
+            .or(self.toks.last())
+            .map_or(0, |t| t.line)
     }
 
     fn peek(&self) -> Option<&Tok> {
@@ -122,7 +132,10 @@ impl Parser {
     }
 
     fn next(&mut self) -> Result<Tok, ParseError> {
-        let t = self.toks.get(self.pos).ok_or((self.line(), "unexpected end of file".to_string()))?;
+        let t = self
+            .toks
+            .get(self.pos)
+            .ok_or((self.line(), "unexpected end of file".to_string()))?;
         self.pos += 1;
         Ok(t.tok.clone())
     }
@@ -141,13 +154,20 @@ impl Parser {
     }
 
     fn expect(&mut self, c: char) -> Result<(), ParseError> {
-        if self.eat(c) { Ok(()) } else { self.err(format!("expected `{c}`, found {:?}", self.peek())) }
+        if self.eat(c) {
+            Ok(())
+        } else {
+            self.err(format!("expected `{c}`, found {:?}", self.peek()))
+        }
     }
 
     fn ident(&mut self) -> Result<String, ParseError> {
         match self.next()? {
             Tok::Ident(s) => Ok(s),
-            t => { self.pos -= 1; self.err(format!("expected a name, found {t:?}")) }
+            t => {
+                self.pos -= 1;
+                self.err(format!("expected a name, found {t:?}"))
+            }
         }
     }
 
@@ -155,7 +175,10 @@ impl Parser {
         let neg = self.eat('-');
         match self.next()? {
             Tok::Int(v) => Ok(if neg { -v } else { v }),
-            t => { self.pos -= 1; self.err(format!("expected an integer, found {t:?}")) }
+            t => {
+                self.pos -= 1;
+                self.err(format!("expected an integer, found {t:?}"))
+            }
         }
     }
 
@@ -173,7 +196,9 @@ impl Parser {
         match word.as_str() {
             ".version" | ".target" | ".address_size" => {
                 // `.version 8.0` lexes as a float; `.target sm_80, debug` as names.
-                while !matches!(self.peek(), Some(Tok::Ident(s)) if s.starts_with('.')) && self.pos < self.toks.len() {
+                while !matches!(self.peek(), Some(Tok::Ident(s)) if s.starts_with('.'))
+                    && self.pos < self.toks.len()
+                {
                     self.next()?;
                 }
                 Ok(())
@@ -182,7 +207,12 @@ impl Parser {
             ".extern" => {
                 let space = self.ident()?;
                 if space != ".shared" {
-                    return Err((line, format!("`.extern {space}` is not supported (only `.extern .shared` arrays)")));
+                    return Err((
+                        line,
+                        format!(
+                            "`.extern {space}` is not supported (only `.extern .shared` arrays)"
+                        ),
+                    ));
                 }
                 let v = self.var_decl(line)?;
                 m.shared.push(v);
@@ -223,10 +253,18 @@ impl Parser {
             };
         }
         if self.eat('=') {
-            return Err((line, format!("initialised shared variable `{name}` is not valid PTX")));
+            return Err((
+                line,
+                format!("initialised shared variable `{name}` is not valid PTX"),
+            ));
         }
         self.expect(';')?;
-        Ok(VarDecl { name, elem_size, align: if align == 0 { elem_size } else { align }, count })
+        Ok(VarDecl {
+            name,
+            elem_size,
+            align: if align == 0 { elem_size } else { align },
+            count,
+        })
     }
 
     fn function(&mut self, line: u32) -> Result<Function, ParseError> {
@@ -263,7 +301,12 @@ impl Parser {
                 body.push(s);
             }
         }
-        Ok(Function { name, params, body, line })
+        Ok(Function {
+            name,
+            params,
+            body,
+            line,
+        })
     }
 
     fn param(&mut self) -> Result<ParamDecl, ParseError> {
@@ -283,7 +326,12 @@ impl Parser {
             count = self.int()? as u32;
             self.expect(']')?;
         }
-        Ok(ParamDecl { name, ty: ty.trim_start_matches('.').to_string(), align, count })
+        Ok(ParamDecl {
+            name,
+            ty: ty.trim_start_matches('.').to_string(),
+            align,
+            count,
+        })
     }
 
     fn statement(&mut self) -> Result<Stmt, ParseError> {
@@ -312,7 +360,10 @@ impl Parser {
                 self.skip_statement()?;
                 self.statement()
             }
-            w if w.starts_with('.') => Err((line, format!("directive `{w}` inside a function is not supported"))),
+            w if w.starts_with('.') => Err((
+                line,
+                format!("directive `{w}` inside a function is not supported"),
+            )),
             _ => self.instruction(guard, word, line).map(Stmt::Inst),
         }
     }
@@ -320,7 +371,10 @@ impl Parser {
     fn reg_decl(&mut self, line: u32) -> Result<Stmt, ParseError> {
         let mut ty = self.ident()?;
         if ty.starts_with(".v") {
-            return Err((line, format!("vector registers (`.reg {ty}`) are not supported")));
+            return Err((
+                line,
+                format!("vector registers (`.reg {ty}`) are not supported"),
+            ));
         }
         if ty == ".align" {
             self.int()?;
@@ -342,10 +396,19 @@ impl Parser {
             }
         }
         self.expect(';')?;
-        Ok(Stmt::Reg { ty: ty.trim_start_matches('.').to_string(), names, line })
+        Ok(Stmt::Reg {
+            ty: ty.trim_start_matches('.').to_string(),
+            names,
+            line,
+        })
     }
 
-    fn instruction(&mut self, guard: Option<(bool, String)>, opcode: String, line: u32) -> Result<InstAst, ParseError> {
+    fn instruction(
+        &mut self,
+        guard: Option<(bool, String)>,
+        opcode: String,
+        line: u32,
+    ) -> Result<InstAst, ParseError> {
         let mut operands = Vec::new();
         if !self.eat(';') {
             loop {
@@ -356,7 +419,12 @@ impl Parser {
                 self.expect(',')?;
             }
         }
-        Ok(InstAst { guard, opcode, operands, line })
+        Ok(InstAst {
+            guard,
+            opcode,
+            operands,
+            line,
+        })
     }
 
     fn operand(&mut self) -> Result<Operand, ParseError> {
@@ -388,7 +456,10 @@ impl Parser {
                 }
                 Ok(Operand::Name(s))
             }
-            t => { self.pos -= 1; self.err(format!("unexpected operand {t:?}")) }
+            t => {
+                self.pos -= 1;
+                self.err(format!("unexpected operand {t:?}"))
+            }
         }
     }
 
@@ -461,13 +532,33 @@ DONE:
         assert_eq!(f.name, "k");
         assert_eq!(f.params.len(), 2);
         assert_eq!(f.params[1].ty, "u32");
-        let insts: Vec<&InstAst> = f.body.iter().filter_map(|s| if let Stmt::Inst(i) = s { Some(i) } else { None }).collect();
+        let insts: Vec<&InstAst> = f
+            .body
+            .iter()
+            .filter_map(|s| if let Stmt::Inst(i) = s { Some(i) } else { None })
+            .collect();
         assert_eq!(insts[1].guard, Some((true, "%p1".to_string())));
-        assert_eq!(insts[2].operands[0], Operand::Pair("%r2".into(), "%p1".into()));
+        assert_eq!(
+            insts[2].operands[0],
+            Operand::Pair("%r2".into(), "%p1".into())
+        );
         assert_eq!(insts[2].operands[4], Operand::Int(-1));
-        assert_eq!(insts[4].operands[1], Operand::Addr { base: Some("%rd4".into()), offset: -8 });
-        assert!(f.body.iter().any(|s| matches!(s, Stmt::Label(l, _) if l == "DONE")));
-        assert!(matches!(f.body.iter().filter(|s| matches!(s, Stmt::Open)).count(), 1));
+        assert_eq!(
+            insts[4].operands[1],
+            Operand::Addr {
+                base: Some("%rd4".into()),
+                offset: -8
+            }
+        );
+        assert!(
+            f.body
+                .iter()
+                .any(|s| matches!(s, Stmt::Label(l, _) if l == "DONE"))
+        );
+        assert!(matches!(
+            f.body.iter().filter(|s| matches!(s, Stmt::Open)).count(),
+            1
+        ));
     }
 
     #[test]

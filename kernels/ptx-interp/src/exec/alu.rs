@@ -1,14 +1,18 @@
 //! Per-lane arithmetic: integer, float, comparison, selection and conversion operations.
 
 use crate::error::FaultKind;
-use crate::exec::warp::{for_lanes, Warp};
-use crate::float::{self, Mode, Rnd, BF16, F16, F32};
+use crate::exec::warp::{Warp, for_lanes};
+use crate::float::{self, BF16, F16, F32, Mode, Rnd};
 use crate::ir::{BoolOp, Cmp, FBin, FUn, IntOp, IntTy, IntUn, Op, Reg, Src, Ty};
 
 /// `v` truncated to `bits`.
 #[inline(always)]
 pub(crate) fn trunc(v: u64, bits: u8) -> u64 {
-    if bits >= 64 { v } else { v & ((1u64 << bits) - 1) }
+    if bits >= 64 {
+        v
+    } else {
+        v & ((1u64 << bits) - 1)
+    }
 }
 
 /// `v`'s low `bits` sign-extended.
@@ -39,7 +43,15 @@ fn map2(w: &mut Warp, mask: u32, d: Reg, a: Src, b: Src, f: impl Fn(u64, u64) ->
 
 /// `d = f(a, b, c)` for the lanes of `mask`; the first lane whose `f` fails stops it.
 #[inline(always)]
-fn try_map3(w: &mut Warp, mask: u32, d: Reg, a: Src, b: Src, c: Src, f: impl Fn(u64, u64, u64) -> Result<u64, FaultKind>) -> Result<(), (usize, FaultKind)> {
+fn try_map3(
+    w: &mut Warp,
+    mask: u32,
+    d: Reg,
+    a: Src,
+    b: Src,
+    c: Src,
+    f: impl Fn(u64, u64, u64) -> Result<u64, FaultKind>,
+) -> Result<(), (usize, FaultKind)> {
     let mut m = mask;
     while m != 0 {
         let l = m.trailing_zeros() as usize;
@@ -58,8 +70,16 @@ pub(crate) fn alu(w: &mut Warp, op: &Op, mask: u32) -> Result<bool, (usize, Faul
         Op::Int { op, t, d, a, b, c } => match op {
             // The common forms without a fault path, kept out of `int_bin`'s general match.
             IntOp::Add => map2(w, mask, d, a, b, |x, y| trunc(x.wrapping_add(y), t.bits)),
-            IntOp::MulWide if !t.signed => map2(w, mask, d, a, b, |x, y| trunc(x, t.bits).wrapping_mul(trunc(y, t.bits))),
-            IntOp::Shl => map2(w, mask, d, a, b, |x, y| if (y as u32) >= t.bits as u32 { 0 } else { trunc(x << y, t.bits) }),
+            IntOp::MulWide if !t.signed => map2(w, mask, d, a, b, |x, y| {
+                trunc(x, t.bits).wrapping_mul(trunc(y, t.bits))
+            }),
+            IntOp::Shl => map2(w, mask, d, a, b, |x, y| {
+                if (y as u32) >= t.bits as u32 {
+                    0
+                } else {
+                    trunc(x << y, t.bits)
+                }
+            }),
             _ => try_map3(w, mask, d, a, b, c, |x, y, z| int_bin(op, t, x, y, z))?,
         },
         Op::IntUn { op, t, d, a } => map2(w, mask, d, a, a, |x, _| int_un(op, t, x)),
@@ -68,15 +88,31 @@ pub(crate) fn alu(w: &mut Warp, op: &Op, mask: u32) -> Result<bool, (usize, Faul
             FBin::Sub => map2(w, mask, d, a, b, |x, y| float::add(f(x), -f(y), m) as u64),
             FBin::Mul => map2(w, mask, d, a, b, |x, y| float::mul(f(x), f(y), m) as u64),
             FBin::Div => map2(w, mask, d, a, b, |x, y| float::div(f(x), f(y), m) as u64),
-            FBin::Min { nan } => map2(w, mask, d, a, b, |x, y| float::min(f(x), f(y), m.ftz, nan) as u64),
-            FBin::Max { nan } => map2(w, mask, d, a, b, |x, y| float::max(f(x), f(y), m.ftz, nan) as u64),
+            FBin::Min { nan } => map2(w, mask, d, a, b, |x, y| {
+                float::min(f(x), f(y), m.ftz, nan) as u64
+            }),
+            FBin::Max { nan } => map2(w, mask, d, a, b, |x, y| {
+                float::max(f(x), f(y), m.ftz, nan) as u64
+            }),
         },
-        Op::Fma32 { m, d, a, b, c } => try_map3(w, mask, d, a, b, c, |x, y, z| Ok(float::fma(f(x), f(y), f(z), m) as u64))?,
+        Op::Fma32 { m, d, a, b, c } => try_map3(w, mask, d, a, b, c, |x, y, z| {
+            Ok(float::fma(f(x), f(y), f(z), m) as u64)
+        })?,
         Op::F32Un { op, m, d, a } => map2(w, mask, d, a, a, |x, _| f32_un(op, m, f(x)) as u64),
         Op::F64 { op, d, a, b } => map2(w, mask, d, a, b, |x, y| f64_bin(op, d64(x), d64(y))),
-        Op::Fma64 { d, a, b, c } => try_map3(w, mask, d, a, b, c, |x, y, z| Ok(d64(x).mul_add(d64(y), d64(z)).to_bits()))?,
+        Op::Fma64 { d, a, b, c } => try_map3(w, mask, d, a, b, c, |x, y, z| {
+            Ok(d64(x).mul_add(d64(y), d64(z)).to_bits())
+        })?,
         Op::F64Un { op, d, a } => map2(w, mask, d, a, a, |x, _| f64_un(op, d64(x))),
-        Op::Setp { cmp, t, p, q, a, b, comb } => for_lanes(mask, |l| {
+        Op::Setp {
+            cmp,
+            t,
+            p,
+            q,
+            a,
+            b,
+            comb,
+        } => for_lanes(mask, |l| {
             let r = compare(cmp, t, w.get(a, l), w.get(b, l));
             let (rp, rq) = match comb {
                 Some((bop, c, neg)) => {
@@ -91,15 +127,25 @@ pub(crate) fn alu(w: &mut Warp, op: &Op, mask: u32) -> Result<bool, (usize, Faul
             }
         }),
         Op::Selp { d, a, b, c } => for_lanes(mask, |l| {
-            let v = if w.get(c, l) & 1 != 0 { w.get(a, l) } else { w.get(b, l) };
+            let v = if w.get(c, l) & 1 != 0 {
+                w.get(a, l)
+            } else {
+                w.get(b, l)
+            };
             w.set(d, l, v);
         }),
         Op::Pred { op, d, a, b } => map2(w, mask, d, a, b, |x, y| match op {
             Some(o) => boolop(o, x & 1 != 0, y & 1 != 0) as u64,
             None => (x & 1 == 0) as u64,
         }),
-        Op::Pack { d, ref parts, width } => for_lanes(mask, |l| {
-            let v = parts.iter().enumerate().fold(0u64, |acc, (k, p)| acc | trunc(w.get(*p, l), width) << (k as u32 * width as u32));
+        Op::Pack {
+            d,
+            ref parts,
+            width,
+        } => for_lanes(mask, |l| {
+            let v = parts.iter().enumerate().fold(0u64, |acc, (k, p)| {
+                acc | trunc(w.get(*p, l), width) << (k as u32 * width as u32)
+            });
             w.set(d, l, v);
         }),
         Op::Unpack { ref ds, a, width } => for_lanes(mask, |l| {
@@ -108,10 +154,25 @@ pub(crate) fn alu(w: &mut Warp, op: &Op, mask: u32) -> Result<bool, (usize, Faul
                 w.set(*d, l, trunc(v >> (k as u32 * width as u32), width));
             }
         }),
-        Op::Cvt { d, a, to, from, rnd, int_rnd, ftz, sat } => {
-            map2(w, mask, d, a, a, |x, _| cvt(x, to, from, rnd.unwrap_or(Rnd::N), int_rnd, ftz, sat))
-        }
-        Op::CvtPack { d, hi, lo, fmt, rnd } => map2(w, mask, d, hi, lo, |h, l| {
+        Op::Cvt {
+            d,
+            a,
+            to,
+            from,
+            rnd,
+            int_rnd,
+            ftz,
+            sat,
+        } => map2(w, mask, d, a, a, |x, _| {
+            cvt(x, to, from, rnd.unwrap_or(Rnd::N), int_rnd, ftz, sat)
+        }),
+        Op::CvtPack {
+            d,
+            hi,
+            lo,
+            fmt,
+            rnd,
+        } => map2(w, mask, d, hi, lo, |h, l| {
             float::convert(f(h) as f64, fmt, rnd) << 16 | float::convert(f(l) as f64, fmt, rnd)
         }),
         _ => return Ok(false),
@@ -133,10 +194,18 @@ pub(crate) fn int_bin(op: IntOp, t: IntTy, a: u64, b: u64, c: u64) -> Result<u64
     let (ua, ub) = (trunc(a, bits), trunc(b, bits));
     let (sa, sb) = (sext(a, bits), sext(b, bits));
     let wide = |x: u64, y: u64| -> u64 {
-        if t.signed { (sext(x, bits) as i128 * sext(y, bits) as i128) as u64 } else { (trunc(x, bits) as u128 * trunc(y, bits) as u128) as u64 }
+        if t.signed {
+            (sext(x, bits) as i128 * sext(y, bits) as i128) as u64
+        } else {
+            (trunc(x, bits) as u128 * trunc(y, bits) as u128) as u64
+        }
     };
     let hi = || -> u64 {
-        let p = if t.signed { sa as i128 * sb as i128 } else { (ua as u128 * ub as u128) as i128 };
+        let p = if t.signed {
+            sa as i128 * sb as i128
+        } else {
+            (ua as u128 * ub as u128) as i128
+        };
         (p >> bits) as u64
     };
     let v = match op {
@@ -161,9 +230,21 @@ pub(crate) fn int_bin(op: IntOp, t: IntTy, a: u64, b: u64, c: u64) -> Result<u64
         IntOp::Or => a | b,
         IntOp::Xor => a ^ b,
         // Shift amounts are unsigned 32-bit and clamp at the width.
-        IntOp::Shl => if (b as u32) >= bits as u32 { 0 } else { a << (b as u32) },
+        IntOp::Shl => {
+            if (b as u32) >= bits as u32 {
+                0
+            } else {
+                a << (b as u32)
+            }
+        }
         IntOp::Shr if t.signed => (sa >> (b as u32).min(bits as u32 - 1)) as u64,
-        IntOp::Shr => if (b as u32) >= bits as u32 { 0 } else { ua >> (b as u32) },
+        IntOp::Shr => {
+            if (b as u32) >= bits as u32 {
+                0
+            } else {
+                ua >> (b as u32)
+            }
+        }
     };
     Ok(trunc(v, bits))
 }
@@ -208,8 +289,20 @@ fn f64_bin(op: FBin, a: f64, b: f64) -> u64 {
         FBin::Mul => a * b,
         FBin::Div => a / b,
         FBin::Min { nan } | FBin::Max { nan } if nan && (a.is_nan() || b.is_nan()) => f64::NAN,
-        FBin::Min { .. } => if a < b || (a == b && a.is_sign_negative()) || b.is_nan() { a } else { b },
-        FBin::Max { .. } => if a > b || (a == b && b.is_sign_negative()) || b.is_nan() { a } else { b },
+        FBin::Min { .. } => {
+            if a < b || (a == b && a.is_sign_negative()) || b.is_nan() {
+                a
+            } else {
+                b
+            }
+        }
+        FBin::Max { .. } => {
+            if a > b || (a == b && b.is_sign_negative()) || b.is_nan() {
+                a
+            } else {
+                b
+            }
+        }
     };
     r.to_bits()
 }
@@ -241,7 +334,11 @@ fn fval(v: u64, t: Ty) -> f64 {
 
 fn compare(cmp: Cmp, t: Ty, a: u64, b: u64) -> bool {
     if let Ty::Int(it) = t {
-        let o = if it.signed { sext(a, it.bits).cmp(&sext(b, it.bits)) } else { trunc(a, it.bits).cmp(&trunc(b, it.bits)) };
+        let o = if it.signed {
+            sext(a, it.bits).cmp(&sext(b, it.bits))
+        } else {
+            trunc(a, it.bits).cmp(&trunc(b, it.bits))
+        };
         return match cmp {
             Cmp::Eq | Cmp::Equ => o.is_eq(),
             Cmp::Ne | Cmp::Neu => o.is_ne(),
@@ -274,7 +371,11 @@ fn compare(cmp: Cmp, t: Ty, a: u64, b: u64) -> bool {
 }
 
 fn int_range(t: IntTy) -> (i128, i128) {
-    if t.signed { (-(1i128 << (t.bits - 1)), (1i128 << (t.bits - 1)) - 1) } else { (0, (1i128 << t.bits) - 1) }
+    if t.signed {
+        (-(1i128 << (t.bits - 1)), (1i128 << (t.bits - 1)) - 1)
+    } else {
+        (0, (1i128 << t.bits) - 1)
+    }
 }
 
 fn float_bits(x: f64, to: Ty, rnd: Rnd) -> u64 {
@@ -288,23 +389,41 @@ fn float_bits(x: f64, to: Ty, rnd: Rnd) -> u64 {
 
 /// `cvt`: every pairing of integer and float types.
 fn cvt(a: u64, to: Ty, from: Ty, rnd: Rnd, int_rnd: bool, ftz: bool, sat: bool) -> u64 {
-    let flush = |x: f64, t: Ty| if ftz && t == Ty::F32 { float::ftz(x as f32) as f64 } else { x };
+    let flush = |x: f64, t: Ty| {
+        if ftz && t == Ty::F32 {
+            float::ftz(x as f32) as f64
+        } else {
+            x
+        }
+    };
     let clamp01 = |x: f64| if x > 0.0 { x.min(1.0) } else { 0.0 };
     match (from, to) {
         (Ty::Int(fi), Ty::Int(ti)) => {
-            let v = if fi.signed { sext(a, fi.bits) as i128 } else { trunc(a, fi.bits) as i128 };
+            let v = if fi.signed {
+                sext(a, fi.bits) as i128
+            } else {
+                trunc(a, fi.bits) as i128
+            };
             let (lo, hi) = int_range(ti);
             trunc((if sat { v.clamp(lo, hi) } else { v }) as u64, ti.bits)
         }
         (Ty::Int(fi), to) => {
-            let v = if fi.signed { sext(a, fi.bits) as i128 } else { trunc(a, fi.bits) as i128 };
+            let v = if fi.signed {
+                sext(a, fi.bits) as i128
+            } else {
+                trunc(a, fi.bits) as i128
+            };
             let bits = match to {
                 Ty::F64 => float::int_to_f64(v, rnd).to_bits(),
                 Ty::F16 => float::int_to_float(v, F16, rnd),
                 Ty::Bf16 => float::int_to_float(v, BF16, rnd),
                 _ => float::int_to_float(v, F32, rnd),
             };
-            if sat { float_bits(clamp01(fval(bits, to)), to, Rnd::N) } else { bits }
+            if sat {
+                float_bits(clamp01(fval(bits, to)), to, Rnd::N)
+            } else {
+                bits
+            }
         }
         (from, Ty::Int(ti)) => {
             let x = float::round_int(flush(fval(a, from), from), rnd);
@@ -312,7 +431,13 @@ fn cvt(a: u64, to: Ty, from: Ty, rnd: Rnd, int_rnd: bool, ftz: bool, sat: bool) 
                 return 0;
             }
             let (lo, hi) = int_range(ti);
-            let v = if x <= lo as f64 { lo } else if x >= hi as f64 { hi } else { x as i128 };
+            let v = if x <= lo as f64 {
+                lo
+            } else if x >= hi as f64 {
+                hi
+            } else {
+                x as i128
+            };
             trunc(v as u64, ti.bits)
         }
         (from, to) => {
@@ -324,7 +449,11 @@ fn cvt(a: u64, to: Ty, from: Ty, rnd: Rnd, int_rnd: bool, ftz: bool, sat: bool) 
                 x = if x.is_nan() { 0.0 } else { clamp01(x) };
             }
             let bits = float_bits(x, to, rnd);
-            if ftz && to == Ty::F32 { float::ftz(f32::from_bits(bits as u32)).to_bits() as u64 } else { bits }
+            if ftz && to == Ty::F32 {
+                float::ftz(f32::from_bits(bits as u32)).to_bits() as u64
+            } else {
+                bits
+            }
         }
     }
 }

@@ -1,9 +1,9 @@
 //! Loads, stores and `cp.async` per lane, through the global, shared and parameter spaces.
 
 use crate::error::{Access, FaultKind};
-use crate::exec::alu::sext;
-use crate::exec::warp::{for_lanes, Copy, Warp};
 use crate::exec::Block;
+use crate::exec::alu::sext;
+use crate::exec::warp::{Copy, Warp, for_lanes};
 use crate::ir::{Addr, Reg, Space, Src};
 use crate::mem::Who;
 
@@ -24,7 +24,9 @@ fn locate(space: Space, a: u64) -> Loc {
         Space::Global => Loc::Global(a),
         Space::Shared => Loc::Shared(a),
         Space::Param => Loc::Param(a),
-        Space::Generic if (SHARED_WINDOW..SHARED_WINDOW + (1 << 32)).contains(&a) => Loc::Shared(a - SHARED_WINDOW),
+        Space::Generic if (SHARED_WINDOW..SHARED_WINDOW + (1 << 32)).contains(&a) => {
+            Loc::Shared(a - SHARED_WINDOW)
+        }
         Space::Generic => Loc::Global(a),
     }
 }
@@ -41,28 +43,51 @@ fn aligned(loc: Loc, len: u64) -> Result<(), FaultKind> {
         Loc::Param(a) => ("param", a),
     };
     if a % len != 0 {
-        return Err(FaultKind::Misaligned { space, addr: a, align: len as u32 });
+        return Err(FaultKind::Misaligned {
+            space,
+            addr: a,
+            align: len as u32,
+        });
     }
     Ok(())
 }
 
 impl Block<'_> {
     fn who(&self) -> Who {
-        Who { stamp: self.spec.stamp, block: self.lin }
+        Who {
+            stamp: self.spec.stamp,
+            block: self.lin,
+        }
     }
 
-    fn read(&mut self, loc: Loc, out: &mut [u8], tid: u16, pc: u32, nc: bool) -> Result<(), FaultKind> {
+    fn read(
+        &mut self,
+        loc: Loc,
+        out: &mut [u8],
+        tid: u16,
+        pc: u32,
+        nc: bool,
+    ) -> Result<(), FaultKind> {
         match loc {
             Loc::Global(a) => self.global.load(a, out, self.who(), nc),
             Loc::Shared(a) => {
                 let insts = &self.spec.entry.insts;
-                self.shared.read(a, out, tid, pc, &|p| insts[p as usize].line)
+                self.shared
+                    .read(a, out, tid, pc, &|p| insts[p as usize].line)
             }
             Loc::Param(a) => {
                 let p = &self.spec.params;
-                let end = a.checked_add(out.len() as u64).filter(|&e| e <= p.len() as u64);
+                let end = a
+                    .checked_add(out.len() as u64)
+                    .filter(|&e| e <= p.len() as u64);
                 let Some(end) = end else {
-                    return Err(FaultKind::OutOfBounds { space: "param", addr: a, size: out.len() as u32, access: Access::Read, detail: format!("the parameters take {} bytes", p.len()) });
+                    return Err(FaultKind::OutOfBounds {
+                        space: "param",
+                        addr: a,
+                        size: out.len() as u32,
+                        access: Access::Read,
+                        detail: format!("the parameters take {} bytes", p.len()),
+                    });
                 };
                 out.copy_from_slice(&p[a as usize..end as usize]);
                 Ok(())
@@ -75,7 +100,8 @@ impl Block<'_> {
             Loc::Global(a) => self.global.store(a, bytes, self.who()),
             Loc::Shared(a) => {
                 let insts = &self.spec.entry.insts;
-                self.shared.write(a, bytes, tid, pc, &|p| insts[p as usize].line)
+                self.shared
+                    .write(a, bytes, tid, pc, &|p| insts[p as usize].line)
             }
             Loc::Param(_) => Err(FaultKind::Unsupported("stores to the param space".into())),
         }
@@ -83,7 +109,19 @@ impl Block<'_> {
 
     /// `ld`: `n` elements of `bytes` each from one aligned access per lane.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn ld(&mut self, w: &mut Warp, mask: u32, pc: u32, space: Space, bytes: u8, n: u8, d: [Reg; 4], addr: Addr, sext_: bool, nc: bool) -> Result<(), (usize, FaultKind)> {
+    pub(crate) fn ld(
+        &mut self,
+        w: &mut Warp,
+        mask: u32,
+        pc: u32,
+        space: Space,
+        bytes: u8,
+        n: u8,
+        d: [Reg; 4],
+        addr: Addr,
+        sext_: bool,
+        nc: bool,
+    ) -> Result<(), (usize, FaultKind)> {
         let len = bytes as usize * n as usize;
         let mut m = mask;
         while m != 0 {
@@ -91,10 +129,15 @@ impl Block<'_> {
             m &= m - 1;
             let loc = locate(space, addr_of(w, addr, l));
             let mut buf = [0u8; 16];
-            aligned(loc, len as u64).and_then(|_| self.read(loc, &mut buf[..len], (w.id * 32 + l as u32) as u16, pc, nc)).map_err(|k| (l, k))?;
+            aligned(loc, len as u64)
+                .and_then(|_| {
+                    self.read(loc, &mut buf[..len], (w.id * 32 + l as u32) as u16, pc, nc)
+                })
+                .map_err(|k| (l, k))?;
             for k in 0..n as usize {
                 let mut e = [0u8; 8];
-                e[..bytes as usize].copy_from_slice(&buf[k * bytes as usize..(k + 1) * bytes as usize]);
+                e[..bytes as usize]
+                    .copy_from_slice(&buf[k * bytes as usize..(k + 1) * bytes as usize]);
                 let v = u64::from_le_bytes(e);
                 w.set(d[k], l, if sext_ { sext(v, bytes * 8) as u64 } else { v });
             }
@@ -104,7 +147,17 @@ impl Block<'_> {
 
     /// `st`.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn st(&mut self, w: &mut Warp, mask: u32, pc: u32, space: Space, bytes: u8, n: u8, a: [Src; 4], addr: Addr) -> Result<(), (usize, FaultKind)> {
+    pub(crate) fn st(
+        &mut self,
+        w: &mut Warp,
+        mask: u32,
+        pc: u32,
+        space: Space,
+        bytes: u8,
+        n: u8,
+        a: [Src; 4],
+        addr: Addr,
+    ) -> Result<(), (usize, FaultKind)> {
         let len = bytes as usize * n as usize;
         let mut m = mask;
         while m != 0 {
@@ -114,16 +167,28 @@ impl Block<'_> {
             let mut buf = [0u8; 16];
             for k in 0..n as usize {
                 let v = w.get(a[k], l).to_le_bytes();
-                buf[k * bytes as usize..(k + 1) * bytes as usize].copy_from_slice(&v[..bytes as usize]);
+                buf[k * bytes as usize..(k + 1) * bytes as usize]
+                    .copy_from_slice(&v[..bytes as usize]);
             }
-            aligned(loc, len as u64).and_then(|_| self.write(loc, &buf[..len], (w.id * 32 + l as u32) as u16, pc)).map_err(|k| (l, k))?;
+            aligned(loc, len as u64)
+                .and_then(|_| self.write(loc, &buf[..len], (w.id * 32 + l as u32) as u16, pc))
+                .map_err(|k| (l, k))?;
         }
         Ok(())
     }
 
     /// `cp.async`: reads `src-size` bytes now (zero-filling the rest) and marks the shared
     /// destination in flight until a `cp.async.wait_group` of the lane completes it.
-    pub(crate) fn cp_async(&mut self, w: &mut Warp, mask: u32, pc: u32, dst: Addr, src: Addr, size: u8, src_size: Option<Src>) -> Result<(), (usize, FaultKind)> {
+    pub(crate) fn cp_async(
+        &mut self,
+        w: &mut Warp,
+        mask: u32,
+        pc: u32,
+        dst: Addr,
+        src: Addr,
+        size: u8,
+        src_size: Option<Src>,
+    ) -> Result<(), (usize, FaultKind)> {
         let mut m = mask;
         while m != 0 {
             let l = m.trailing_zeros() as usize;
@@ -131,22 +196,41 @@ impl Block<'_> {
             let tid = (w.id * 32 + l as u32) as u16;
             let n = src_size.map_or(size as u64, |s| w.get(s, l) as u32 as u64);
             if n > size as u64 {
-                return Err((l, FaultKind::Unsupported(format!("cp.async src-size {n} above cp-size {size}"))));
+                return Err((
+                    l,
+                    FaultKind::Unsupported(format!("cp.async src-size {n} above cp-size {size}")),
+                ));
             }
-            let (d, s) = (locate(Space::Shared, addr_of(w, dst, l)), locate(Space::Global, addr_of(w, src, l)));
+            let (d, s) = (
+                locate(Space::Shared, addr_of(w, dst, l)),
+                locate(Space::Global, addr_of(w, src, l)),
+            );
             let mut data = [0u8; 16];
             let step = || -> Result<u64, FaultKind> {
                 aligned(d, size as u64)?;
                 aligned(s, size as u64)?;
-                Ok(match d { Loc::Shared(a) => a, _ => 0 })
+                Ok(match d {
+                    Loc::Shared(a) => a,
+                    _ => 0,
+                })
             };
             let da = step().map_err(|k| (l, k))?;
             if n > 0 {
-                self.read(s, &mut data[..n as usize], tid, pc, false).map_err(|k| (l, k))?;
+                self.read(s, &mut data[..n as usize], tid, pc, false)
+                    .map_err(|k| (l, k))?;
             }
             let insts = &self.spec.entry.insts;
-            self.shared.begin_async(da, size as usize, tid, pc, &|p| insts[p as usize].line).map_err(|k| (l, k))?;
-            w.copies.push(Copy { lane: l as u8, group: w.cp_group[l], dst: da, len: size, data, pc });
+            self.shared
+                .begin_async(da, size as usize, tid, pc, &|p| insts[p as usize].line)
+                .map_err(|k| (l, k))?;
+            w.copies.push(Copy {
+                lane: l as u8,
+                group: w.cp_group[l],
+                dst: da,
+                len: size,
+                data,
+                pc,
+            });
         }
         Ok(())
     }
@@ -157,7 +241,12 @@ impl Block<'_> {
         let groups = w.cp_group;
         let done = |c: &Copy| mask >> c.lane & 1 != 0 && c.group + n < groups[c.lane as usize];
         for c in w.copies.iter().filter(|c| done(c)) {
-            self.shared.end_async(c.dst, &c.data[..c.len as usize], w.id as u16 * 32 + c.lane as u16, c.pc);
+            self.shared.end_async(
+                c.dst,
+                &c.data[..c.len as usize],
+                w.id as u16 * 32 + c.lane as u16,
+                c.pc,
+            );
         }
         w.copies.retain(|c| !done(c));
     }

@@ -12,10 +12,10 @@ mod warp;
 pub(crate) use memops::SHARED_WINDOW;
 
 use crate::error::{Fault, FaultKind};
-use crate::ir::{Entry, Op, Src, SPECIALS};
+use crate::ir::{Entry, Op, SPECIALS, Src};
 use crate::mem::Global;
 use shared::Shared;
-use warp::{lanes_str, Group, Wait, Warp};
+use warp::{Group, Wait, Warp, lanes_str};
 
 /// Everything a launch needs besides memory.
 pub(crate) struct LaunchSpec<'a> {
@@ -60,7 +60,15 @@ type R<T> = Result<T, Box<Fault>>;
 /// Runs every block of a launch.
 pub(crate) fn run(spec: &LaunchSpec, global: &mut Global) -> R<LaunchStats> {
     let shared_bytes = (spec.entry.shared_dyn_base + spec.dyn_shared).max(spec.entry.shared_static);
-    let mut b = Block { spec, global, shared: Shared::new(shared_bytes as usize), idx: [0; 3], lin: 0, steps: 0, max_warp_steps: 0 };
+    let mut b = Block {
+        spec,
+        global,
+        shared: Shared::new(shared_bytes as usize),
+        idx: [0; 3],
+        lin: 0,
+        steps: 0,
+        max_warp_steps: 0,
+    };
     let [gx, gy, gz] = spec.grid;
     let mut blocks = 0;
     for z in 0..gz {
@@ -73,7 +81,11 @@ pub(crate) fn run(spec: &LaunchSpec, global: &mut Global) -> R<LaunchStats> {
             }
         }
     }
-    Ok(LaunchStats { warp_steps: b.steps, blocks, max_warp_steps: b.max_warp_steps })
+    Ok(LaunchStats {
+        warp_steps: b.steps,
+        blocks,
+        max_warp_steps: b.max_warp_steps,
+    })
 }
 
 impl Block<'_> {
@@ -89,13 +101,29 @@ impl Block<'_> {
     /// A fault at instruction `pc` in thread `lane` of warp `warp`.
     fn fault(&self, pc: u32, warp: u32, lane: usize, kind: FaultKind) -> Box<Fault> {
         let line = self.spec.entry.insts.get(pc as usize).map_or(0, |i| i.line);
-        let text = self.spec.lines.get(line as usize - 1).map_or("", |s| s.trim()).to_string();
-        Box::new(Fault { kernel: self.spec.entry.name.clone(), line, text, block: self.idx, thread: self.thread_xyz(warp * 32 + lane as u32), kind })
+        let text = self
+            .spec
+            .lines
+            .get(line as usize - 1)
+            .map_or("", |s| s.trim())
+            .to_string();
+        Box::new(Fault {
+            kernel: self.spec.entry.name.clone(),
+            line,
+            text,
+            block: self.idx,
+            thread: self.thread_xyz(warp * 32 + lane as u32),
+            kind,
+        })
     }
 
     fn new_warp(&self, id: u32) -> Warp {
         let n = self.threads();
-        let exists = if (id + 1) * 32 <= n { u32::MAX } else { (1u32 << (n - id * 32)) - 1 };
+        let exists = if (id + 1) * 32 <= n {
+            u32::MAX
+        } else {
+            (1u32 << (n - id * 32)) - 1
+        };
         let mut w = Warp::new(id, self.spec.entry.nregs, exists);
         let nwarps = n.div_ceil(32);
         let [bx, by, bz] = self.spec.block;
@@ -103,11 +131,33 @@ impl Block<'_> {
         for l in 0..32usize {
             let t = self.thread_xyz(id * 32 + l as u32);
             let lt = (1u64 << l) - 1;
-            let vals = [t[0], t[1], t[2], bx, by, bz, self.idx[0], self.idx[1], self.idx[2], gx, gy, gz];
+            let vals = [
+                t[0],
+                t[1],
+                t[2],
+                bx,
+                by,
+                bz,
+                self.idx[0],
+                self.idx[1],
+                self.idx[2],
+                gx,
+                gy,
+                gz,
+            ];
             for (r, v) in vals.into_iter().enumerate() {
                 w.set(r as u32, l, v as u64);
             }
-            let rest = [l as u64, id as u64, nwarps as u64, 1 << l, lt | 1 << l, lt, !lt & 0xffff_ffff, !(lt | 1 << l) & 0xffff_ffff];
+            let rest = [
+                l as u64,
+                id as u64,
+                nwarps as u64,
+                1 << l,
+                lt | 1 << l,
+                lt,
+                !lt & 0xffff_ffff,
+                !(lt | 1 << l) & 0xffff_ffff,
+            ];
             for (k, v) in rest.into_iter().enumerate() {
                 w.set((vals.len() + k) as u32, l, v);
             }
@@ -118,22 +168,44 @@ impl Block<'_> {
 
     fn run_block(&mut self) -> R<()> {
         self.shared.begin_block();
-        let mut warps: Vec<Warp> = (0..self.threads().div_ceil(32)).map(|i| self.new_warp(i)).collect();
+        let mut warps: Vec<Warp> = (0..self.threads().div_ceil(32))
+            .map(|i| self.new_warp(i))
+            .collect();
         loop {
             for w in warps.iter_mut() {
                 self.run_warp(w)?;
             }
-            let waiting: Vec<usize> = (0..warps.len()).filter(|&i| !warps[i].groups.is_empty()).collect();
+            let waiting: Vec<usize> = (0..warps.len())
+                .filter(|&i| !warps[i].groups.is_empty())
+                .collect();
             let Some(&first) = waiting.first() else {
-                self.max_warp_steps = warps.iter().map(|w| w.steps).fold(self.max_warp_steps, u64::max);
+                self.max_warp_steps = warps
+                    .iter()
+                    .map(|w| w.steps)
+                    .fold(self.max_warp_steps, u64::max);
                 return Ok(());
             };
             // Every warp with lanes left waits at a barrier (run_warp returns only then).
             let pc = warps[first].groups[0].pc;
-            let gone: Vec<u32> = warps.iter().flat_map(|w| (0..32).filter(move |l| (w.exists & !w.live) >> l & 1 != 0).map(move |l| w.id * 32 + l)).collect();
+            let gone: Vec<u32> = warps
+                .iter()
+                .flat_map(|w| {
+                    (0..32)
+                        .filter(move |l| (w.exists & !w.live) >> l & 1 != 0)
+                        .map(move |l| w.id * 32 + l)
+                })
+                .collect();
             if let Some(&t) = gone.first() {
-                let msg = format!("{} thread(s) of the block exited without reaching it (thread {t} first)", gone.len());
-                return Err(self.fault(pc, warps[first].id, warps[first].groups[0].mask.trailing_zeros() as usize, FaultKind::Barrier(msg)));
+                let msg = format!(
+                    "{} thread(s) of the block exited without reaching it (thread {t} first)",
+                    gone.len()
+                );
+                return Err(self.fault(
+                    pc,
+                    warps[first].id,
+                    warps[first].groups[0].mask.trailing_zeros() as usize,
+                    FaultKind::Barrier(msg),
+                ));
             }
             if let Op::Bar { count: Some(c) } = self.spec.entry.insts[pc as usize].op {
                 let n = match c {
@@ -141,7 +213,14 @@ impl Block<'_> {
                     Src::R(r) => warps[first].regs[(r as usize) << 5],
                 };
                 if n != self.threads() as u64 {
-                    return Err(self.fault(pc, warps[first].id, 0, FaultKind::Unsupported(format!("bar.sync with a thread count ({n}) other than the block's"))));
+                    return Err(self.fault(
+                        pc,
+                        warps[first].id,
+                        0,
+                        FaultKind::Unsupported(format!(
+                            "bar.sync with a thread count ({n}) other than the block's"
+                        )),
+                    ));
                 }
             }
             self.shared.barrier();
@@ -156,12 +235,19 @@ impl Block<'_> {
     fn run_warp(&mut self, w: &mut Warp) -> R<()> {
         let insts = &self.spec.entry.insts;
         loop {
-            let Some(g) = w.pick() else { return self.settle(w) };
+            let Some(g) = w.pick() else {
+                return self.settle(w);
+            };
             let Group { pc, mask, .. } = w.groups[g];
             self.steps += 1;
             w.steps += 1;
             if self.steps > self.spec.max_steps {
-                return Err(self.fault(pc, w.id, mask.trailing_zeros() as usize, FaultKind::StepLimit(self.spec.max_steps)));
+                return Err(self.fault(
+                    pc,
+                    w.id,
+                    mask.trailing_zeros() as usize,
+                    FaultKind::StepLimit(self.spec.max_steps),
+                ));
             }
             let inst = &insts[pc as usize];
             let exec = w.guarded(mask, inst.guard);
@@ -171,11 +257,20 @@ impl Block<'_> {
                     let rest = mask & !exec;
                     if exec != 0 && rest != 0 {
                         if uni {
-                            return Err(self.fault(pc, w.id, lane0, FaultKind::DivergentUniformBranch));
+                            return Err(self.fault(
+                                pc,
+                                w.id,
+                                lane0,
+                                FaultKind::DivergentUniformBranch,
+                            ));
                         }
                         w.groups[g].mask = rest;
                         w.groups[g].pc = pc + 1;
-                        w.groups.push(Group { pc: target, mask: exec, wait: Wait::No });
+                        w.groups.push(Group {
+                            pc: target,
+                            mask: exec,
+                            wait: Wait::No,
+                        });
                         // The new group first: merging it never moves group g.
                         w.merge(w.groups.len() - 1);
                     } else {
@@ -197,15 +292,27 @@ impl Block<'_> {
                 }
                 Op::Bar { .. } => {
                     if exec != mask {
-                        let msg = format!("lanes {} of warp {} skip it through their guard predicate", lanes_str(mask & !exec), w.id);
-                        return Err(self.fault(pc, w.id, (mask & !exec).trailing_zeros() as usize, FaultKind::Barrier(msg)));
+                        let msg = format!(
+                            "lanes {} of warp {} skip it through their guard predicate",
+                            lanes_str(mask & !exec),
+                            w.id
+                        );
+                        return Err(self.fault(
+                            pc,
+                            w.id,
+                            (mask & !exec).trailing_zeros() as usize,
+                            FaultKind::Barrier(msg),
+                        ));
                     }
                     w.groups[g].wait = Wait::Barrier;
                     w.merge(g);
                 }
-                Op::Shfl { .. } | Op::Ldmatrix { .. } | Op::Mma { .. } | Op::WarpBar { .. } => self.warp_sync(w, g, exec)?,
+                Op::Shfl { .. } | Op::Ldmatrix { .. } | Op::Mma { .. } | Op::WarpBar { .. } => {
+                    self.warp_sync(w, g, exec)?
+                }
                 _ => {
-                    self.exec(w, pc, exec).map_err(|(l, k)| self.fault(pc, w.id, l, k))?;
+                    self.exec(w, pc, exec)
+                        .map_err(|(l, k)| self.fault(pc, w.id, l, k))?;
                     w.groups[g].pc = pc + 1;
                     w.merge(g);
                 }
@@ -223,7 +330,10 @@ impl Block<'_> {
             Op::Shfl { mask: m, .. } | Op::WarpBar { mask: m } => {
                 let mm = w.get(m, exec.trailing_zeros() as usize & 31) as u32;
                 if exec & !mm != 0 {
-                    let msg = format!("lanes {} execute it outside its membermask {mm:#x}", lanes_str(exec & !mm));
+                    let msg = format!(
+                        "lanes {} execute it outside its membermask {mm:#x}",
+                        lanes_str(exec & !mm)
+                    );
                     return Err(self.fault(pc, w.id, lane0, FaultKind::WarpSync(msg)));
                 }
                 mm
@@ -231,7 +341,11 @@ impl Block<'_> {
             _ => w.live,
         };
         if need & !w.live != 0 {
-            let msg = format!("it needs lanes {} of warp {}, which have exited or do not exist", sync::missing(need, w.live), w.id);
+            let msg = format!(
+                "it needs lanes {} of warp {}, which have exited or do not exist",
+                sync::missing(need, w.live),
+                w.id
+            );
             return Err(self.fault(pc, w.id, lane0, FaultKind::WarpSync(msg)));
         }
         if need & !mask != 0 {
@@ -239,11 +353,22 @@ impl Block<'_> {
             return Ok(());
         }
         if need & !exec != 0 {
-            let msg = format!("lanes {} skip it through their guard predicate", sync::missing(need, exec));
+            let msg = format!(
+                "lanes {} skip it through their guard predicate",
+                sync::missing(need, exec)
+            );
             return Err(self.fault(pc, w.id, lane0, FaultKind::WarpSync(msg)));
         }
         let r = match *op {
-            Op::Shfl { mode, d, p, a, b, c, .. } => sync::shfl(w, exec, mode, d, p, a, b, c),
+            Op::Shfl {
+                mode,
+                d,
+                p,
+                a,
+                b,
+                c,
+                ..
+            } => sync::shfl(w, exec, mode, d, p, a, b, c),
             Op::Ldmatrix { n, trans, d, addr } => self.ldmatrix(w, exec, pc, n, trans, d, addr),
             Op::Mma { bf16, d, a, b, c } => {
                 sync::mma(w, bf16, d, a, b, c);
@@ -264,20 +389,58 @@ impl Block<'_> {
     /// No group of `w` can run: fine when all have exited or all lanes wait at one barrier.
     fn settle(&self, w: &Warp) -> R<()> {
         if let Some(s) = w.groups.iter().find(|g| g.wait == Wait::Sync) {
-            let others: Vec<String> = w.groups.iter().filter(|o| o.pc != s.pc).map(|o| format!("lanes {} at line {}", lanes_str(o.mask), self.spec.entry.insts[o.pc as usize].line)).collect();
+            let others: Vec<String> = w
+                .groups
+                .iter()
+                .filter(|o| o.pc != s.pc)
+                .map(|o| {
+                    format!(
+                        "lanes {} at line {}",
+                        lanes_str(o.mask),
+                        self.spec.entry.insts[o.pc as usize].line
+                    )
+                })
+                .collect();
             let exited = w.exists & !w.live;
             let msg = format!(
                 "lanes {} wait for the rest of the warp, which never arrives ({}{})",
                 lanes_str(s.mask),
                 others.join("; "),
-                if exited != 0 { format!("; lanes {} exited", lanes_str(exited)) } else { String::new() }
+                if exited != 0 {
+                    format!("; lanes {} exited", lanes_str(exited))
+                } else {
+                    String::new()
+                }
             );
-            return Err(self.fault(s.pc, w.id, s.mask.trailing_zeros() as usize, FaultKind::WarpSync(msg)));
+            return Err(self.fault(
+                s.pc,
+                w.id,
+                s.mask.trailing_zeros() as usize,
+                FaultKind::WarpSync(msg),
+            ));
         }
         if w.groups.len() > 1 {
-            let at: Vec<String> = w.groups.iter().map(|o| format!("lanes {} at line {}", lanes_str(o.mask), self.spec.entry.insts[o.pc as usize].line)).collect();
+            let at: Vec<String> = w
+                .groups
+                .iter()
+                .map(|o| {
+                    format!(
+                        "lanes {} at line {}",
+                        lanes_str(o.mask),
+                        self.spec.entry.insts[o.pc as usize].line
+                    )
+                })
+                .collect();
             let g = w.groups[0];
-            return Err(self.fault(g.pc, w.id, g.mask.trailing_zeros() as usize, FaultKind::Barrier(format!("one warp waits at different barriers: {}", at.join("; ")))));
+            return Err(self.fault(
+                g.pc,
+                w.id,
+                g.mask.trailing_zeros() as usize,
+                FaultKind::Barrier(format!(
+                    "one warp waits at different barriers: {}",
+                    at.join("; ")
+                )),
+            ));
         }
         Ok(())
     }
@@ -289,9 +452,28 @@ impl Block<'_> {
             return Ok(());
         }
         match *op {
-            Op::Ld { space, bytes, n, d, addr, sext, nc } => self.ld(w, exec, pc, space, bytes, n, d, addr, sext, nc),
-            Op::St { space, bytes, n, a, addr } => self.st(w, exec, pc, space, bytes, n, a, addr),
-            Op::CpAsync { dst, src, size, src_size } => self.cp_async(w, exec, pc, dst, src, size, src_size),
+            Op::Ld {
+                space,
+                bytes,
+                n,
+                d,
+                addr,
+                sext,
+                nc,
+            } => self.ld(w, exec, pc, space, bytes, n, d, addr, sext, nc),
+            Op::St {
+                space,
+                bytes,
+                n,
+                a,
+                addr,
+            } => self.st(w, exec, pc, space, bytes, n, a, addr),
+            Op::CpAsync {
+                dst,
+                src,
+                size,
+                src_size,
+            } => self.cp_async(w, exec, pc, dst, src, size, src_size),
             Op::CpCommit => {
                 memops::cp_commit(w, exec);
                 Ok(())
@@ -303,11 +485,22 @@ impl Block<'_> {
             Op::CvtaShared { d, a, to_generic } => {
                 warp::for_lanes(exec, |l| {
                     let v = w.get(a, l);
-                    w.set(d, l, if to_generic { v.wrapping_add(SHARED_WINDOW) } else { v.wrapping_sub(SHARED_WINDOW) });
+                    w.set(
+                        d,
+                        l,
+                        if to_generic {
+                            v.wrapping_add(SHARED_WINDOW)
+                        } else {
+                            v.wrapping_sub(SHARED_WINDOW)
+                        },
+                    );
                 });
                 Ok(())
             }
-            Op::Unimplemented(ref s) => Err((exec.trailing_zeros() as usize & 31, FaultKind::Unsupported(s.clone()))),
+            Op::Unimplemented(ref s) => Err((
+                exec.trailing_zeros() as usize & 31,
+                FaultKind::Unsupported(s.clone()),
+            )),
             _ => Ok(()),
         }
     }

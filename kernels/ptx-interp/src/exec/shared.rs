@@ -37,7 +37,13 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn new(bytes: usize) -> Shared {
-        Shared { data: vec![0; bytes], cells: vec![Cell::default(); bytes], epoch: 0, start: 1, warp_epochs: vec![0; 32] }
+        Shared {
+            data: vec![0; bytes],
+            cells: vec![Cell::default(); bytes],
+            epoch: 0,
+            start: 1,
+            warp_epochs: vec![0; 32],
+        }
     }
 
     /// A new block starts: nothing in its shared memory is initialised.
@@ -67,7 +73,14 @@ impl Shared {
         Self::conflicts_in(self.epoch, &self.warp_epochs, epoch, other, wep, tid)
     }
 
-    fn conflicts_in(now: u32, warp_epochs: &[u32], epoch: u32, other: u16, wep: u32, tid: u16) -> bool {
+    fn conflicts_in(
+        now: u32,
+        warp_epochs: &[u32],
+        epoch: u32,
+        other: u16,
+        wep: u32,
+        tid: u16,
+    ) -> bool {
         if epoch != now || other == tid {
             return false;
         }
@@ -76,7 +89,10 @@ impl Shared {
     }
 
     fn range(&self, addr: u64, len: usize, access: Access) -> Result<usize, FaultKind> {
-        if addr.checked_add(len as u64).is_none_or(|end| end > self.data.len() as u64) {
+        if addr
+            .checked_add(len as u64)
+            .is_none_or(|end| end > self.data.len() as u64)
+        {
             return Err(FaultKind::OutOfBounds {
                 space: "shared",
                 addr,
@@ -88,27 +104,74 @@ impl Shared {
         Ok(addr as usize)
     }
 
-    fn race(hazard: Hazard, addr: usize, tid: u16, pc: u32, line: &dyn Fn(u32) -> u32) -> FaultKind {
+    fn race(
+        hazard: Hazard,
+        addr: usize,
+        tid: u16,
+        pc: u32,
+        line: &dyn Fn(u32) -> u32,
+    ) -> FaultKind {
         let other_thread = (tid != MANY).then_some(tid as u32);
-        FaultKind::SharedRace { hazard, addr: addr as u64, other_thread, other_line: other_thread.map(|_| line(pc)) }
+        FaultKind::SharedRace {
+            hazard,
+            addr: addr as u64,
+            other_thread,
+            other_line: other_thread.map(|_| line(pc)),
+        }
     }
 
     /// Thread `tid` at instruction `pc` reads `out.len()` bytes at `addr`; `line` maps an
     /// instruction index to its source line for the report.
-    pub(crate) fn read(&mut self, addr: u64, out: &mut [u8], tid: u16, pc: u32, line: &dyn Fn(u32) -> u32) -> Result<(), FaultKind> {
+    pub(crate) fn read(
+        &mut self,
+        addr: u64,
+        out: &mut [u8],
+        tid: u16,
+        pc: u32,
+        line: &dyn Fn(u32) -> u32,
+    ) -> Result<(), FaultKind> {
         let a = self.range(addr, out.len(), Access::Read)?;
         let wep = self.warp_epochs[(tid / 32) as usize];
         for (k, c) in self.cells[a..a + out.len()].iter_mut().enumerate() {
             if c.pending != 0 {
-                return Err(Self::race(Hazard::ReadAfterWrite, a + k, c.pending - 1, c.w_pc, line));
+                return Err(Self::race(
+                    Hazard::ReadAfterWrite,
+                    a + k,
+                    c.pending - 1,
+                    c.w_pc,
+                    line,
+                ));
             }
             if c.w_epoch < self.start {
-                return Err(FaultKind::Uninitialized { space: "shared", addr: (a + k) as u64 });
+                return Err(FaultKind::Uninitialized {
+                    space: "shared",
+                    addr: (a + k) as u64,
+                });
             }
-            if Self::conflicts_in(self.epoch, &self.warp_epochs, c.w_epoch, c.w_tid, c.w_wep, tid) {
-                return Err(Self::race(Hazard::ReadAfterWrite, a + k, c.w_tid, c.w_pc, line));
+            if Self::conflicts_in(
+                self.epoch,
+                &self.warp_epochs,
+                c.w_epoch,
+                c.w_tid,
+                c.w_wep,
+                tid,
+            ) {
+                return Err(Self::race(
+                    Hazard::ReadAfterWrite,
+                    a + k,
+                    c.w_tid,
+                    c.w_pc,
+                    line,
+                ));
             }
-            if Self::conflicts_in(self.epoch, &self.warp_epochs, c.r_epoch, c.r_tid, c.r_wep, tid) {
+            if Self::conflicts_in(
+                self.epoch,
+                &self.warp_epochs,
+                c.r_epoch,
+                c.r_tid,
+                c.r_wep,
+                tid,
+            ) {
                 c.r_tid = MANY;
             } else {
                 (c.r_epoch, c.r_tid, c.r_pc, c.r_wep) = (self.epoch, tid, pc, wep);
@@ -119,7 +182,14 @@ impl Shared {
     }
 
     /// Thread `tid` at `pc` writes `bytes` at `addr`.
-    pub(crate) fn write(&mut self, addr: u64, bytes: &[u8], tid: u16, pc: u32, line: &dyn Fn(u32) -> u32) -> Result<(), FaultKind> {
+    pub(crate) fn write(
+        &mut self,
+        addr: u64,
+        bytes: &[u8],
+        tid: u16,
+        pc: u32,
+        line: &dyn Fn(u32) -> u32,
+    ) -> Result<(), FaultKind> {
         let a = self.range(addr, bytes.len(), Access::Write)?;
         self.check_write(a, bytes.len(), tid, line)?;
         let wep = self.warp_epochs[(tid / 32) as usize];
@@ -130,16 +200,40 @@ impl Shared {
         Ok(())
     }
 
-    fn check_write(&self, a: usize, len: usize, tid: u16, line: &dyn Fn(u32) -> u32) -> Result<(), FaultKind> {
+    fn check_write(
+        &self,
+        a: usize,
+        len: usize,
+        tid: u16,
+        line: &dyn Fn(u32) -> u32,
+    ) -> Result<(), FaultKind> {
         for (k, c) in self.cells[a..a + len].iter().enumerate() {
             if c.pending != 0 {
-                return Err(Self::race(Hazard::WriteAfterWrite, a + k, c.pending - 1, c.w_pc, line));
+                return Err(Self::race(
+                    Hazard::WriteAfterWrite,
+                    a + k,
+                    c.pending - 1,
+                    c.w_pc,
+                    line,
+                ));
             }
             if self.conflicts(c.w_epoch, c.w_tid, c.w_wep, tid) {
-                return Err(Self::race(Hazard::WriteAfterWrite, a + k, c.w_tid, c.w_pc, line));
+                return Err(Self::race(
+                    Hazard::WriteAfterWrite,
+                    a + k,
+                    c.w_tid,
+                    c.w_pc,
+                    line,
+                ));
             }
             if self.conflicts(c.r_epoch, c.r_tid, c.r_wep, tid) {
-                return Err(Self::race(Hazard::WriteAfterRead, a + k, c.r_tid, c.r_pc, line));
+                return Err(Self::race(
+                    Hazard::WriteAfterRead,
+                    a + k,
+                    c.r_tid,
+                    c.r_pc,
+                    line,
+                ));
             }
         }
         Ok(())
@@ -147,7 +241,14 @@ impl Shared {
 
     /// A `cp.async` by `tid` at `pc` now targets `[addr, addr + len)`: any access before it
     /// completes is a race.
-    pub(crate) fn begin_async(&mut self, addr: u64, len: usize, tid: u16, pc: u32, line: &dyn Fn(u32) -> u32) -> Result<(), FaultKind> {
+    pub(crate) fn begin_async(
+        &mut self,
+        addr: u64,
+        len: usize,
+        tid: u16,
+        pc: u32,
+        line: &dyn Fn(u32) -> u32,
+    ) -> Result<(), FaultKind> {
         let a = self.range(addr, len, Access::Write)?;
         self.check_write(a, len, tid, line)?;
         for c in &mut self.cells[a..a + len] {

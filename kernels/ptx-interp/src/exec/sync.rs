@@ -2,14 +2,23 @@
 //! inputs, f32 accumulators), with the fragment layouts of the PTX ISA.
 
 use crate::error::FaultKind;
-use crate::exec::warp::{for_lanes, lanes_str, Warp};
 use crate::exec::Block;
+use crate::exec::warp::{Warp, for_lanes, lanes_str};
 use crate::float::{self, F16};
 use crate::ir::{Addr, Reg, ShflMode, Src};
 
 /// `shfl.sync` on the lanes of `exec`; every lane it reads from must execute it too.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn shfl(w: &mut Warp, exec: u32, mode: ShflMode, d: Reg, p: Option<Reg>, a: Src, b: Src, c: Src) -> Result<(), (usize, FaultKind)> {
+pub(crate) fn shfl(
+    w: &mut Warp,
+    exec: u32,
+    mode: ShflMode,
+    d: Reg,
+    p: Option<Reg>,
+    a: Src,
+    b: Src,
+    c: Src,
+) -> Result<(), (usize, FaultKind)> {
     let mut out = [(0u64, false); 32];
     let mut m = exec;
     while m != 0 {
@@ -31,7 +40,12 @@ pub(crate) fn shfl(w: &mut Warp, exec: u32, mode: ShflMode, d: Reg, p: Option<Re
         };
         let j = if ok { j as usize } else { l };
         if exec >> j & 1 == 0 {
-            return Err((l, FaultKind::WarpSync(format!("shfl.sync in lane {l} reads lane {j}, which does not execute it"))));
+            return Err((
+                l,
+                FaultKind::WarpSync(format!(
+                    "shfl.sync in lane {l} reads lane {j}, which does not execute it"
+                )),
+            ));
         }
         out[l] = (w.get(a, j), ok);
     }
@@ -49,7 +63,16 @@ impl Block<'_> {
     /// addresses of matrix i; lane l receives row l/4, columns 2(l%4) and 2(l%4)+1 of each
     /// matrix (of its transpose with `.trans`), the lower column in the low half.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn ldmatrix(&mut self, w: &mut Warp, exec: u32, pc: u32, n: u8, trans: bool, d: [Reg; 4], addr: Addr) -> Result<(), (usize, FaultKind)> {
+    pub(crate) fn ldmatrix(
+        &mut self,
+        w: &mut Warp,
+        exec: u32,
+        pc: u32,
+        n: u8,
+        trans: bool,
+        d: [Reg; 4],
+        addr: Addr,
+    ) -> Result<(), (usize, FaultKind)> {
         let mut rows = [[[0u16; 8]; 8]; 4];
         for i in 0..n as usize {
             for r in 0..8 {
@@ -57,11 +80,22 @@ impl Block<'_> {
                 let base = addr.base.map_or(0, |b| w.regs[(b as usize) << 5 | l]);
                 let a = base.wrapping_add(addr.off as u64);
                 if a % 16 != 0 {
-                    return Err((l, FaultKind::Misaligned { space: "shared", addr: a, align: 16 }));
+                    return Err((
+                        l,
+                        FaultKind::Misaligned {
+                            space: "shared",
+                            addr: a,
+                            align: 16,
+                        },
+                    ));
                 }
                 let mut buf = [0u8; 16];
                 let insts = &self.spec.entry.insts;
-                self.shared.read(a, &mut buf, (w.id * 32 + l as u32) as u16, pc, &|p| insts[p as usize].line).map_err(|k| (l, k))?;
+                self.shared
+                    .read(a, &mut buf, (w.id * 32 + l as u32) as u16, pc, &|p| {
+                        insts[p as usize].line
+                    })
+                    .map_err(|k| (l, k))?;
                 for c in 0..8 {
                     rows[i][r][c] = u16::from_le_bytes([buf[2 * c], buf[2 * c + 1]]);
                 }
@@ -70,7 +104,11 @@ impl Block<'_> {
         for_lanes(exec, |l| {
             let (r, c) = (l / 4, 2 * (l % 4));
             for i in 0..n as usize {
-                let (lo, hi) = if trans { (rows[i][c][r], rows[i][c + 1][r]) } else { (rows[i][r][c], rows[i][r][c + 1]) };
+                let (lo, hi) = if trans {
+                    (rows[i][c][r], rows[i][c + 1][r])
+                } else {
+                    (rows[i][r][c], rows[i][r][c + 1])
+                };
                 w.set(d[i], l, lo as u64 | (hi as u64) << 16);
             }
         });
@@ -79,7 +117,11 @@ impl Block<'_> {
 }
 
 fn half_to_f64(h: u64, bf16: bool) -> f64 {
-    if bf16 { f32::from_bits((h as u32 & 0xffff) << 16) as f64 } else { float::to_f64(h & 0xffff, F16) }
+    if bf16 {
+        f32::from_bits((h as u32 & 0xffff) << 16) as f64
+    } else {
+        float::to_f64(h & 0xffff, F16)
+    }
 }
 
 /// `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32`: D = A.B + C with
@@ -94,7 +136,15 @@ pub(crate) fn mma(w: &mut Warp, bf16: bool, d: [Reg; 4], a: [Src; 4], b: [Src; 2
     let mut cm = [[0f64; 8]; 16];
     for l in 0..32 {
         let (g, t) = (l / 4, l % 4);
-        for (k, (r, col)) in [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)].into_iter().enumerate() {
+        for (k, (r, col)) in [
+            (g, 2 * t),
+            (g + 8, 2 * t),
+            (g, 2 * t + 8),
+            (g + 8, 2 * t + 8),
+        ]
+        .into_iter()
+        .enumerate()
+        {
             let v = w.get(a[k], l);
             am[r][col] = half_to_f64(v, bf16);
             am[r][col + 1] = half_to_f64(v >> 16, bf16);
@@ -104,13 +154,29 @@ pub(crate) fn mma(w: &mut Warp, bf16: bool, d: [Reg; 4], a: [Src; 4], b: [Src; 2
             bm[row][g] = half_to_f64(v, bf16);
             bm[row + 1][g] = half_to_f64(v >> 16, bf16);
         }
-        for (k, (r, col)) in [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)].into_iter().enumerate() {
+        for (k, (r, col)) in [
+            (g, 2 * t),
+            (g, 2 * t + 1),
+            (g + 8, 2 * t),
+            (g + 8, 2 * t + 1),
+        ]
+        .into_iter()
+        .enumerate()
+        {
             cm[r][col] = f32::from_bits(w.get(c[k], l) as u32) as f64;
         }
     }
     for l in 0..32 {
         let (g, t) = (l / 4, l % 4);
-        for (k, (r, col)) in [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)].into_iter().enumerate() {
+        for (k, (r, col)) in [
+            (g, 2 * t),
+            (g, 2 * t + 1),
+            (g + 8, 2 * t),
+            (g + 8, 2 * t + 1),
+        ]
+        .into_iter()
+        .enumerate()
+        {
             let sum: f64 = (0..16).map(|kk| am[r][kk] * bm[kk][col]).sum::<f64>() + cm[r][col];
             w.set(d[k], l, float::canon(sum as f32) as u64);
         }

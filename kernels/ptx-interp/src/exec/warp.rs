@@ -57,7 +57,11 @@ impl Warp {
         Warp {
             id,
             regs: vec![0; nregs as usize * 32],
-            groups: vec![Group { pc: 0, mask: exists, wait: Wait::No }],
+            groups: vec![Group {
+                pc: 0,
+                mask: exists,
+                wait: Wait::No,
+            }],
             live: exists,
             exists,
             cp_group: [0; 32],
@@ -85,7 +89,9 @@ impl Warp {
         if self.groups.len() == 1 {
             return (self.groups[0].wait == Wait::No).then_some(0);
         }
-        (0..self.groups.len()).filter(|&i| self.groups[i].wait == Wait::No).min_by_key(|&i| self.groups[i].pc)
+        (0..self.groups.len())
+            .filter(|&i| self.groups[i].wait == Wait::No)
+            .min_by_key(|&i| self.groups[i].pc)
     }
 
     /// Merges group `g` into any other group at the same program counter.
@@ -95,9 +101,14 @@ impl Warp {
         }
         let pc = self.groups[g].pc;
         if let Some(o) = (0..self.groups.len()).find(|&o| o != g && self.groups[o].pc == pc) {
-            let both_barrier = self.groups[o].wait == Wait::Barrier && self.groups[g].wait == Wait::Barrier;
+            let both_barrier =
+                self.groups[o].wait == Wait::Barrier && self.groups[g].wait == Wait::Barrier;
             self.groups[o].mask |= self.groups[g].mask;
-            self.groups[o].wait = if both_barrier { Wait::Barrier } else { Wait::No };
+            self.groups[o].wait = if both_barrier {
+                Wait::Barrier
+            } else {
+                Wait::No
+            };
             self.groups.swap_remove(g);
         }
     }
@@ -128,6 +139,9 @@ pub(crate) fn for_lanes(mut mask: u32, mut f: impl FnMut(usize)) {
 
 /// The lane numbers set in `mask`, for messages.
 pub(crate) fn lanes_str(mask: u32) -> String {
-    let v: Vec<String> = (0..32).filter(|l| mask >> l & 1 != 0).map(|l| l.to_string()).collect();
+    let v: Vec<String> = (0..32)
+        .filter(|l| mask >> l & 1 != 0)
+        .map(|l| l.to_string())
+        .collect();
     v.join(",")
 }

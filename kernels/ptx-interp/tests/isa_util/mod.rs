@@ -23,14 +23,25 @@ fn parts(v: f64) -> (i128, i32) {
     let b = v.to_bits();
     let e = ((b >> 52) & 0x7ff) as i32;
     let f = (b & ((1 << 52) - 1)) as i128;
-    let (m, e) = if e == 0 { (f, -1074) } else { (f | 1 << 52, e - 1075) };
+    let (mut m, mut e) = if e == 0 {
+        (f, -1074)
+    } else {
+        (f | 1 << 52, e - 1075)
+    };
+    // Strip trailing zeros: an f32's mantissa then has at most 24 bits, which keeps every
+    // product of two below 2^49 and every shifted term inside u128.
+    let tz = m.trailing_zeros();
+    m >>= tz;
+    e += tz as i32;
     (if v < 0.0 { -m } else { m }, e)
 }
 
 /// Sign of sum of m_i * 2^e_i, in base-2^32 limbs (exact for any exponents).
 fn sign_of(terms: &[(i128, i32)]) -> Ordering {
     let terms: Vec<(i128, i32)> = terms.iter().copied().filter(|t| t.0 != 0).collect();
-    let Some(emin) = terms.iter().map(|t| t.1).min() else { return Ordering::Equal };
+    let Some(emin) = terms.iter().map(|t| t.1).min() else {
+        return Ordering::Equal;
+    };
     let mut acc: Vec<i64> = Vec::new();
     for (m, e) in terms {
         let shift = (e - emin) as usize;
@@ -59,7 +70,11 @@ fn sign_of(terms: &[(i128, i32)]) -> Ordering {
     if carry != 0 {
         return carry.cmp(&0);
     }
-    if acc.iter().all(|&a| a == 0) { Ordering::Equal } else { Ordering::Greater }
+    if acc.iter().all(|&a| a == 0) {
+        Ordering::Equal
+    } else {
+        Ordering::Greater
+    }
 }
 
 /// An exact result, compared with candidate values.
@@ -141,22 +156,41 @@ pub fn check_rounding(got: f32, mode: Mode, t: Exact, what: &str) {
             let hi_mid = (got as f64 + up(got) as f64) / 2.0;
             let (a, b) = (t.cmp(lo_mid), t.cmp(hi_mid));
             let even = got.to_bits() & 1 == 0;
-            (a == Ordering::Greater || (a == Ordering::Equal && even)) && (b == Ordering::Less || (b == Ordering::Equal && even))
+            (a == Ordering::Greater || (a == Ordering::Equal && even))
+                && (b == Ordering::Less || (b == Ordering::Equal && even))
         }
         Mode::Rm => t.cmp(got as f64) != Ordering::Less && t.cmp(up(got) as f64) == Ordering::Less,
-        Mode::Rp => t.cmp(got as f64) != Ordering::Greater && t.cmp(down(got) as f64) == Ordering::Greater,
+        Mode::Rp => {
+            t.cmp(got as f64) != Ordering::Greater && t.cmp(down(got) as f64) == Ordering::Greater
+        }
         Mode::Rz => match t.cmp(0.0) {
-            Ordering::Greater => got >= 0.0 && t.cmp(got as f64) != Ordering::Less && t.cmp(up(got) as f64) == Ordering::Less,
-            Ordering::Less => got <= 0.0 && t.cmp(got as f64) != Ordering::Greater && t.cmp(down(got) as f64) == Ordering::Greater,
+            Ordering::Greater => {
+                got >= 0.0
+                    && t.cmp(got as f64) != Ordering::Less
+                    && t.cmp(up(got) as f64) == Ordering::Less
+            }
+            Ordering::Less => {
+                got <= 0.0
+                    && t.cmp(got as f64) != Ordering::Greater
+                    && t.cmp(down(got) as f64) == Ordering::Greater
+            }
             Ordering::Equal => got == 0.0,
         },
     };
-    assert!(ok, "{what}: {got:e} ({:#010x}) is not the {mode:?} rounding", got.to_bits());
+    assert!(
+        ok,
+        "{what}: {got:e} ({:#010x}) is not the {mode:?} rounding",
+        got.to_bits()
+    );
 }
 
 /// The value of 16-bit `bits` in bf16 (`bf`) or f16.
 pub fn half_value(bits: u16, bf: bool) -> f64 {
-    if bf { half::bf16::from_bits(bits).to_f64() } else { half::f16::from_bits(bits).to_f64() }
+    if bf {
+        half::bf16::from_bits(bits).to_f64()
+    } else {
+        half::f16::from_bits(bits).to_f64()
+    }
 }
 
 /// The expected 16-bit conversion of `x` by brute force over every finite value.
@@ -168,13 +202,28 @@ pub fn expected_half(x: f32, mode: Mode, bf: bool) -> u16 {
         return sign | inf;
     }
     // Positive finite values are increasing in their bits.
-    let lo = (0..inf).rev().find(|&b| half_value(b, bf) <= a).unwrap_or(0);
+    let lo = (0..inf)
+        .rev()
+        .find(|&b| half_value(b, bf) <= a)
+        .unwrap_or(0);
     let hi = (0..inf).find(|&b| half_value(b, bf) >= a).unwrap_or(inf);
     let away_is_up = x >= 0.0;
     let m = match mode {
         Mode::Rz => lo,
-        Mode::Rm => if away_is_up { lo } else { hi },
-        Mode::Rp => if away_is_up { hi } else { lo },
+        Mode::Rm => {
+            if away_is_up {
+                lo
+            } else {
+                hi
+            }
+        }
+        Mode::Rp => {
+            if away_is_up {
+                hi
+            } else {
+                lo
+            }
+        }
         Mode::Rn => {
             let top = half_value(inf - 1, bf);
             let half_ulp = (top - half_value(inf - 2, bf)) / 2.0;
@@ -182,7 +231,11 @@ pub fn expected_half(x: f32, mode: Mode, bf: bool) -> u16 {
                 if a >= top + half_ulp { inf } else { lo }
             } else {
                 let (dl, dh) = (a - half_value(lo, bf), half_value(hi, bf) - a);
-                if dl < dh || (dl == dh && lo & 1 == 0) { lo } else { hi }
+                if dl < dh || (dl == dh && lo & 1 == 0) {
+                    lo
+                } else {
+                    hi
+                }
             }
         }
     };
@@ -193,9 +246,17 @@ pub fn expected_half(x: f32, mode: Mode, bf: bool) -> u16 {
 #[track_caller]
 pub fn check_half(got: u16, x: f32, mode: Mode, bf: bool) {
     if x.is_nan() {
-        assert!(half_value(got, bf).is_nan(), "NaN converts to NaN, got {got:#06x}");
+        assert!(
+            half_value(got, bf).is_nan(),
+            "NaN converts to NaN, got {got:#06x}"
+        );
         return;
     }
     let want = expected_half(x, mode, bf);
-    assert_eq!(got, want, "{} {mode:?} of {x:e}: got {got:#06x} want {want:#06x}", if bf { "bf16" } else { "f16" });
+    assert_eq!(
+        got,
+        want,
+        "{} {mode:?} of {x:e}: got {got:#06x} want {want:#06x}",
+        if bf { "bf16" } else { "f16" }
+    );
 }

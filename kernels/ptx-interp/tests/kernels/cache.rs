@@ -9,8 +9,13 @@ use crate::common::*;
 #[test]
 fn kv_append_scatters_rows_to_their_cache_rows() {
     let dev = Device::new();
-    let p = PTX_ONLY.iter().find(|p| p.name == "kv_append").expect("kv_append");
-    let m = dev.load_module(p.name, p.ptx).unwrap_or_else(|e| panic!("{e}"));
+    let p = PTX_ONLY
+        .iter()
+        .find(|p| p.name == "kv_append")
+        .expect("kv_append");
+    let m = dev
+        .load_module(p.name, p.ptx)
+        .unwrap_or_else(|e| panic!("{e}"));
     let k = K { dev, m };
     let mut r = rng(60);
     let (slots, slot_rows, kd) = (3usize, 8usize, 300usize);
@@ -20,9 +25,25 @@ fn kv_append_scatters_rows_to_their_cache_rows() {
     let qmeta: Vec<u32> = vec![0, 0, 0, 1, 0, 2, 16, 5, 16, 9];
     let n = qmeta.len() / 2;
     let (kn, vn) = (rand_f32(&mut r, n * kd, 1.0), rand_f32(&mut r, n * kd, 1.0));
-    let (mut kc, mut vc) = (rand_f32(&mut r, rows * kd, 1.0), rand_f32(&mut r, rows * kd, 1.0));
+    let (mut kc, mut vc) = (
+        rand_f32(&mut r, rows * kd, 1.0),
+        rand_f32(&mut r, rows * kd, 1.0),
+    );
     let (pk, pv) = (k.up(&kc), k.up(&vc));
-    k.run("kv_append", cfg(n as u32, 256), &[pk.clone(), pv.clone(), k.up(&kn), k.up(&vn), k.up(&qmeta), Arg::U32(n as u32), Arg::U32(kd as u32), Arg::U32(rows as u32)]);
+    k.run(
+        "kv_append",
+        cfg(n as u32, 256),
+        &[
+            pk.clone(),
+            pv.clone(),
+            k.up(&kn),
+            k.up(&vn),
+            k.up(&qmeta),
+            Arg::U32(n as u32),
+            Arg::U32(kd as u32),
+            Arg::U32(rows as u32),
+        ],
+    );
     for t in 0..n {
         let row = (qmeta[2 * t] + qmeta[2 * t + 1]) as usize;
         if row < rows {

@@ -18,11 +18,19 @@ fn residual_fwd_adds_bit_exactly_also_in_place() {
         let (a, b) = (rand_f32(&mut r, n, 4.0), rand_f32(&mut r, n, 4.0));
         let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
         let (pa, pb, out) = (k.up(&a), k.up(&b), k.out::<f32>(n));
-        k.run("residual_fwd", cfg(grid, 256), &[out.clone(), pa.clone(), pb, Arg::U32(n as u32)]);
+        k.run(
+            "residual_fwd",
+            cfg(grid, 256),
+            &[out.clone(), pa.clone(), pb, Arg::U32(n as u32)],
+        );
         assert_bits("residual_fwd", &k.get::<f32>(&out, n), &want);
         // out aliasing a: each element is read before the same thread writes it.
         let pb2 = k.up(&b);
-        k.run("residual_fwd", cfg(grid, 256), &[pa.clone(), pa.clone(), pb2, Arg::U32(n as u32)]);
+        k.run(
+            "residual_fwd",
+            cfg(grid, 256),
+            &[pa.clone(), pa.clone(), pb2, Arg::U32(n as u32)],
+        );
         assert_bits("residual_fwd in place", &k.get::<f32>(&pa, n), &want);
     }
 }
@@ -37,15 +45,32 @@ fn swiglu_fwd_matches_silu_times_up() {
     let mut r = rng(2);
     for (n, grid) in SIZES {
         let (g, u) = (rand_f32(&mut r, n, 8.0), rand_f32(&mut r, n, 2.0));
-        let want: Vec<f64> = g.iter().zip(&u).map(|(&g, &u)| g as f64 * sigmoid(g) * u as f64).collect();
+        let want: Vec<f64> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| g as f64 * sigmoid(g) * u as f64)
+            .collect();
         let out = k.out::<f32>(n);
-        k.run("swiglu_fwd", cfg(grid, 256), &[out.clone(), k.up(&g), k.up(&u), Arg::U32(n as u32)]);
+        k.run(
+            "swiglu_fwd",
+            cfg(grid, 256),
+            &[out.clone(), k.up(&g), k.up(&u), Arg::U32(n as u32)],
+        );
         // exp via ex2 of a rounded product (-g log2 e), then four .rn operations: a few ulp.
         assert_close("swiglu_fwd", &k.get::<f32>(&out, n), &want, 1e-6, 4e-6);
     }
     // Very negative gates: exp(-g) overflows to +inf and silu(g) is -0, never NaN.
     let out = k.out::<f32>(2);
-    k.run("swiglu_fwd", cfg(1, 256), &[out.clone(), k.up(&[-200.0f32, 200.0]), k.up(&[1.0f32, 1.0]), Arg::U32(2)]);
+    k.run(
+        "swiglu_fwd",
+        cfg(1, 256),
+        &[
+            out.clone(),
+            k.up(&[-200.0f32, 200.0]),
+            k.up(&[1.0f32, 1.0]),
+            Arg::U32(2),
+        ],
+    );
     assert_eq!(k.get::<f32>(&out, 2), vec![-0.0, 200.0]);
 }
 
@@ -54,7 +79,11 @@ fn swiglu_bwd_accumulates_both_gradients() {
     let k = K::new(Kernel::SwigluBwd);
     let mut r = rng(3);
     for (n, grid) in SIZES {
-        let (dout, g, u) = (rand_f32(&mut r, n, 1.0), rand_f32(&mut r, n, 6.0), rand_f32(&mut r, n, 2.0));
+        let (dout, g, u) = (
+            rand_f32(&mut r, n, 1.0),
+            rand_f32(&mut r, n, 6.0),
+            rand_f32(&mut r, n, 2.0),
+        );
         let (dg0, du0) = (rand_f32(&mut r, n, 1.0), rand_f32(&mut r, n, 1.0));
         let mut want_dg = Vec::new();
         let mut want_du = Vec::new();
@@ -65,10 +94,33 @@ fn swiglu_bwd_accumulates_both_gradients() {
             want_dg.push(dg0[i] as f64 + d * uu * s * (1.0 + gg * (1.0 - s)));
         }
         let (dg, du) = (k.up(&dg0), k.up(&du0));
-        k.run("swiglu_bwd", cfg(grid, 256), &[dg.clone(), du.clone(), k.up(&dout), k.up(&g), k.up(&u), Arg::U32(n as u32)]);
+        k.run(
+            "swiglu_bwd",
+            cfg(grid, 256),
+            &[
+                dg.clone(),
+                du.clone(),
+                k.up(&dout),
+                k.up(&g),
+                k.up(&u),
+                Arg::U32(n as u32),
+            ],
+        );
         // As the forward: one approximate exponential, then a handful of roundings.
-        assert_close("swiglu_bwd dgate", &k.get::<f32>(&dg, n), &want_dg, 2e-6, 1e-5);
-        assert_close("swiglu_bwd dup", &k.get::<f32>(&du, n), &want_du, 2e-6, 1e-5);
+        assert_close(
+            "swiglu_bwd dgate",
+            &k.get::<f32>(&dg, n),
+            &want_dg,
+            2e-6,
+            1e-5,
+        );
+        assert_close(
+            "swiglu_bwd dup",
+            &k.get::<f32>(&du, n),
+            &want_du,
+            2e-6,
+            1e-5,
+        );
     }
 }
 
@@ -104,13 +156,33 @@ fn adamw_step_is_bit_identical_to_the_reference_order() {
         let (p0, g) = (rand_f32(&mut r, n, 1.0), rand_f32(&mut r, n, 3.0));
         let m0 = rand_f32(&mut r, n, 0.1);
         let v0: Vec<f32> = rand_f32(&mut r, n, 0.1).iter().map(|x| x * x).collect();
-        let want: Vec<(f32, f32, f32)> = (0..n).map(|i| adamw_ref(p0[i], g[i], m0[i], v0[i], &s)).collect();
+        let want: Vec<(f32, f32, f32)> = (0..n)
+            .map(|i| adamw_ref(p0[i], g[i], m0[i], v0[i], &s))
+            .collect();
         let (pp, pm, pv) = (k.up(&p0), k.up(&m0), k.up(&v0));
-        let mut args = vec![pp.clone(), k.up(&g), pm.clone(), pv.clone(), Arg::U32(n as u32)];
+        let mut args = vec![
+            pp.clone(),
+            k.up(&g),
+            pm.clone(),
+            pv.clone(),
+            Arg::U32(n as u32),
+        ];
         args.extend(s.iter().map(|&x| Arg::F32(x)));
         k.run("adamw_step", cfg(grid, 256), &args);
-        assert_bits("adamw p", &k.get::<f32>(&pp, n), &want.iter().map(|w| w.0).collect::<Vec<_>>());
-        assert_bits("adamw m", &k.get::<f32>(&pm, n), &want.iter().map(|w| w.1).collect::<Vec<_>>());
-        assert_bits("adamw v", &k.get::<f32>(&pv, n), &want.iter().map(|w| w.2).collect::<Vec<_>>());
+        assert_bits(
+            "adamw p",
+            &k.get::<f32>(&pp, n),
+            &want.iter().map(|w| w.0).collect::<Vec<_>>(),
+        );
+        assert_bits(
+            "adamw m",
+            &k.get::<f32>(&pm, n),
+            &want.iter().map(|w| w.1).collect::<Vec<_>>(),
+        );
+        assert_bits(
+            "adamw v",
+            &k.get::<f32>(&pv, n),
+            &want.iter().map(|w| w.2).collect::<Vec<_>>(),
+        );
     }
 }

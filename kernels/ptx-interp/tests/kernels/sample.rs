@@ -32,24 +32,33 @@ fn order(e: &[f64], p: &Row) -> (Vec<usize>, usize) {
         return (idx, e.len());
     }
     idx.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
-    let k = if p.top_k > 0 && (p.top_k as usize) < e.len() { p.top_k as usize } else { e.len() };
+    let k = if p.top_k > 0 && (p.top_k as usize) < e.len() {
+        p.top_k as usize
+    } else {
+        e.len()
+    };
     (idx, k)
 }
 
 /// Cumulative masses of `idx[..n]`.
 fn cumulative(e: &[f64], idx: &[usize]) -> Vec<f64> {
-    idx.iter().scan(0.0, |a, &j| {
-        *a += e[j];
-        Some(*a)
-    })
-    .collect()
+    idx.iter()
+        .scan(0.0, |a, &j| {
+            *a += e[j];
+            Some(*a)
+        })
+        .collect()
 }
 
 /// Whether `t` lies within a relative 1e-5 of the cumulative masses on either side of
 /// where it falls (where the kernel's f32 masses could pick the neighbour).
 fn near(t: f64, cum: &[f64]) -> bool {
     let i = cum.partition_point(|&c| c < t);
-    [i.checked_sub(1), Some(i)].into_iter().flatten().filter_map(|k| cum.get(k)).any(|c| (c - t).abs() <= 1e-5 * t.abs())
+    [i.checked_sub(1), Some(i)]
+        .into_iter()
+        .flatten()
+        .filter_map(|k| cum.get(k))
+        .any(|c| (c - t).abs() <= 1e-5 * t.abs())
 }
 
 /// The reference draw: (token, logp), or None when the row's u/top_p sits on a boundary.
@@ -85,7 +94,15 @@ fn sample_draws_like_the_reference_for_every_setting() {
     let k = K::new(Kernel::Sample);
     let mut r = rng(50);
     for vocab in [1usize, 37, 1000] {
-        let settings = [(0.0f32, 0u32, 1.0f32), (1.0, 0, 1.0), (1.0 / 0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9), (1.0 / 1.3, 20, 0.5), (1.0, vocab as u32 + 4, 0.95)];
+        let settings = [
+            (0.0f32, 0u32, 1.0f32),
+            (1.0, 0, 1.0),
+            (1.0 / 0.7, 0, 1.0),
+            (1.0, 5, 1.0),
+            (1.0, 0, 0.9),
+            (1.0 / 1.3, 20, 0.5),
+            (1.0, vocab as u32 + 4, 0.95),
+        ];
         let mut rows = Vec::new();
         let mut z = Vec::new();
         let mut want = Vec::new();
@@ -94,7 +111,12 @@ fn sample_draws_like_the_reference_for_every_setting() {
             for tries in 0.. {
                 assert!(tries < 100, "no clear draw for {inv_temp} {top_k} {top_p}");
                 let zr = rand_f32(&mut r, vocab, 6.0);
-                let row = Row { inv_temp, top_k, top_p, u: r.random_range(0.0f32..1.0) };
+                let row = Row {
+                    inv_temp,
+                    top_k,
+                    top_p,
+                    u: r.random_range(0.0f32..1.0),
+                };
                 if let Some(w) = reference(&zr, &row) {
                     z.extend(zr);
                     rows.push(row);
@@ -104,14 +126,37 @@ fn sample_draws_like_the_reference_for_every_setting() {
             }
         }
         let n = rows.len();
-        let rowp: Vec<f32> = rows.iter().flat_map(|p| [p.inv_temp, f32::from_bits(p.top_k), p.top_p, p.u]).collect();
+        let rowp: Vec<f32> = rows
+            .iter()
+            .flat_map(|p| [p.inv_temp, f32::from_bits(p.top_k), p.top_p, p.u])
+            .collect();
         let (tok, lp) = (k.out::<u32>(n), k.out::<f32>(n));
-        k.run("sample", cfg(n as u32, 256), &[k.up(&z), k.up(&rowp), tok.clone(), lp.clone(), Arg::U32(n as u32), Arg::U32(vocab as u32)]);
+        k.run(
+            "sample",
+            cfg(n as u32, 256),
+            &[
+                k.up(&z),
+                k.up(&rowp),
+                tok.clone(),
+                lp.clone(),
+                Arg::U32(n as u32),
+                Arg::U32(vocab as u32),
+            ],
+        );
         let (gt, gl) = (k.get::<u32>(&tok, n), k.get::<f32>(&lp, n));
         for i in 0..n {
-            assert_eq!(gt[i], want[i].0, "vocab {vocab}, row {i} (settings {:?})", settings[i]);
+            assert_eq!(
+                gt[i], want[i].0,
+                "vocab {vocab}, row {i} (settings {:?})",
+                settings[i]
+            );
             // logp = x_j - m - ln(sum e): f32 tree sums of ex2.approx weights and lg2.approx.
-            assert!((gl[i] as f64 - want[i].1).abs() <= 2e-5 + 2e-6 * want[i].1.abs(), "logp row {i}: {} vs {}", gl[i], want[i].1);
+            assert!(
+                (gl[i] as f64 - want[i].1).abs() <= 2e-5 + 2e-6 * want[i].1.abs(),
+                "logp row {i}: {} vs {}",
+                gl[i],
+                want[i].1
+            );
         }
     }
 }
@@ -123,6 +168,17 @@ fn sample_greedy_takes_the_first_of_tied_maxima() {
     z[3] = 2.0;
     z[400] = 2.0;
     let (tok, lp) = (k.out::<u32>(1), k.out::<f32>(1));
-    k.run("sample", cfg(1, 256), &[k.up(&z), k.up(&[0.0f32, 0.0, 1.0, 0.5]), tok.clone(), lp, Arg::U32(1), Arg::U32(600)]);
+    k.run(
+        "sample",
+        cfg(1, 256),
+        &[
+            k.up(&z),
+            k.up(&[0.0f32, 0.0, 1.0, 0.5]),
+            tok.clone(),
+            lp,
+            Arg::U32(1),
+            Arg::U32(600),
+        ],
+    );
     assert_eq!(k.get::<u32>(&tok, 1), vec![3]);
 }
