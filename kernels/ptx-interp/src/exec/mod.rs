@@ -389,7 +389,7 @@ impl Block<'_> {
     /// No group of `w` can run: fine when all have exited or all lanes wait at one barrier.
     fn settle(&self, w: &Warp) -> R<()> {
         if let Some(s) = w.groups.iter().find(|g| g.wait == Wait::Sync) {
-            let others: Vec<String> = w
+            let mut elsewhere: Vec<String> = w
                 .groups
                 .iter()
                 .filter(|o| o.pc != s.pc)
@@ -402,15 +402,13 @@ impl Block<'_> {
                 })
                 .collect();
             let exited = w.exists & !w.live;
+            if exited != 0 {
+                elsewhere.push(format!("lanes {} exited", lanes_str(exited)));
+            }
             let msg = format!(
-                "lanes {} wait for the rest of the warp, which never arrives ({}{})",
+                "lanes {} wait for the rest of the warp, which never arrives ({})",
                 lanes_str(s.mask),
-                others.join("; "),
-                if exited != 0 {
-                    format!("; lanes {} exited", lanes_str(exited))
-                } else {
-                    String::new()
-                }
+                elsewhere.join("; ")
             );
             return Err(self.fault(
                 s.pc,
