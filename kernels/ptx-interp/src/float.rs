@@ -287,11 +287,17 @@ pub fn mul(a: f32, b: f32, m: Mode) -> u32 {
 /// `fma.rnd{.ftz}{.sat}.f32`: a*b + c rounded once.
 pub fn fma(a: f32, b: f32, c: f32, m: Mode) -> u32 {
     let (a, b, c) = (m.fr(a), m.fr(b), m.fr(c));
+    let p = a as f64 * b as f64; // exact
+    let (s, e) = two_sum(p, c as f64);
     if m.rnd == Rnd::N {
+        // s rounded to f32 is the fused result unless s sits exactly on an f32 midpoint
+        // (low 29 bits 1000...0) with a non-zero residual, or s is tiny or not finite.
+        let normal = s.is_finite() && s.abs() >= f32::MIN_POSITIVE as f64;
+        if normal && (e == 0.0 || s.to_bits() & 0x1fff_ffff != 0x1000_0000) {
+            return m.out(s as f32);
+        }
         return m.out(a.mul_add(b, c));
     }
-    let p = a as f64 * b as f64;
-    let (s, e) = two_sum(p, c as f64);
     if s == 0.0 && e == 0.0 {
         return m.out(zero_sum_sign(
             f32::from_bits(round_nearest(p, F32) as u32),

@@ -172,7 +172,7 @@ impl Global {
                 }
             }
         }
-        out.copy_from_slice(&a.data[off..off + out.len()]);
+        copy_small(out, &a.data[off..off + out.len()]);
         Ok(())
     }
 
@@ -196,7 +196,20 @@ impl Global {
             }
             a.shadow[u] = mine;
         }
-        a.data[off..off + bytes.len()].copy_from_slice(bytes);
+        copy_small(&mut a.data[off..off + bytes.len()], bytes);
         Ok(())
+    }
+}
+
+/// `dst.copy_from_slice(src)` for the access sizes (1 to 16 bytes) without a call to
+/// `memmove`.
+#[inline(always)]
+pub(crate) fn copy_small(dst: &mut [u8], src: &[u8]) {
+    match (dst.len(), src.len()) {
+        (4, 4) => dst.copy_from_slice(&src[..4]),
+        (8, 8) => dst.copy_from_slice(&src[..8]),
+        (16, 16) => dst.copy_from_slice(&src[..16]),
+        (2, 2) => dst.copy_from_slice(&src[..2]),
+        _ => dst.iter_mut().zip(src).for_each(|(d, s)| *d = *s),
     }
 }

@@ -36,13 +36,14 @@ fn addr_of(w: &Warp, a: Addr, lane: usize) -> u64 {
     base.wrapping_add(a.off as u64)
 }
 
+/// Access sizes are powers of two (1 to 16 bytes, vectors of 2 or 4).
 fn aligned(loc: Loc, len: u64) -> Result<(), FaultKind> {
     let (space, a) = match loc {
         Loc::Global(a) => ("global", a),
         Loc::Shared(a) => ("shared", a),
         Loc::Param(a) => ("param", a),
     };
-    if a % len != 0 {
+    if a & (len - 1) != 0 {
         return Err(FaultKind::Misaligned {
             space,
             addr: a,
@@ -135,10 +136,7 @@ impl Block<'_> {
                 })
                 .map_err(|k| (l, k))?;
             for k in 0..n as usize {
-                let mut e = [0u8; 8];
-                e[..bytes as usize]
-                    .copy_from_slice(&buf[k * bytes as usize..(k + 1) * bytes as usize]);
-                let v = u64::from_le_bytes(e);
+                let v = element(&buf, k, bytes);
                 w.set(d[k], l, if sext_ { sext(v, bytes * 8) as u64 } else { v });
             }
         }
@@ -166,9 +164,7 @@ impl Block<'_> {
             let loc = locate(space, addr_of(w, addr, l));
             let mut buf = [0u8; 16];
             for k in 0..n as usize {
-                let v = w.get(a[k], l).to_le_bytes();
-                buf[k * bytes as usize..(k + 1) * bytes as usize]
-                    .copy_from_slice(&v[..bytes as usize]);
+                put_element(&mut buf, k, bytes, w.get(a[k], l));
             }
             aligned(loc, len as u64)
                 .and_then(|_| self.write(loc, &buf[..len], (w.id * 32 + l as u32) as u16, pc))
@@ -255,4 +251,28 @@ impl Block<'_> {
 /// `cp.async.commit_group` for the lanes of `mask`.
 pub(crate) fn cp_commit(w: &mut Warp, mask: u32) {
     for_lanes(mask, |l| w.cp_group[l] += 1);
+}
+
+/// Element `k` of `bytes` bytes (1, 2, 4 or 8) of a little-endian buffer, zero-extended.
+#[inline(always)]
+fn element(buf: &[u8; 16], k: usize, bytes: u8) -> u64 {
+    let at = k * bytes as usize;
+    match bytes {
+        1 => buf[at] as u64,
+        2 => u16::from_le_bytes([buf[at], buf[at + 1]]) as u64,
+        4 => u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]) as u64,
+        _ => u64::from_le_bytes(buf[at..at + 8].try_into().unwrap_or([0; 8])),
+    }
+}
+
+/// Writes the low `bytes` bytes of `v` as element `k` of a little-endian buffer.
+#[inline(always)]
+fn put_element(buf: &mut [u8; 16], k: usize, bytes: u8, v: u64) {
+    let at = k * bytes as usize;
+    match bytes {
+        1 => buf[at] = v as u8,
+        2 => buf[at..at + 2].copy_from_slice(&(v as u16).to_le_bytes()),
+        4 => buf[at..at + 4].copy_from_slice(&(v as u32).to_le_bytes()),
+        _ => buf[at..at + 8].copy_from_slice(&v.to_le_bytes()),
+    }
 }

@@ -53,6 +53,8 @@ pub(crate) struct Block<'a> {
     lin: u32,
     steps: u64,
     max_warp_steps: u64,
+    /// Warps of the previous block, reused (register files are the big allocation).
+    pool: Vec<Warp>,
 }
 
 type R<T> = Result<T, Box<Fault>>;
@@ -68,6 +70,7 @@ pub(crate) fn run(spec: &LaunchSpec, global: &mut Global) -> R<LaunchStats> {
         lin: 0,
         steps: 0,
         max_warp_steps: 0,
+        pool: Vec::new(),
     };
     let [gx, gy, gz] = spec.grid;
     let mut blocks = 0;
@@ -117,14 +120,16 @@ impl Block<'_> {
         })
     }
 
-    fn new_warp(&self, id: u32) -> Warp {
+    /// Resets `w` as warp `w.id`'s start: lanes, special registers.
+    fn init_warp(&self, w: &mut Warp) {
+        let id = w.id;
         let n = self.threads();
         let exists = if (id + 1) * 32 <= n {
             u32::MAX
         } else {
             (1u32 << (n - id * 32)) - 1
         };
-        let mut w = Warp::new(id, self.spec.entry.nregs, exists);
+        w.reset(id, self.spec.entry.nregs, exists);
         let nwarps = n.div_ceil(32);
         let [bx, by, bz] = self.spec.block;
         let [gx, gy, gz] = self.spec.grid;
@@ -163,14 +168,25 @@ impl Block<'_> {
             }
         }
         debug_assert_eq!(SPECIALS.len(), 20);
-        w
     }
 
     fn run_block(&mut self) -> R<()> {
         self.shared.begin_block();
-        let mut warps: Vec<Warp> = (0..self.threads().div_ceil(32))
-            .map(|i| self.new_warp(i))
-            .collect();
+        let mut warps = std::mem::take(&mut self.pool);
+        let n = self.threads().div_ceil(32) as usize;
+        warps.truncate(n);
+        for i in 0..n {
+            if i == warps.len() {
+                warps.push(Warp::new(i as u32, 0, 0));
+            }
+            self.init_warp(&mut warps[i]);
+        }
+        let r = self.run_warps(&mut warps);
+        self.pool = warps;
+        r
+    }
+
+    fn run_warps(&mut self, warps: &mut [Warp]) -> R<()> {
         loop {
             for w in warps.iter_mut() {
                 self.run_warp(w)?;

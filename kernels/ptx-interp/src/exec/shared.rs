@@ -177,7 +177,7 @@ impl Shared {
                 (c.r_epoch, c.r_tid, c.r_pc, c.r_wep) = (self.epoch, tid, pc, wep);
             }
         }
-        out.copy_from_slice(&self.data[a..a + out.len()]);
+        crate::mem::copy_small(out, &self.data[a..a + out.len()]);
         Ok(())
     }
 
@@ -196,7 +196,7 @@ impl Shared {
         for c in &mut self.cells[a..a + bytes.len()] {
             (c.w_epoch, c.w_tid, c.w_pc, c.w_wep) = (self.epoch, tid, pc, wep);
         }
-        self.data[a..a + bytes.len()].copy_from_slice(bytes);
+        crate::mem::copy_small(&mut self.data[a..a + bytes.len()], bytes);
         Ok(())
     }
 

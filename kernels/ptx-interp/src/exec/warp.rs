@@ -70,6 +70,20 @@ impl Warp {
         }
     }
 
+    /// Makes the warp new again for another block (its register file is reused).
+    pub(crate) fn reset(&mut self, id: u32, nregs: u32, exists: u32) {
+        self.id = id;
+        self.regs.clear();
+        self.regs.resize(nregs as usize * 32, 0);
+        self.groups.clear();
+        self.groups.push(Group { pc: 0, mask: exists, wait: Wait::No });
+        self.live = exists;
+        self.exists = exists;
+        self.cp_group = [0; 32];
+        self.copies.clear();
+        self.steps = 0;
+    }
+
     /// The register (or immediate) `s` in `lane`.
     #[inline(always)]
     pub(crate) fn get(&self, s: Src, lane: usize) -> u64 {
