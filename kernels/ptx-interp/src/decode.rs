@@ -248,63 +248,7 @@ fn binary(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     let o = ops(i, if three { 4 } else { 3 })?;
     let d = cx.dst(&o[0])?;
     match t {
-        Ty::F32 => {
-            let approx = m.has("approx") || m.has("full");
-            let nan = m.has("NaN");
-            let mode = fmode(m, Rnd::N);
-            let (a, b) = (cx.src(&o[1], t)?, cx.src(&o[2], t)?);
-            let op = match base.as_str() {
-                "add" => FBin::Add,
-                "sub" => FBin::Sub,
-                "mul" => FBin::Mul,
-                "div" => FBin::Div,
-                "min" => FBin::Min { nan },
-                "max" => FBin::Max { nan },
-                "mad" | "fma" => {
-                    return Ok(Op::Fma32 {
-                        m: mode,
-                        d,
-                        a,
-                        b,
-                        c: cx.src(&o[3], t)?,
-                    });
-                }
-                _ => return Ok(unimpl(i, format!("`{base}` on .f32"))),
-            };
-            let _ = approx; // div.approx/.full: the IEEE quotient, within their stated error.
-            Ok(Op::F32 {
-                op,
-                m: mode,
-                d,
-                a,
-                b,
-            })
-        }
-        Ty::F64 => {
-            if m.one_of(&["rz", "rm", "rp"]).is_some() {
-                return Ok(unimpl(i, "directed rounding of f64"));
-            }
-            m.has("rn");
-            let (a, b) = (cx.src(&o[1], t)?, cx.src(&o[2], t)?);
-            let op = match base.as_str() {
-                "add" => FBin::Add,
-                "sub" => FBin::Sub,
-                "mul" => FBin::Mul,
-                "div" => FBin::Div,
-                "min" => FBin::Min { nan: m.has("NaN") },
-                "max" => FBin::Max { nan: m.has("NaN") },
-                "mad" | "fma" => {
-                    return Ok(Op::Fma64 {
-                        d,
-                        a,
-                        b,
-                        c: cx.src(&o[3], t)?,
-                    });
-                }
-                _ => return Ok(unimpl(i, format!("`{base}` on .f64"))),
-            };
-            Ok(Op::F64 { op, d, a, b })
-        }
+        Ty::F32 | Ty::F64 => float_binary(cx, i, m, &base, t, o),
         Ty::Int(it) => int_binary(cx, i, m, &base, it, o),
         Ty::Pred if matches!(base.as_str(), "and" | "or" | "xor") => {
             let op = match base.as_str() {
@@ -321,6 +265,62 @@ fn binary(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
         }
         _ => Ok(unimpl(i, format!("`{base}` on .{tname}"))),
     }
+}
+
+/// f32 and f64 `add sub mul div min max mad fma`. `div.approx`/`div.full` compute the IEEE
+/// quotient, which lies within their stated error.
+fn float_binary(
+    cx: &Cx,
+    i: &InstAst,
+    m: &mut Mods,
+    base: &str,
+    t: Ty,
+    o: &[Operand],
+) -> Result<Op, String> {
+    if t == Ty::F32 {
+        m.has("approx");
+        m.has("full");
+    }
+    let nan = m.has("NaN");
+    let mode = fmode(m, Rnd::N);
+    if t == Ty::F64 && (mode.rnd != Rnd::N || mode.ftz || mode.sat) {
+        return Ok(unimpl(i, "directed rounding, .ftz or .sat on f64"));
+    }
+    let (d, a, b) = (cx.dst(&o[0])?, cx.src(&o[1], t)?, cx.src(&o[2], t)?);
+    let op = match base {
+        "add" => FBin::Add,
+        "sub" => FBin::Sub,
+        "mul" => FBin::Mul,
+        "div" => FBin::Div,
+        "min" => FBin::Min { nan },
+        "max" => FBin::Max { nan },
+        "mad" | "fma" => {
+            let c = cx.src(&o[3], t)?;
+            return Ok(if t == Ty::F32 {
+                Op::Fma32 {
+                    m: mode,
+                    d,
+                    a,
+                    b,
+                    c,
+                }
+            } else {
+                Op::Fma64 { d, a, b, c }
+            });
+        }
+        _ => return Ok(unimpl(i, format!("`{base}` on a float type"))),
+    };
+    Ok(if t == Ty::F32 {
+        Op::F32 {
+            op,
+            m: mode,
+            d,
+            a,
+            b,
+        }
+    } else {
+        Op::F64 { op, d, a, b }
+    })
 }
 
 fn int_binary(
@@ -478,7 +478,6 @@ fn setp(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     });
     let ftz = m.has("ftz");
     let (_, t) = m.ty().ok_or("missing type")?;
-    let _ = ftz; // comparisons of subnormals against each other are exact either way except vs 0
     let o = &i.operands;
     if o.len() != 3 + usize::from(bop.is_some()) {
         return Err(format!(

@@ -195,9 +195,10 @@ fn shared_layout(f: &Function, module: &[VarDecl]) -> (HashMap<String, u32>, u32
     (map, size, dyn_base)
 }
 
-fn param_layout(
-    f: &Function,
-) -> Result<(Vec<Param>, HashMap<String, (u32, u32)>, u32), ParseError> {
+/// Parameters in order, their offsets and sizes by name, and the buffer's size.
+type ParamLayout = (Vec<Param>, HashMap<String, (u32, u32)>, u32);
+
+fn param_layout(f: &Function) -> Result<ParamLayout, ParseError> {
     let mut params = Vec::new();
     let mut map = HashMap::new();
     let mut off = 0u32;

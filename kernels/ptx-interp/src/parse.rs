@@ -469,14 +469,10 @@ impl Parser {
             Some(Tok::Ident(_)) => Some(self.ident()?),
             _ => None,
         };
-        let mut offset = 0i64;
-        if base.is_none() {
-            offset = self.int()? as i64;
-        } else if self.eat('+') {
-            offset = self.int()? as i64;
-        } else if matches!(self.peek(), Some(Tok::Punct('-'))) {
-            offset = self.int()? as i64;
-        }
+        // `int` folds a leading `-`, so `+-8` and `-8` read alike.
+        let has_offset =
+            base.is_none() || self.eat('+') || matches!(self.peek(), Some(Tok::Punct('-')));
+        let offset = if has_offset { self.int()? as i64 } else { 0 };
         self.expect(']')?;
         Ok(Operand::Addr { base, offset })
     }

@@ -104,6 +104,15 @@ pub(crate) fn alu(w: &mut Warp, op: &Op, mask: u32) -> Result<bool, (usize, Faul
             Ok(d64(x).mul_add(d64(y), d64(z)).to_bits())
         })?,
         Op::F64Un { op, d, a } => map2(w, mask, d, a, a, |x, _| f64_un(op, d64(x))),
+        _ => return other(w, op, mask),
+    }
+    Ok(true)
+}
+
+/// Comparisons, selections, predicate logic, packing and conversions; `Ok(false)` for any
+/// other op.
+fn other(w: &mut Warp, op: &Op, mask: u32) -> Result<bool, (usize, FaultKind)> {
+    match *op {
         Op::Setp {
             cmp,
             t,

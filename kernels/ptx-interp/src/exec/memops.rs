@@ -135,9 +135,9 @@ impl Block<'_> {
                     self.read(loc, &mut buf[..len], (w.id * 32 + l as u32) as u16, pc, nc)
                 })
                 .map_err(|k| (l, k))?;
-            for k in 0..n as usize {
+            for (k, &dk) in d.iter().enumerate().take(n as usize) {
                 let v = element(&buf, k, bytes);
-                w.set(d[k], l, if sext_ { sext(v, bytes * 8) as u64 } else { v });
+                w.set(dk, l, if sext_ { sext(v, bytes * 8) as u64 } else { v });
             }
         }
         Ok(())
@@ -163,8 +163,8 @@ impl Block<'_> {
             m &= m - 1;
             let loc = locate(space, addr_of(w, addr, l));
             let mut buf = [0u8; 16];
-            for k in 0..n as usize {
-                put_element(&mut buf, k, bytes, w.get(a[k], l));
+            for (k, &ak) in a.iter().enumerate().take(n as usize) {
+                put_element(&mut buf, k, bytes, w.get(ak, l));
             }
             aligned(loc, len as u64)
                 .and_then(|_| self.write(loc, &buf[..len], (w.id * 32 + l as u32) as u16, pc))
@@ -175,6 +175,7 @@ impl Block<'_> {
 
     /// `cp.async`: reads `src-size` bytes now (zero-filling the rest) and marks the shared
     /// destination in flight until a `cp.async.wait_group` of the lane completes it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn cp_async(
         &mut self,
         w: &mut Warp,

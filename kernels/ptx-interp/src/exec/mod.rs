@@ -267,45 +267,8 @@ impl Block<'_> {
             }
             let inst = &insts[pc as usize];
             let exec = w.guarded(mask, inst.guard);
-            let lane0 = mask.trailing_zeros() as usize;
             match inst.op {
-                Op::Bra { target, uni } => {
-                    let rest = mask & !exec;
-                    if exec != 0 && rest != 0 {
-                        if uni {
-                            return Err(self.fault(
-                                pc,
-                                w.id,
-                                lane0,
-                                FaultKind::DivergentUniformBranch,
-                            ));
-                        }
-                        w.groups[g].mask = rest;
-                        w.groups[g].pc = pc + 1;
-                        w.groups.push(Group {
-                            pc: target,
-                            mask: exec,
-                            wait: Wait::No,
-                        });
-                        // The new group first: merging it never moves group g.
-                        w.merge(w.groups.len() - 1);
-                    } else {
-                        w.groups[g].pc = if exec != 0 { target } else { pc + 1 };
-                    }
-                    w.merge(g);
-                }
-                Op::Exit => {
-                    w.live &= !exec;
-                    w.copies.retain(|c| exec >> c.lane & 1 == 0);
-                    let rest = mask & !exec;
-                    if rest == 0 {
-                        w.groups.swap_remove(g);
-                    } else {
-                        w.groups[g].mask = rest;
-                        w.groups[g].pc = pc + 1;
-                        w.merge(g);
-                    }
-                }
+                Op::Bra { .. } | Op::Exit => self.control(w, g, exec)?,
                 Op::Bar { .. } => {
                     if exec != mask {
                         let msg = format!(
@@ -334,6 +297,49 @@ impl Block<'_> {
                 }
             }
         }
+    }
+
+    /// `bra` and `exit` for group `g` (lanes `exec` take the branch or leave): splits the
+    /// group where its lanes part and merges groups that meet.
+    fn control(&mut self, w: &mut Warp, g: usize, exec: u32) -> R<()> {
+        let Group { pc, mask, .. } = w.groups[g];
+        let lane0 = mask.trailing_zeros() as usize;
+        match self.spec.entry.insts[pc as usize].op {
+            Op::Bra { target, uni } => {
+                let rest = mask & !exec;
+                if exec != 0 && rest != 0 {
+                    if uni {
+                        return Err(self.fault(pc, w.id, lane0, FaultKind::DivergentUniformBranch));
+                    }
+                    w.groups[g].mask = rest;
+                    w.groups[g].pc = pc + 1;
+                    w.groups.push(Group {
+                        pc: target,
+                        mask: exec,
+                        wait: Wait::No,
+                    });
+                    // The new group first: merging it never moves group g.
+                    w.merge(w.groups.len() - 1);
+                } else {
+                    w.groups[g].pc = if exec != 0 { target } else { pc + 1 };
+                }
+                w.merge(g);
+            }
+            Op::Exit => {
+                w.live &= !exec;
+                w.copies.retain(|c| exec >> c.lane & 1 == 0);
+                let rest = mask & !exec;
+                if rest == 0 {
+                    w.groups.swap_remove(g);
+                } else {
+                    w.groups[g].mask = rest;
+                    w.groups[g].pc = pc + 1;
+                    w.merge(g);
+                }
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// A warp-synchronous instruction for group `g`: runs it when every lane it names is in

@@ -74,12 +74,12 @@ impl Block<'_> {
         addr: Addr,
     ) -> Result<(), (usize, FaultKind)> {
         let mut rows = [[[0u16; 8]; 8]; 4];
-        for i in 0..n as usize {
-            for r in 0..8 {
+        for (i, matrix) in rows.iter_mut().enumerate().take(n as usize) {
+            for (r, row) in matrix.iter_mut().enumerate() {
                 let l = i * 8 + r;
                 let base = addr.base.map_or(0, |b| w.regs[(b as usize) << 5 | l]);
                 let a = base.wrapping_add(addr.off as u64);
-                if a % 16 != 0 {
+                if !a.is_multiple_of(16) {
                     return Err((
                         l,
                         FaultKind::Misaligned {
@@ -96,8 +96,8 @@ impl Block<'_> {
                         insts[p as usize].line
                     })
                     .map_err(|k| (l, k))?;
-                for c in 0..8 {
-                    rows[i][r][c] = u16::from_le_bytes([buf[2 * c], buf[2 * c + 1]]);
+                for (c, v) in row.iter_mut().enumerate() {
+                    *v = u16::from_le_bytes([buf[2 * c], buf[2 * c + 1]]);
                 }
             }
         }

@@ -76,7 +76,11 @@ impl Warp {
         self.regs.clear();
         self.regs.resize(nregs as usize * 32, 0);
         self.groups.clear();
-        self.groups.push(Group { pc: 0, mask: exists, wait: Wait::No });
+        self.groups.push(Group {
+            pc: 0,
+            mask: exists,
+            wait: Wait::No,
+        });
         self.live = exists;
         self.exists = exists;
         self.cp_group = [0; 32];

@@ -141,8 +141,3 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64)
         bad.join("; ")
     );
 }
-
-/// f32 to f64, for references that take the kernel's inputs exactly.
-pub fn wide(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| x as f64).collect()
-}

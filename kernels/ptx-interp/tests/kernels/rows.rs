@@ -76,6 +76,7 @@ fn embedding_bwd_scatter_adds_in_token_order() {
 }
 
 /// The rotation of rope_fwd (sign 1) or rope_bwd (sign -1) in the kernels' operation order.
+#[allow(clippy::too_many_arguments)]
 fn rope_ref(
     x: &mut [f32],
     pos: &[u32],
@@ -217,13 +218,13 @@ fn rmsnorm_bwd_and_dw_match_the_f64_reference() {
         );
         let rstd: Vec<f32> = x
             .chunks_exact(d)
-            .map(|row| (1.0 / (row.iter().map(|v| v * v).sum::<f32>() / d as f32 + 1e-6).sqrt()))
+            .map(|row| 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / d as f32 + 1e-6).sqrt())
             .collect();
         let (dx0, dw0) = (rand_f32(&mut r, rows * d, 0.5), rand_f32(&mut r, d, 0.5));
         let mut want_dx: Vec<f64> = dx0.iter().map(|&v| v as f64).collect();
         let mut want_dw: Vec<f64> = dw0.iter().map(|&v| v as f64).collect();
-        for row in 0..rows {
-            let rs = rstd[row] as f64;
+        for (row, &r_row) in rstd.iter().enumerate() {
+            let rs = r_row as f64;
             let o = row * d;
             let gx: f64 = (0..d)
                 .map(|i| dout[o + i] as f64 * w[i] as f64 * x[o + i] as f64)
