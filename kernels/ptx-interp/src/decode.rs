@@ -572,16 +572,7 @@ fn ld(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
     let n = vec_n(m);
     let (tname, t) = m.ty().ok_or("missing type")?;
     let o = ops(i, 2)?;
-    let mut d = [crate::ir::SINK; 4];
-    match &o[0] {
-        Operand::Vector(v) if v.len() == n as usize => {
-            for (k, r) in v.iter().enumerate() {
-                d[k] = cx.dst(r)?;
-            }
-        }
-        r if n == 1 => d[0] = cx.dst(r)?,
-        _ => return Err("vector width and destination count differ".into()),
-    }
+    let d = dsts(cx, &o[0], n)?;
     let sext = matches!(int_ty(&tname), Some(IntTy { signed: true, .. }));
     Ok(Op::Ld {
         space,
@@ -683,22 +674,28 @@ fn ldmatrix(cx: &Cx, i: &InstAst, m: &mut Mods) -> Result<Op, String> {
         ));
     }
     let o = ops(i, 2)?;
-    let mut d = [crate::ir::SINK; 4];
-    match &o[0] {
-        Operand::Vector(v) if v.len() == n as usize => {
-            for (k, r) in v.iter().enumerate() {
-                d[k] = cx.dst(r)?;
-            }
-        }
-        r if n == 1 => d[0] = cx.dst(r)?,
-        _ => return Err("destination count differs from .x".into()),
-    }
+    let d = dsts(cx, &o[0], n)?;
     Ok(Op::Ldmatrix {
         n,
         trans,
         d,
         addr: cx.addr(&o[1])?,
     })
+}
+
+/// `n` destination registers: one register, or a `{..}` vector of exactly `n`.
+fn dsts(cx: &Cx, op: &Operand, n: u8) -> Result<[crate::ir::Reg; 4], String> {
+    let mut d = [crate::ir::SINK; 4];
+    match op {
+        Operand::Vector(v) if v.len() == n as usize => {
+            for (k, r) in v.iter().enumerate() {
+                d[k] = cx.dst(r)?;
+            }
+        }
+        r if n == 1 => d[0] = cx.dst(r)?,
+        _ => return Err(format!("expected {n} destination registers")),
+    }
+    Ok(d)
 }
 
 fn regs<const N: usize>(cx: &Cx, op: &Operand, t: Ty) -> Result<[Src; N], String> {
