@@ -425,6 +425,33 @@ pub const fn matmul_coop_wgsl(tile: CoopTile, format: WeightFormat) -> &'static 
     }
 }
 
+/// A CUDA kernel outside the op list of [`Kernel`]: a detail of the CUDA backend's own
+/// state (its KV cache layout) with no WGSL twin and no CPU function. Same file rules as the
+/// ops' PTX (`kernels/ptx/<name>.ptx`, header sections, `resources.toml`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PtxOnly {
+    /// File stem and first entry's name.
+    pub name: &'static str,
+    /// The PTX source.
+    pub ptx: &'static str,
+    /// The `.entry` functions in file order.
+    pub entry_points: &'static [&'static str],
+}
+
+/// The CUDA-only kernels: `kv_append` writes a step's new K/V rows into their KV-cache rows
+/// in one launch per layer.
+///
+/// ```
+/// let k = &rolloutpipe_kernels::PTX_ONLY[0];
+/// assert_eq!(k.name, "kv_append");
+/// assert!(k.ptx.contains(".entry kv_append("));
+/// ```
+pub const PTX_ONLY: &[PtxOnly] = &[PtxOnly {
+    name: "kv_append",
+    ptx: include_str!("../ptx/kv_append.ptx"),
+    entry_points: &["kv_append"],
+}];
+
 #[cfg(test)]
 mod tests {
     use super::*;
