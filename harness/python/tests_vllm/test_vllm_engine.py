@@ -1,0 +1,125 @@
+"""The vLLM adapter on its own: requests run only when added, in admission-priority order;
+an abort leaves vLLM with nothing running; stop tokens and max_new_tokens map one to one;
+per-request seeds repeat; the returned log-probs are the model's (checked against the
+PyTorch trainer's forward); a weight update through vLLM's RL route gives what a fresh engine
+on those weights gives, tied embedding included."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from rolloutpipe.torch_trainer import TorchTrainer, save_safetensors, write_random_model
+from rolloutpipe.vllm_engine import VllmEngine
+
+PROMPTS = [[1, 5, 9, 2], [3, 3, 7], [11, 4, 6, 8, 2], [9, 1]]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return VllmEngine(model_dir, slots=8, seed=0, kv_cache_mib=16)
+
+
+def drain(eng, limit=200):
+    done = {}
+    for _ in range(limit):
+        if not eng.active_requests:
+            break
+        for f in eng.step():
+            done[f.key] = f
+    assert eng.active_requests == 0
+    return done
+
+
+def test_nothing_runs_before_admission_and_abort_leaves_nothing(engine):
+    assert engine.unfinished_in_vllm() == 0
+    assert engine.step() == []  # idle: no iteration
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(f"a{i}", p, max_new_tokens=50, seed=i)
+    assert engine.unfinished_in_vllm() == 3
+    engine.step()
+    assert engine.active_requests == 3
+    assert engine.cancel_request("a1") and not engine.cancel_request("a1")
+    assert engine.unfinished_in_vllm() == 2
+    engine.cancel_request("a0")
+    engine.cancel_request("a2")
+    assert engine.unfinished_in_vllm() == 0
+    assert not engine.engine.has_unfinished_requests()
+    assert engine.step() == []
+
+
+def test_stop_tokens_and_max_new_tokens_map_one_to_one(engine):
+    engine.add_request("len", PROMPTS[0], max_new_tokens=5, temperature=0.0, seed=1)
+    out = drain(engine)["len"]
+    assert len(out.tokens) == 5 and out.finish == "length" and len(out.logprobs) == 5
+    # The greedy response's third token as a stop token: the response ends there, with it.
+    stop = out.tokens[2]
+    first = out.tokens.index(stop)
+    engine.add_request("stop", PROMPTS[0], max_new_tokens=5, temperature=0.0, seed=1,
+                       stop_tokens=[stop])
+    got = drain(engine)["stop"]
+    assert got.tokens == out.tokens[:first + 1] and got.finish == "stop"
+
+
+def test_seeded_requests_repeat_and_differ_by_seed(engine):
+    for k, seed in (("x", 11), ("y", 11), ("z", 12)):
+        engine.add_request(k, PROMPTS[2], max_new_tokens=24, temperature=1.0, seed=seed)
+    d = drain(engine)
+    assert d["x"].tokens == d["y"].tokens and d["x"].logprobs == d["y"].logprobs
+    assert d["x"].tokens != d["z"].tokens
+
+
+def test_logprobs_are_log_softmax_of_logits_over_temperature(engine, model_dir):
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    tr = TorchTrainer(cfg, load_file(os.path.join(model_dir, "model.safetensors")),
+                      {"lr": 0.0, "weight_decay": 0.0, "temperature": 0.7, "beta": 0.0})
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"t{i}", p, max_new_tokens=12, temperature=0.7, seed=40 + i)
+    d = drain(engine)
+    for i, p in enumerate(PROMPTS):
+        f = d[f"t{i}"]
+        want = tr.logprobs([(p, f.tokens)], temperature=0.7)[0]
+        np.testing.assert_allclose(f.logprobs, want, rtol=1e-4, atol=1e-4)
+
+
+def test_first_tokens_follow_admission_order_under_a_tight_token_budget(model_dir):
+    # A token budget of 8 per iteration: only some of the admitted prefills fit each
+    # iteration, so requests wait, and vLLM's priority queue serves them in admission order.
+    eng = VllmEngine(model_dir, slots=8, seed=0, kv_cache_mib=16, max_num_batched_tokens=8,
+                     max_model_len=8)
+    for i in range(6):
+        eng.add_request(f"r{i}", PROMPTS[i % 3], max_new_tokens=3, temperature=1.0, seed=i)
+    drain(eng)
+    o = eng.order_report()
+    assert o["admitted"] == o["started"] == 6
+    assert o["waited"] > 0 and o["overtaken"] == 0, o
+
+
+def test_weight_update_route_equals_a_fresh_engine(engine, tmp_path, model_dir):
+    other = tmp_path / "other"
+    write_random_model(str(other), 99)
+    blob = save_safetensors(load_file(str(other / "model.safetensors")))
+    secs = engine.load_weights(blob, version=1)
+    assert secs > 0
+    fresh = VllmEngine(str(other), slots=8, seed=0, kv_cache_mib=16)
+    outs = []
+    for eng in (engine, fresh):
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(f"w{i}", p, max_new_tokens=10, temperature=1.0, seed=70 + i)
+        outs.append(drain(eng))
+    for i in range(len(PROMPTS)):
+        a, b = outs[0][f"w{i}"], outs[1][f"w{i}"]
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-6)
+    # The update changed the model: the original weights generate something else.
+    engine.load_weights(save_safetensors(load_file(os.path.join(model_dir, "model.safetensors"))))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"v{i}", p, max_new_tokens=10, temperature=1.0, seed=70 + i)
+    back = drain(engine)
+    assert any(back[f"v{i}"].tokens != outs[1][f"w{i}"].tokens for i in range(len(PROMPTS)))
+    with pytest.raises(RuntimeError, match="while 1 requests run"):
+        engine.add_request("busy", PROMPTS[0], max_new_tokens=4)
+        engine.load_weights(blob)
+    engine.cancel_request("busy")
