@@ -99,6 +99,10 @@ def test_loss_gradients_and_step_match_grpo_step(tmp_path, model_dir, rolloutpip
     w = tr.weights()
     worst_w = max(rel(w[k].numpy(), stepped[k].numpy()) for k in stepped)
     assert worst_w < REL, worst_w
+    print(f"\n{agg} {std} beta={beta} T={temp}: relative error loss "
+          f"{rel(stats['loss_sum'] / norm, want['loss']):.1e}, gradient worst tensor {worst:.1e} "
+          f"(all {total:.1e}), grad norm {rel(st['grad_norm'], want['grad_norm']):.1e}, "
+          f"updated weights worst tensor {worst_w:.1e}")
 
 
 def test_moments_round_trip_in_the_rust_layout(model_dir):

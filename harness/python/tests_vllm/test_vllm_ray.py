@@ -28,9 +28,10 @@ def test_ray_layout_runs_rolloutpipe_mode(cluster, tmp_path, tiny_config):
     info = r["ray"]
     assert info["placement"] == "pack" and len(info["engine_reports"]) == 2
     assert all(e["order"]["started"] > 0 for e in info["engine_reports"])
-    # The start's weights are the driver's put; every sync after is one put by the trainer
-    # actor (or the driver's, when the bytes the driver would publish differ).
-    assert info["publishes"] == 1 + 2
+    # The start's weights are the driver's put; every sync after reads the one object the
+    # trainer actor put (the PyTorch trainer's export is byte for byte the blob the driver
+    # would publish, so the driver passes the trainer's reference on).
+    assert info["publishes"] == 1 + 2 and info["trainer_publishes"] == 2
     v = json.load(open(out / "vllm.json"))
     assert v["layout"] == "ray"
 

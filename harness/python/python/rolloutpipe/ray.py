@@ -271,6 +271,7 @@ class RayWorkers:
         self.exports = 0
         self.killed = []
         self.engine_reports = []
+        self.final_placements = None
 
     @staticmethod
     def _placement_group(strategy, actor_opts, timeout_s):
@@ -358,6 +359,10 @@ class RayWorkers:
 
     def shutdown(self):
         self.engine_reports = []
+        try:
+            self.final_placements = self.placements()
+        except Exception:  # noqa: BLE001 - a lost actor has no placement
+            self.final_placements = None
         for i, e in enumerate(self.engines):
             if i not in self.killed:
                 try:
@@ -382,6 +387,7 @@ class RayWorkers:
             "perf": self.perf,
             "killed": self.killed,
             "engine_reports": self.engine_reports,
+            "placements": self.final_placements,
         }
 
 def checkpoint_next_step(out):

@@ -73,10 +73,14 @@ def load_safetensors(blob):
 
 
 def save_safetensors(tensors):
-    """A safetensors blob of named tensors (contiguous f32 copies)."""
+    """A safetensors blob of named tensors (contiguous f32 copies), byte for byte what the Rust
+    side writes for the same tensors (its ``{"format": "pt"}`` metadata included), so the Ray
+    driver recognises a sync's weights as the trainer's export and passes the trainer's own
+    object-store copy on instead of putting them again."""
     from safetensors.torch import save
 
-    return save({k: v.detach().to(torch.float32).contiguous() for k, v in tensors.items()})
+    return save({k: v.detach().to(torch.float32).contiguous() for k, v in tensors.items()},
+                metadata={"format": "pt"})
 
 
 def build_model(model_config, weights, dtype=torch.float32):

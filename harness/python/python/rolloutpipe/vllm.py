@@ -35,14 +35,15 @@ from .vllm_hosts import TorchTrainerHost, VllmEngineHost
 
 
 class LocalWorkers:
-    """The hosts in this process and the ``send`` that reaches them."""
+    """The hosts in this process and the ``send`` that reaches them. ``trainer_host`` replaces
+    the PyTorch trainer (``rolloutpipe.TrainerHost()``: RolloutPipe's own, for comparisons)."""
 
-    def __init__(self, cfg, kv_cache_mib=64):
+    def __init__(self, cfg, kv_cache_mib=64, trainer_host=None):
         r = cfg["rollout"]
         self.engines = [VllmEngineHost(r["slots"], kv_cache_mib=kv_cache_mib)
                         for _ in range(r["engines"])]
         self.verifiers = [_core.VerifierHost() for _ in range(r["verifiers"])]
-        self.trainer = TorchTrainerHost()
+        self.trainer = TorchTrainerHost() if trainer_host is None else trainer_host
         self.published = None
 
     def send(self, route, message):
