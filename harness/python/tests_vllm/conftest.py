@@ -3,54 +3,25 @@ scripts/vllm/setup.sh: torch, transformers, vLLM's CPU build, Ray, and the rollo
 
 The job of the end-to-end tests is the tiny one of tests/test_ray.py (a 1-layer model
 warm-started on 1-digit addition, 4 groups of 4 per step, 2 engines of 4 slots) with heads of
-width 32, the narrowest vLLM's CPU attention takes."""
+width 32, the narrowest vLLM's CPU attention takes, and one group per micro-batch."""
 
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
-TINY = """
-[run]
-seed = 3
-steps = 2
-mode = "sync"
-eval_every = 0
-eval_problems = 24
-test_problems = 0
-checkpoint_every = 1
-progress = false
-[task]
-name = "add"
-digits = 1
-[model]
-hidden_size = 32
-intermediate_size = 64
-layers = 1
-heads = 2
-kv_heads = 1
-head_dim = 32
-[sft]
-steps = 40
-batch = 16
-lr = 1e-2
-carry_drop = 0.0
-[rl]
-batch_groups = 4
-group_size = 4
-micro_batch = 1
-max_new_tokens = 4
-lr = 1e-3
-[rollout]
-engines = 2
-verifiers = 1
-slots = 4
-max_groups_factor = 4.0
-"""
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from test_ray import TINY as RAY_TINY  # noqa: E402
+
+# One group per micro-batch (so rolloutpipe mode pipelines the trainer), heads of 32.
+TINY = RAY_TINY.replace("head_dim = 16", "head_dim = 32").replace("micro_batch = 4",
+                                                                    "micro_batch = 1")
+assert "head_dim = 32" in TINY and "micro_batch = 1" in TINY
 
 
 @pytest.fixture(scope="session")
