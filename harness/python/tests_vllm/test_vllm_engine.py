@@ -123,3 +123,52 @@ def test_weight_update_route_equals_a_fresh_engine(engine, tmp_path, model_dir):
         engine.add_request("busy", PROMPTS[0], max_new_tokens=4)
         engine.load_weights(blob)
     engine.cancel_request("busy")
+
+
+def test_one_step_under_rp_scheduler_with_frontier_admission(engine):
+    """A Python loop (Slime's shape) with the core deciding and the vLLM adapter executing:
+    frontier admission into 6 slots, aborts of the surplus, every group accounted for; vLLM
+    holds only what the core admitted and starts it in the core's order."""
+    import rolloutpipe as rp
+
+    s = rp.Scheduler(groups=32, requests=256)
+    plan = rp.Plan(4, 4, micro_batch=1, slots=6, admission="frontier", dispatch="pipelined",
+                   max_groups=12)
+    s.begin_step(0, 0, 0, plan)
+    before = engine.order_report()
+    prompts, running, t = {}, {}, 0
+    while (summary := s.poll_step_done()) is None:
+        t += 1
+        assert t < 10_000
+        while (n := s.poll_draw(t)) is not None:
+            first = s.on_prompts_drawn(t, n)
+            for g in range(first, first + n):
+                prompts[g] = PROMPTS[g % len(PROMPTS)]
+        for rid in s.poll_abort_batch(t, 64):
+            assert engine.cancel_request(running.pop(rid))
+            s.on_abort_acked(t, rid)
+        for adm in s.poll_admit_batch(t, 6 - len(running)):
+            r = adm.request
+            key = f"s{r.group}/{r.sample}/{r.attempt}"
+            engine.add_request(key, prompts[r.group], max_new_tokens=1 + (r.sample * 5) % 9,
+                               seed=1000 * r.group + r.sample)
+            running[r] = key
+        assert engine.unfinished_in_vllm() == len(running) <= 6
+        by_key = {k: r for r, k in running.items()}
+        for f in engine.step():
+            rid = by_key[f.key]
+            del running[rid]
+            # Reward: the response's first token is even (a mixed-variance group).
+            s.on_request_finished(t, rid, 0, len(f.tokens), float(f.tokens[0] % 2 == 0))
+        s.poll_dispatch_batch(t, 64)
+        while s.poll_micro_batch(t) is not None:
+            s.on_micro_batch_consumed(t)
+            if s.poll_optimizer_step(t) is not None:
+                s.on_optimizer_step_done(t)
+    c = summary.counters.to_dict()
+    filtered = (c["filtered_zero_variance"] + c["filtered_non_finite"] + c["filtered_attempts"]
+                + c["filtered_skipped"])
+    assert c["trained"] == 4 and c["drawn"] == c["trained"] + filtered + c["aborted"]
+    assert not running and engine.unfinished_in_vllm() == 0
+    after = engine.order_report()
+    assert after["started"] > before["started"] and after["overtaken"] == before["overtaken"]
