@@ -97,6 +97,21 @@ def test_first_tokens_follow_admission_order_under_a_tight_token_budget(model_di
     assert o["waited"] > 0 and o["overtaken"] == 0, o
 
 
+def test_kv_pressure_preempts_the_latest_admitted_first(model_dir):
+    # Four KV blocks of 128 positions for six requests of 4 + 140 tokens: vLLM must wait and
+    # preempt. Its victims are the largest priority values (the latest admitted), so the
+    # requests still finish in admission order and none is overtaken.
+    eng = VllmEngine(model_dir, slots=8, seed=0, kv_cache_mib=0.25, max_model_len=256)
+    for i in range(6):
+        eng.add_request(f"k{i}", PROMPTS[0], max_new_tokens=140, seed=i)
+    order = []
+    while eng.active_requests:
+        order += [f.key for f in eng.step()]
+    assert order == [f"k{i}" for i in range(6)]
+    o = eng.order_report()
+    assert o["waited"] > 0 and o["stalls"] > 0 and o["overtaken"] == 0, o
+
+
 def test_weight_update_route_equals_a_fresh_engine(engine, tmp_path, model_dir):
     other = tmp_path / "other"
     write_random_model(str(other), 99)

@@ -179,7 +179,7 @@ class VllmEngine:
         self.llm = LLM(
             model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
             max_num_seqs=slots, scheduling_policy="priority", seed=seed,
-            logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_mib << 20,
+            logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(kv_cache_mib * (1 << 20)),
             weight_transfer_config=WeightTransferConfig(backend=TRANSFER_BACKEND),
             enable_prefix_caching=False, enable_chunked_prefill=False, disable_log_stats=True,
             **kw)
