@@ -17,9 +17,28 @@ from rolloutpipe.vllm_engine import VllmEngine
 PROMPTS = [[1, 5, 9, 2], [3, 3, 7], [11, 4, 6, 8, 2], [9, 1]]
 
 
+# Every engine of this module lives until the module ends: engines in one process end
+# together (an engine's shutdown tears down vLLM's process-wide parallel state).
 @pytest.fixture(scope="module")
 def engine(model_dir):
     return VllmEngine(model_dir, slots=8, seed=0, kv_cache_mib=16)
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    return write_random_model(str(tmp_path_factory.mktemp("other") / "m"), 99)
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir, other_model):
+    """The module's other engines: a tight token budget, a small KV cache, and a fresh engine
+    on the other model."""
+    return {
+        "budget": VllmEngine(model_dir, slots=8, seed=0, kv_cache_mib=16,
+                             max_num_batched_tokens=8, max_model_len=8),
+        "kv": VllmEngine(model_dir, slots=8, seed=0, kv_cache_mib=0.25, max_model_len=256),
+        "fresh": VllmEngine(other_model, slots=8, seed=0, kv_cache_mib=16),
+    }
 
 
 def drain(eng, limit=200):
@@ -84,11 +103,10 @@ def test_logprobs_are_log_softmax_of_logits_over_temperature(engine, model_dir):
         np.testing.assert_allclose(f.logprobs, want, rtol=1e-4, atol=1e-4)
 
 
-def test_first_tokens_follow_admission_order_under_a_tight_token_budget(model_dir):
+def test_first_tokens_follow_admission_order_under_a_tight_token_budget(engines):
     # A token budget of 8 per iteration: only some of the admitted prefills fit each
     # iteration, so requests wait, and vLLM's priority queue serves them in admission order.
-    eng = VllmEngine(model_dir, slots=8, seed=0, kv_cache_mib=16, max_num_batched_tokens=8,
-                     max_model_len=8)
+    eng = engines["budget"]
     for i in range(6):
         eng.add_request(f"r{i}", PROMPTS[i % 3], max_new_tokens=3, temperature=1.0, seed=i)
     drain(eng)
@@ -97,11 +115,11 @@ def test_first_tokens_follow_admission_order_under_a_tight_token_budget(model_di
     assert o["waited"] > 0 and o["overtaken"] == 0, o
 
 
-def test_kv_pressure_preempts_the_latest_admitted_first(model_dir):
+def test_kv_pressure_preempts_the_latest_admitted_first(engines):
     # Four KV blocks of 128 positions for six requests of 4 + 140 tokens: vLLM must wait and
     # preempt. Its victims are the largest priority values (the latest admitted), so the
     # requests still finish in admission order and none is overtaken.
-    eng = VllmEngine(model_dir, slots=8, seed=0, kv_cache_mib=0.25, max_model_len=256)
+    eng = engines["kv"]
     for i in range(6):
         eng.add_request(f"k{i}", PROMPTS[0], max_new_tokens=140, seed=i)
     order = []
@@ -112,13 +130,11 @@ def test_kv_pressure_preempts_the_latest_admitted_first(model_dir):
     assert o["waited"] > 0 and o["stalls"] > 0 and o["overtaken"] == 0, o
 
 
-def test_weight_update_route_equals_a_fresh_engine(engine, tmp_path, model_dir):
-    other = tmp_path / "other"
-    write_random_model(str(other), 99)
-    blob = save_safetensors(load_file(str(other / "model.safetensors")))
+def test_weight_update_route_equals_a_fresh_engine(engine, engines, other_model, model_dir):
+    blob = save_safetensors(load_file(os.path.join(other_model, "model.safetensors")))
     secs = engine.load_weights(blob, version=1)
     assert secs > 0
-    fresh = VllmEngine(str(other), slots=8, seed=0, kv_cache_mib=16)
+    fresh = engines["fresh"]
     outs = []
     for eng in (engine, fresh):
         for i, p in enumerate(PROMPTS):

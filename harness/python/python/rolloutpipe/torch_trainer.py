@@ -161,9 +161,12 @@ class TorchTrainer:
     reference's weights: without it (or where a sequence brings none) the reference log-probs
     are the current weights' (KL 0), as in the Rust trainer and ``grpo-step``."""
 
-    def __init__(self, model_config, weights, rl, reference=None, threads=1,
+    def __init__(self, model_config, weights, rl, reference=None, threads=None,
                  dtype=torch.float32):
-        torch.set_num_threads(max(1, threads))
+        if threads is not None:
+            # Process-wide: beside in-process vLLM engines leave it None (their CPU attention
+            # checks that the thread count it planned with is the one it runs with).
+            torch.set_num_threads(max(1, threads))
         self.cfg = dict(model_config)
         self.rl = dict(rl)
         self.dtype = dtype

@@ -36,7 +36,9 @@ request's seeded generator, which its CPU generators refuse ("CPU Generator does
 offset"); a prompt that does not fit an iteration's token budget waits whole instead.
 
 vLLM must run in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before vLLM is
-imported.
+imported. Several engines may share a process (their calls must take turns), but they end
+together: an engine's shutdown tears down vLLM's process-wide parallel state
+(``cleanup_dist_env_and_memory``), which the others still use.
 """
 
 import dataclasses

@@ -237,8 +237,10 @@ class TorchTrainerHost:
         reference = load_safetensors(parts.pop(0)) if m.get("reference") else None
         cfg = m["config"]
         self.rl = cfg["rl"]
-        self.trainer = TorchTrainer(m["model"], weights, self.rl, reference=reference,
-                                    threads=cfg["trainer"]["threads"])
+        # trainer.threads is not applied: torch's thread count is process-wide, and vLLM
+        # engines in the same process run with the count they started with (on Ray the
+        # trainer actor's OpenMP threads are its CPUs).
+        self.trainer = TorchTrainer(m["model"], weights, self.rl, reference=reference)
         if moments is not None:
             self.trainer.import_moments(moments, m["adam_step"])
         self.accum = _accum({"loss_sum": 0.0, "tokens": 0, "sequences": 0, "kl_sum": 0.0,
