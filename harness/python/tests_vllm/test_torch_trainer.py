@@ -61,8 +61,8 @@ def test_loss_gradients_and_step_match_grpo_step(tmp_path, model_dir, rolloutpip
     (tmp_path / "batch.json").write_text(json.dumps(batch))
     out = tmp_path / "out"
     lr, wd, clip = 1e-3, 0.01, 0.5
-    run([rolloutpipe_bin, "grpo-step", "--model", model_dir, "--batch", str(tmp_path / "batch.json"),
-         "--out", str(out), "--save-grads", "--lr", str(lr), "--wd", str(wd), "--clip", str(clip),
+    run([rolloutpipe_bin, "grpo-step", "--model", model_dir,
+         "--batch", str(tmp_path / "batch.json"), "--out", str(out), "--save-grads", "--lr", str(lr), "--wd", str(wd), "--clip", str(clip),
          "--beta", str(beta), "--agg", agg, "--std", std, "--temperature", str(temp),
          "--threads", "1"])
     want = json.load(open(out / "result.json"))
