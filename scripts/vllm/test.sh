@@ -5,8 +5,8 @@
 #                                adapter, the train job in process, the Ray layout)
 #   scripts/vllm/two_node.py    (the Ray layout on a two-node cluster on 127.0.0.1)
 # CI runs only the part that fits its 6 minutes (scripts/ci.d/vllm.sh: the trainer and the
-# adapter tests). Measured here (2 cores, load 7-9 from other builds): the pytest files took
-# 11 s (trainer), 34 s (adapter), 52 s (train in process) and 187 s (Ray); two_node.py 65 s.
+# adapter tests). Measured here (2 cores, load 7-14 from other builds): the trainer and adapter
+# files 41 s together, the train job in process 52-110 s, Ray 112-187 s; two_node.py 65 s.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root="$PWD"
