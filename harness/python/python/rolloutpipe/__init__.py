@@ -21,7 +21,9 @@ generator and verifier (``add``, ``mul``, ``countdown``), the code ``rolloutpipe
 a ``send(route, bytes) -> bytes`` (``tracking=True`` also logs to TensorBoard under Slime's
 metric names, ``rolloutpipe.tracking``); ``EngineHost``, ``TrainerHost`` and ``VerifierHost`` answer
 those messages wherever the work runs. ``rolloutpipe.ray`` (needs ``ray``) runs the job on a
-Ray cluster: ``python -m rolloutpipe.ray train --config F --out DIR``.
+Ray cluster: ``python -m rolloutpipe.ray train --config F --out DIR``. ``rolloutpipe.vllm``
+(needs torch, transformers and vLLM: ``scripts/vllm/setup.sh``) runs it with vLLM rollout
+engines and a PyTorch trainer: ``python -m rolloutpipe.vllm train [--ray]``.
 """
 
 from ._core import (

@@ -106,13 +106,18 @@ class TrainTimer:
 
 @ray.remote
 class EngineActor:
-    """A rollout engine: one ``EngineHost`` (its backend and running requests)."""
+    """A rollout engine: one ``EngineHost`` (its backend and running requests), or the host
+    ``host()`` builds (a picklable factory: ``rolloutpipe.vllm_hosts.VllmEngineHost``)."""
 
-    def __init__(self):
-        self.host = _core.EngineHost()
+    def __init__(self, host=None):
+        self.host = _core.EngineHost() if host is None else host()
 
     def handle(self, message, published=None):
         return self.host.handle(message, published)
+
+    def report(self):
+        """The host's own report (``{}`` for ``EngineHost``)."""
+        return getattr(self.host, "report", dict)()
 
     def placement(self):
         return _placement()
@@ -145,10 +150,11 @@ class TrainerActor:
     ``handle`` answers ``(reply, extra)``. After a weight export, ``extra["weights"]`` is
     ``[ObjectRef]`` of the exported weights blob, put in the object store by this actor, with
     the put's seconds (``put_s``), and ``extra["perf"]`` the step's :class:`TrainTimer`
-    record."""
+    record. ``host`` is a picklable factory of another host answering the same messages
+    (``rolloutpipe.vllm_hosts.TorchTrainerHost``); default ``TrainerHost``."""
 
-    def __init__(self):
-        self.host = _core.TrainerHost()
+    def __init__(self, host=None):
+        self.host = _core.TrainerHost() if host is None else host()
         self.timer = TrainTimer()
 
     def handle(self, message):
@@ -211,11 +217,14 @@ class RayWorkers:
     engine mid-step); ``kill_trainer_at`` = n kills the trainer's actor just before its n-th
     message, ``kill_trainer_after_export`` = n just after its n-th weight export (before the
     engines fetch the weights object it owns). ``first_phase`` is the run's first step (the checkpoint's on ``--resume``) and
-    ``tracker`` a :class:`~rolloutpipe.tracking.Tracker` for the trainer's Slime timers."""
+    ``tracker`` a :class:`~rolloutpipe.tracking.Tracker` for the trainer's Slime timers.
+    ``engine_host`` / ``trainer_host`` are picklable factories of the hosts the actors hold
+    (default: the wheel's ``EngineHost`` / ``TrainerHost``)."""
 
     def __init__(self, cfg, engine_cpus=1, trainer_cpus=1, engine_gpus=0, trainer_gpus=0,
                  kill_engine_at=None, kill_trainer_at=None, placement="none", first_phase=0,
-                 tracker=None, placement_timeout_s=60, kill_trainer_after_export=None):
+                 tracker=None, placement_timeout_s=60, kill_trainer_after_export=None,
+                 engine_host=None, trainer_host=None):
         if placement not in PLACEMENTS:
             raise ValueError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
         rollout = cfg["rollout"]
@@ -238,11 +247,11 @@ class RayWorkers:
             for b, opts in enumerate([trainer_opts] + engine_opts):
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=b)
-        self.engines = [EngineActor.options(**o).remote() for o in engine_opts]
+        self.engines = [EngineActor.options(**o).remote(engine_host) for o in engine_opts]
         self.verifiers = [
             VerifierActor.options(num_cpus=0).remote() for _ in range(rollout["verifiers"])
         ]
-        self.trainer = TrainerActor.options(**trainer_opts).remote()
+        self.trainer = TrainerActor.options(**trainer_opts).remote(trainer_host)
         self.one_step_off = cfg["run"]["mode"] == "one-step-off"
         self.phase = first_phase
         self.tracker = tracker
@@ -261,6 +270,8 @@ class RayWorkers:
         self.trainer_calls = 0
         self.exports = 0
         self.killed = []
+        self.engine_reports = []
+        self.final_placements = None
 
     @staticmethod
     def _placement_group(strategy, actor_opts, timeout_s):
@@ -347,6 +358,17 @@ class RayWorkers:
         raise ValueError(f"unknown route {route!r}")
 
     def shutdown(self):
+        self.engine_reports = []
+        try:
+            self.final_placements = self.placements()
+        except Exception:  # noqa: BLE001 - a lost actor has no placement
+            self.final_placements = None
+        for i, e in enumerate(self.engines):
+            if i not in self.killed:
+                try:
+                    self.engine_reports.append(ray.get(e.report.remote(), timeout=30))
+                except Exception as err:  # noqa: BLE001 - a lost actor has no report
+                    self.engine_reports.append({"engine": i, "lost": str(err)[:200]})
         for a in self.engines + self.verifiers + [self.trainer]:
             ray.kill(a, no_restart=True)
         if self.pg is not None:
@@ -364,6 +386,8 @@ class RayWorkers:
             "trainer_put_s": self.trainer_put_s,
             "perf": self.perf,
             "killed": self.killed,
+            "engine_reports": self.engine_reports,
+            "placements": self.final_placements,
         }
 
 def checkpoint_next_step(out):
@@ -382,7 +406,8 @@ def checkpoint_next_step(out):
 
 def train(config=None, out=None, sets=(), resume=False, force=False, num_cpus=None,
           address=None, kill_engine_at=None, kill_trainer_at=None, trainer_restarts=0,
-          placement="none", tracking=True, kill_trainer_after_export=None):
+          placement="none", tracking=True, kill_trainer_after_export=None, engine_host=None,
+          trainer_host=None):
     """Runs the job on Ray and returns ``rolloutpipe.train``'s result dict plus ``ray``
     (actor calls, weight puts and their seconds, the trainer's Slime timers, the node
     address).
@@ -391,7 +416,7 @@ def train(config=None, out=None, sets=(), resume=False, force=False, num_cpus=No
     continued from its last checkpoint with fresh actors, up to that many times.
     ``placement`` is :class:`RayWorkers`'. With ``tracking`` the metrics also go to
     ``<out>/tensorboard`` (and wandb when installed) under Slime's names, as they are written
-    (``rolloutpipe.tracking``)."""
+    (``rolloutpipe.tracking``). ``engine_host`` / ``trainer_host``: :class:`RayWorkers`'."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
     cfg = json.loads(_core.resolve_config(config, out, list(sets), resume))
@@ -409,7 +434,8 @@ def train(config=None, out=None, sets=(), resume=False, force=False, num_cpus=No
             workers = RayWorkers(cfg, kill_engine_at=kill_engine_at,
                                  kill_trainer_at=kill_trainer_at, placement=placement,
                                  first_phase=first, tracker=tracker,
-                                 kill_trainer_after_export=kill_trainer_after_export)
+                                 kill_trainer_after_export=kill_trainer_after_export,
+                                 engine_host=engine_host, trainer_host=trainer_host)
             follower = MetricsFollower(out, tracker).start()
             t = time.perf_counter()
             try:
