@@ -457,7 +457,14 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     ] {
         let z = g.upload("logits", &data(rows * vocab, 10));
         let rowp: Vec<f32> = (0..rows)
-            .flat_map(|r| ops::sample_row(1.0, top_k, top_p, (r as f64 + 0.5) / rows as f64))
+            .flat_map(|r| {
+                rolloutpipe_backends::model::sampling::sample_row(
+                    1.0,
+                    top_k,
+                    top_p,
+                    (r as f64 + 0.5) / rows as f64,
+                )
+            })
             .collect();
         let (rp, tk, lp) = (
             g.upload("rowp", &rowp),

@@ -3,6 +3,8 @@
 //! - [`seam`]: the [`RolloutEngine`] and [`Trainer`] traits every backend implements, weight
 //!   sync between them, dtype-tagged tensors, and the request/batch types (seam v2);
 //! - [`config`], [`weights`]: Hugging Face `config.json` + `model.safetensors` model directories;
+//! - [`model`]: the Qwen3 model written once for every backend: parameter layout, packed
+//!   batches, RoPE tables, input limits, sampling rules, the loss and the AdamW scalars;
 //! - [`grpo`], [`optim`]: advantages, aggregation and normaliser, AdamW with global-norm clipping
 //!   (SPEC §6), shared by all backends;
 //! - [`cpu`]: the f32 reference backend, plain forward/backward ops that the GPU backends are
@@ -30,7 +32,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod grpo;
-pub mod loss_inputs;
+pub mod model;
 pub mod optim;
 pub mod seam;
 pub mod weights;

@@ -9,14 +9,16 @@
 //! caches are recycled, so steady-state decoding does not allocate per token.
 
 use rand_chacha::ChaCha8Rng;
-use rand_chacha::rand_core::{Rng, SeedableRng};
+use rand_chacha::rand_core::SeedableRng;
 use rayon::prelude::*;
 
-use super::model::{Model, check_tokens, fit};
+use super::model::{Model, fit};
 use super::ops::*;
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
-use crate::seam::{FinishReason, GenOutput, GenRequest, RequestKey, ResumeState, SamplingParams};
+use crate::model::check::{validate_request, validate_resume};
+use crate::model::sampling::{exported, finish_reason, not_started, uniform};
+use crate::seam::{GenOutput, GenRequest, RequestKey, ResumeState, SamplingParams};
 
 /// One active request and its KV cache.
 #[derive(Debug)]
@@ -93,127 +95,6 @@ pub struct Generator {
     active: Vec<Active>,
     free: Vec<(Vec<f32>, Vec<f32>)>,
     s: Scratch,
-}
-
-/// 53-bit uniform in [0, 1): one draw per sampled token (the wgpu backend uses the same).
-pub(crate) fn uniform(rng: &mut ChaCha8Rng) -> f64 {
-    (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-}
-
-/// Whether a request ends after emitting `tok` as its `generated`-th token: a stop token ends
-/// it (and is kept), else reaching `max_new_tokens` does. Shared by every backend so that
-/// requests end alike.
-pub(crate) fn finish_reason(
-    params: &SamplingParams,
-    tok: u32,
-    generated: usize,
-) -> Option<FinishReason> {
-    if params.stop_tokens.contains(&tok) {
-        Some(FinishReason::Stop)
-    } else if generated >= params.max_new_tokens {
-        Some(FinishReason::Length)
-    } else {
-        None
-    }
-}
-
-/// Checks a generation request (every backend refuses the same requests the same way).
-pub(crate) fn validate_request(cfg: &ModelConfig, req: &GenRequest) -> Result<()> {
-    let p = &req.params;
-    let what = format!("request {}", req.id);
-    if req.prompt.is_empty() {
-        return Err(BackendError::EmptyBatch(format!("{what}: empty prompt")));
-    }
-    check_tokens(cfg, &req.prompt, &format!("{what} prompt"))?;
-    check_tokens(cfg, &p.stop_tokens, &format!("{what} stop_tokens"))?;
-    if !(p.temperature.is_finite() && p.temperature >= 0.0) {
-        return Err(BackendError::invalid(
-            "temperature",
-            format!("{} is not finite and ≥ 0", p.temperature),
-        ));
-    }
-    if !(p.top_p.is_finite() && p.top_p > 0.0 && p.top_p <= 1.0) {
-        return Err(BackendError::invalid(
-            "top_p",
-            format!("{} is not in (0, 1]", p.top_p),
-        ));
-    }
-    if p.max_new_tokens == 0 {
-        return Err(BackendError::invalid(
-            "max_new_tokens",
-            "must be at least 1",
-        ));
-    }
-    let total = req.prompt.len() + p.max_new_tokens;
-    if total > cfg.max_position_embeddings {
-        return Err(BackendError::shape(
-            format!("{what} prompt + max_new_tokens"),
-            format!(
-                "at most max_position_embeddings = {}",
-                cfg.max_position_embeddings
-            ),
-            total,
-        ));
-    }
-    Ok(())
-}
-
-/// `export_request`'s refusal of a request that has no token to move yet.
-pub(crate) fn not_started(id: RequestKey) -> BackendError {
-    BackendError::invalid(
-        "export_request",
-        format!("request {id} has not generated a token yet; cancel and re-add it instead"),
-    )
-}
-
-/// An exported request's state (`prompt` as it was asked), with its stream's position in `rng`.
-/// Both backends' exports build it here, so they hand over the same thing.
-pub(crate) fn exported(
-    id: RequestKey,
-    prompt: Vec<u32>,
-    params: SamplingParams,
-    tokens: Vec<u32>,
-    logprobs: Vec<f32>,
-    rng: &ChaCha8Rng,
-) -> ResumeState {
-    ResumeState {
-        request: GenRequest { id, prompt, params },
-        tokens,
-        logprobs,
-        stream_words: rng.get_word_pos(),
-    }
-}
-
-/// Checks an exported state before it is resumed: a valid request that generated at least one
-/// token, one log-prob per token, and neither a stop token nor the length cap reached yet.
-pub(crate) fn validate_resume(cfg: &ModelConfig, st: &ResumeState) -> Result<()> {
-    validate_request(cfg, &st.request)?;
-    let (what, p) = (
-        format!("resumed request {}", st.request.id),
-        &st.request.params,
-    );
-    check_tokens(cfg, &st.tokens, &format!("{what} tokens"))?;
-    if st.tokens.is_empty() || st.tokens.len() >= p.max_new_tokens {
-        return Err(BackendError::shape(
-            format!("{what} tokens"),
-            format!("1..{} (max_new_tokens)", p.max_new_tokens),
-            st.tokens.len(),
-        ));
-    }
-    if st.logprobs.len() != st.tokens.len() {
-        return Err(BackendError::shape(
-            format!("{what} logprobs"),
-            st.tokens.len(),
-            st.logprobs.len(),
-        ));
-    }
-    if st.tokens.iter().any(|t| p.stop_tokens.contains(t)) {
-        return Err(BackendError::invalid(
-            what,
-            "its tokens hold a stop token: it had finished",
-        ));
-    }
-    Ok(())
 }
 
 impl Generator {

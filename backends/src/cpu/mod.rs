@@ -11,7 +11,9 @@ pub mod kernel;
 pub mod lm_head;
 mod load;
 pub mod model;
+mod model_ops;
 pub mod ops;
+pub mod optim;
 pub mod store;
 
 use std::collections::HashMap;
@@ -20,11 +22,13 @@ use std::sync::mpsc::{Receiver, TryRecvError, channel};
 
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
-use crate::optim::{self, AdamState};
+use crate::model::Layout;
+use crate::model::check::{refuse_while_generating, validate_request, validate_resume};
+use crate::optim::AdamState;
 use crate::seam::*;
 use crate::weights::Weights;
 use generate::Generator;
-use model::{Activations, Layout, Model, PackedBatch, check_tokens};
+use model::{Activations, Model};
 
 /// The result a decode step sends back from the pool with the generator it ran on.
 type StepResult = (Box<Generator>, Result<Vec<GenOutput>>);
@@ -178,16 +182,7 @@ impl CpuBackend {
 
     /// Refuses a training call on a 16-bit (engine-only) backend.
     fn trainable(&self, what: &str) -> Result<()> {
-        if self.model.is_half() {
-            return Err(BackendError::invalid(
-                what,
-                format!(
-                    "this backend stores its weights in {} for generation only; train on an f32 backend",
-                    self.model.storage_dtype()
-                ),
-            ));
-        }
-        Ok(())
+        crate::model::check::trainable(self.model.storage_dtype(), what)
     }
 
     /// Replaces every parameter with the flat f32 values `flat` (rounded on a 16-bit backend).
@@ -250,7 +245,7 @@ impl CpuBackend {
     /// cannot fail later, when the caller no longer expects an answer).
     fn validate(&self, reqs: &[GenRequest]) -> Result<()> {
         for r in reqs {
-            generate::validate_request(&self.model.cfg, r)?;
+            validate_request(&self.model.cfg, r)?;
         }
         Ok(())
     }
@@ -274,19 +269,6 @@ impl CpuBackend {
         self.admitted.extend(kv);
         Ok(())
     }
-}
-
-/// Weights cannot change under active requests: their KV caches hold the old weights (one
-/// weight version per rollout). Shared by the engine's load and the trainer's import, since
-/// one object may hold both roles.
-pub(crate) fn refuse_while_generating(active: usize) -> Result<()> {
-    if active > 0 {
-        return Err(BackendError::invalid(
-            "weights",
-            format!("{active} requests are active; their KV caches hold the old weights"),
-        ));
-    }
-    Ok(())
 }
 
 impl BackendInfo for CpuBackend {
@@ -400,7 +382,7 @@ impl RolloutEngine for CpuBackend {
     }
 
     fn resume_request(&mut self, st: ResumeState) -> Result<()> {
-        generate::validate_resume(&self.model.cfg, &st)?;
+        validate_resume(&self.model.cfg, &st)?;
         let req = std::slice::from_ref(&st.request);
         self.admit(req, || Rejected::Resume(Box::new(st.clone())))?;
         let kv = (st.request.id, st.request.kv_tokens());
@@ -549,22 +531,8 @@ impl Trainer for CpuBackend {
     }
 
     fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let cfg = &self.model.cfg;
-        if ids.is_empty() {
-            return Err(BackendError::EmptyBatch("no token ids".into()));
-        }
-        check_tokens(cfg, ids, "ids")?;
-        if ids.len() > cfg.max_position_embeddings {
-            return Err(BackendError::shape(
-                "ids length",
-                cfg.max_position_embeddings,
-                ids.len(),
-            ));
-        }
-        let b = PackedBatch::all_positions(ids);
         let (model, acts) = (&self.model, &mut self.acts);
-        self.pool.install(|| model.forward(&b, acts));
-        Ok(self.acts.logits.clone())
+        self.pool.install(|| model.logits(ids, acts))
     }
 
     fn zero_grad(&mut self) -> Result<()> {

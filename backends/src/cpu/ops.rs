@@ -11,53 +11,15 @@
 //! same ones). Shapes use `n` rows (tokens), `d`/`din`/`dout` widths, `h` query heads, `kvh`
 //! key/value heads, `hd` head width, `v` vocabulary.
 
+use crate::model::AdamScalars;
+pub use crate::model::real::Real;
+/// The table the RoPE ops read.
+pub use crate::model::rope::RopeTable;
 use half::{bf16, f16};
-use std::fmt::Debug;
-use std::ops::{Add, AddAssign, Div, DivAssign, Mul, MulAssign, Neg, Sub, SubAssign};
 
-/// The float types the reference runs in: f32 (the backend) and f64 (gradient checks).
-pub trait Float:
-    Copy
-    + Send
-    + Sync
-    + Debug
-    + Default
-    + PartialOrd
-    + 'static
-    + Add<Output = Self>
-    + Sub<Output = Self>
-    + Mul<Output = Self>
-    + Div<Output = Self>
-    + Neg<Output = Self>
-    + AddAssign
-    + SubAssign
-    + MulAssign
-    + DivAssign
-{
-    /// 0.
-    const ZERO: Self;
-    /// 1.
-    const ONE: Self;
-    /// Conversion from f64 (rounding for f32).
-    fn from_f64(x: f64) -> Self;
-    /// Conversion to f64 (exact).
-    fn to_f64(self) -> f64;
-    /// e^x.
-    fn exp(self) -> Self;
-    /// Natural logarithm.
-    fn ln(self) -> Self;
-    /// Square root.
-    fn sqrt(self) -> Self;
-    /// x^y.
-    fn powf(self, y: Self) -> Self;
-    /// Cosine.
-    fn cos(self) -> Self;
-    /// Sine.
-    fn sin(self) -> Self;
-    /// Larger of two (NaN-ignoring like `f32::max`).
-    fn max(self, o: Self) -> Self;
-    /// Neither NaN nor infinite.
-    fn is_finite(self) -> bool;
+/// The float types the reference runs in: f32 (the backend) and f64 (gradient checks), with
+/// the matrix products each runs on.
+pub trait Float: Real {
     /// `out[n, dout] = x[n, din]·wᵀ` (the forward product; f32 uses the batch-invariant SIMD
     /// kernel of `cpu::kernel`, f64 the GEMM).
     fn matmul_nt(out: &mut [Self], x: &[Self], w: &[Self], n: usize, din: usize, dout: usize);
@@ -122,48 +84,6 @@ macro_rules! impl_float {
                 dout: usize,
             ) {
                 $nt(out, x, w, n, din, dout)
-            }
-            const ZERO: Self = 0.0;
-            const ONE: Self = 1.0;
-            #[inline]
-            fn from_f64(x: f64) -> Self {
-                x as $t
-            }
-            #[inline]
-            fn to_f64(self) -> f64 {
-                self as f64
-            }
-            #[inline]
-            fn exp(self) -> Self {
-                <$t>::exp(self)
-            }
-            #[inline]
-            fn ln(self) -> Self {
-                <$t>::ln(self)
-            }
-            #[inline]
-            fn sqrt(self) -> Self {
-                <$t>::sqrt(self)
-            }
-            #[inline]
-            fn powf(self, y: Self) -> Self {
-                <$t>::powf(self, y)
-            }
-            #[inline]
-            fn cos(self) -> Self {
-                <$t>::cos(self)
-            }
-            #[inline]
-            fn sin(self) -> Self {
-                <$t>::sin(self)
-            }
-            #[inline]
-            fn max(self, o: Self) -> Self {
-                <$t>::max(self, o)
-            }
-            #[inline]
-            fn is_finite(self) -> bool {
-                <$t>::is_finite(self)
             }
             unsafe fn gemm_raw(
                 m: usize,
@@ -538,42 +458,6 @@ pub fn matmul_bwd<T: Float>(
         dw,
         (din, 1),
     );
-}
-
-/// Precomputed RoPE rotation tables `cos, sin : [max_pos, head_dim/2]`, computed in `T` the way
-/// transformers does in float32 (`inv_freq = 1/θ^(2i/hd)`, angle `pos·inv_freq`).
-#[derive(Debug, Clone)]
-pub struct RopeTable<T> {
-    /// cos of the angle, `[max_pos, half]`.
-    pub cos: Vec<T>,
-    /// sin of the angle, `[max_pos, half]`.
-    pub sin: Vec<T>,
-    /// `head_dim / 2`.
-    pub half: usize,
-}
-
-impl<T: Float> RopeTable<T> {
-    /// Tables for positions `0..max_pos`.
-    pub fn new(head_dim: usize, theta: f64, max_pos: usize) -> Self {
-        let half = head_dim / 2;
-        let inv: Vec<T> = (0..half)
-            .map(|i| {
-                T::ONE
-                    / T::from_f64(theta)
-                        .powf(T::from_f64((2 * i) as f64) / T::from_f64(head_dim as f64))
-            })
-            .collect();
-        let mut cos = Vec::with_capacity(max_pos * half);
-        let mut sin = Vec::with_capacity(max_pos * half);
-        for p in 0..max_pos {
-            for f in &inv {
-                let a = T::from_f64(p as f64) * *f;
-                cos.push(a.cos());
-                sin.push(a.sin());
-            }
-        }
-        Self { cos, sin, half }
-    }
 }
 
 /// Rotate-half RoPE in place: for each row `t` at position `pos[t]` and each of the `heads` heads
@@ -1057,7 +941,7 @@ pub fn adamw_step(
     weight_decay: f64,
     step: u64,
 ) {
-    let c = AdamConsts::new(grad_scale, lr, beta1, beta2, eps, weight_decay, step);
+    let c = AdamScalars::new(grad_scale, lr, beta1, beta2, eps, weight_decay, step);
     adamw_chunks::<false>(p, grad, m, v, &c);
 }
 
@@ -1080,8 +964,25 @@ pub fn adamw_first_step(
     weight_decay: f64,
     step: u64,
 ) {
-    let c = AdamConsts::new(grad_scale, lr, beta1, beta2, eps, weight_decay, step);
+    let c = AdamScalars::new(grad_scale, lr, beta1, beta2, eps, weight_decay, step);
     adamw_chunks::<true>(p, grad, m, v, &c);
+}
+
+/// One AdamW step with precomputed scalars: [`adamw_step`], or [`adamw_first_step`] when
+/// `fresh`.
+pub fn adamw_apply(
+    p: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    s: &AdamScalars,
+    fresh: bool,
+) {
+    if fresh {
+        adamw_chunks::<true>(p, grad, m, v, s);
+    } else {
+        adamw_chunks::<false>(p, grad, m, v, s);
+    }
 }
 
 /// The elementwise update over chunks on the current thread pool (elementwise, so the
@@ -1091,7 +992,7 @@ fn adamw_chunks<const FRESH: bool>(
     grad: &[f32],
     m: &mut [f32],
     v: &mut [f32],
-    c: &AdamConsts,
+    c: &AdamScalars,
 ) {
     use rayon::prelude::*;
     p.par_chunks_mut(PAR_CHUNK)
@@ -1103,55 +1004,6 @@ fn adamw_chunks<const FRESH: bool>(
                 (m[i], v[i]) = c.apply(grad[i], &mut p[i], m0, v0);
             }
         });
-}
-
-/// The scalars of one AdamW step.
-struct AdamConsts {
-    grad_scale: f32,
-    decay: f32,
-    step_size: f32,
-    w1: f32,
-    b2: f32,
-    w2: f32,
-    bc2_sqrt: f32,
-    eps: f32,
-}
-
-impl AdamConsts {
-    fn new(
-        grad_scale: f32,
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-        step: u64,
-    ) -> Self {
-        // torch computes the scalars in Python floats (f64) and applies them to f32 tensors.
-        let bc1 = 1.0 - beta1.powi(step as i32);
-        AdamConsts {
-            grad_scale,
-            decay: (1.0 - lr * weight_decay) as f32,
-            step_size: (lr / bc1) as f32,
-            w1: (1.0 - beta1) as f32,
-            b2: beta2 as f32,
-            w2: (1.0 - beta2) as f32,
-            bc2_sqrt: (1.0 - beta2.powi(step as i32)).sqrt() as f32,
-            eps: eps as f32,
-        }
-    }
-
-    /// One element: updates `p` and returns the new moments.
-    #[inline(always)]
-    fn apply(&self, grad: f32, p: &mut f32, m: f32, v: f32) -> (f32, f32) {
-        let g = grad * self.grad_scale;
-        *p *= self.decay;
-        let m = m + self.w1 * (g - m);
-        let v = v * self.b2 + self.w2 * g * g;
-        let denom = v.sqrt() / self.bc2_sqrt + self.eps;
-        *p -= self.step_size * (m / denom);
-        (m, v)
-    }
 }
 
 /// Sampling settings live in the neutral seam module; re-exported for the sampler below.

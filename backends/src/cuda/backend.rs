@@ -5,15 +5,17 @@ use std::sync::Arc;
 
 use super::device::{Cuda, DBuf};
 use super::generate::Generator;
-use super::layout::Packed;
-use super::model::{self, Acts, DeviceModel, ensure_acts, upload_packed};
-use super::ops::{self, LossBufs};
+use super::model::DeviceModel;
+use super::model_ops::{CudaOps, Scratch};
+use super::ops;
 use super::plan::{self, AdamScalars};
 use crate::config::ModelConfig;
-use crate::cpu::model::{Layout, check_sequence, check_tokens, validate_train_batch};
 use crate::error::{BackendError, Result};
-use crate::loss_inputs::LossInputs;
-use crate::optim::AdamState;
+use crate::model::Layout;
+use crate::model::acts::Acts;
+use crate::model::check::{pairs, refuse_while_generating, validate_request};
+use crate::model::train::Net;
+use crate::optim::{AdamState, Optimize, ParamGroup};
 use crate::seam::*;
 use crate::weights::Weights;
 
@@ -22,7 +24,8 @@ use crate::weights::Weights;
 pub struct CudaBackend {
     cuda: Arc<Cuda>,
     model: DeviceModel,
-    acts: Option<Acts>,
+    acts: Option<CudaActs>,
+    scratch: Option<Scratch>,
     generator: Generator,
     /// AdamW moments per tensor (allocated zeroed with the model) and the step count.
     opt_m: Vec<DBuf<f32>>,
@@ -75,6 +78,7 @@ impl CudaBackend {
             cuda,
             model,
             acts: None,
+            scratch: None,
             generator: Generator::default(),
             opt_m,
             opt_v,
@@ -98,38 +102,22 @@ impl CudaBackend {
         self.opt_step
     }
 
-    /// Σ g² over every gradient tensor (f64 partials, one fixed-order reduction).
-    fn grad_sumsq(&self) -> Result<f64> {
-        let cu = &*self.cuda;
-        for ((e, g), &base) in self
-            .model
-            .layout
-            .entries
-            .iter()
-            .zip(&self.model.grads)
-            .zip(&self.norm_bases)
-        {
-            ops::grad_norm(cu, &self.partials, g, e.len, base)?;
-        }
-        ops::grad_norm_reduce(cu, &self.norm_total, &self.partials, self.partials.len())?;
-        Ok(self.norm_total.read(0, 1)?[0])
-    }
-
-    /// Packs and uploads `b` and runs the forward to the scored rows' hidden states.
-    fn forward(&mut self, b: &Packed) -> Result<()> {
-        let (n, m) = (b.ids.len(), b.rows.len());
-        ensure_acts(&self.cuda, &self.model.cfg, &mut self.acts, n, m)?;
-        let a = self.acts()?;
-        upload_packed(a, b)?;
-        model::forward(&self.model, a, n, m)
-    }
-
-    fn acts(&self) -> Result<&Acts> {
-        self.acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))
+    /// Runs `f` with the one model over this backend's ops and activations.
+    fn with_net<R>(
+        &mut self,
+        f: impl FnOnce(Net<'_>, &mut CudaOps<'_>, &mut Option<CudaActs>) -> R,
+    ) -> R {
+        let net = Net {
+            cfg: &self.model.cfg,
+            ids: &self.model.layout.ids,
+        };
+        let mut o = CudaOps::new(&self.cuda, &self.model, &mut self.scratch);
+        f(net, &mut o, &mut self.acts)
     }
 }
+
+/// The activations of a training or scoring pass on this backend.
+type CudaActs = Acts<DBuf<f32>, DBuf<u32>, DBuf<u32>>;
 
 impl BackendInfo for CudaBackend {
     fn name(&self) -> &'static str {
@@ -152,7 +140,7 @@ fn generate_check(
     admitted: &HashMap<RequestKey, usize>,
 ) -> Result<()> {
     for (i, r) in reqs.iter().enumerate() {
-        crate::cpu::generate::validate_request(cfg, r)?;
+        validate_request(cfg, r)?;
         if admitted.contains_key(&r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
             return Err(BackendError::DuplicateRequest(r.id));
         }
@@ -166,7 +154,7 @@ impl RolloutEngine for CudaBackend {
     }
 
     fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
-        crate::cpu::refuse_while_generating(self.admitted.len())?;
+        refuse_while_generating(self.admitted.len())?;
         if self.stepped.is_some() {
             return Err(BackendError::StepInFlight("load_weights"));
         }
@@ -262,6 +250,43 @@ impl RolloutEngine for CudaBackend {
     }
 }
 
+impl Optimize for CudaBackend {
+    fn groups(&self, exclude_norms_from_decay: bool) -> Vec<ParamGroup> {
+        self.model.layout.param_groups(exclude_norms_from_decay)
+    }
+
+    /// Σ g² over every gradient tensor (f64 partials, one fixed-order reduction).
+    fn grad_sumsq(&mut self) -> Result<f64> {
+        let cu = &*self.cuda;
+        for ((e, g), &base) in self
+            .model
+            .layout
+            .entries
+            .iter()
+            .zip(&self.model.grads)
+            .zip(&self.norm_bases)
+        {
+            ops::grad_norm(cu, &self.partials, g, e.len, base)?;
+        }
+        ops::grad_norm_reduce(cu, &self.norm_total, &self.partials, self.partials.len())?;
+        Ok(self.norm_total.read(0, 1)?[0])
+    }
+
+    fn steps(&self) -> u64 {
+        self.opt_step
+    }
+
+    fn adamw(&mut self, t: u64, scalars: &[AdamScalars]) -> Result<()> {
+        self.opt_step = t;
+        let md = &self.model;
+        for (i, (e, s)) in md.layout.entries.iter().zip(scalars).enumerate() {
+            let (p, g) = (&md.params[i], &md.grads[i]);
+            ops::adamw_step(&self.cuda, p, g, &self.opt_m[i], &self.opt_v[i], e.len, *s)?;
+        }
+        self.cuda.sync()
+    }
+}
+
 impl Trainer for CudaBackend {
     fn export_weights(&self) -> Result<Weights> {
         let flat = self.model.read_flat(&self.model.params)?;
@@ -269,7 +294,7 @@ impl Trainer for CudaBackend {
     }
 
     fn import_weights(&mut self, w: &Weights) -> Result<()> {
-        crate::cpu::refuse_while_generating(self.admitted.len())?;
+        refuse_while_generating(self.admitted.len())?;
         w.validate(&self.model.cfg)?;
         let flat = self.model.layout.flatten::<f32>(w)?;
         self.model.write_params(&flat)
@@ -337,58 +362,12 @@ impl Trainer for CudaBackend {
     }
 
     fn logprobs(&mut self, seqs: &[Sequence], temperature: f32) -> Result<Vec<Vec<f32>>> {
-        if seqs.is_empty() {
-            return Err(BackendError::EmptyBatch("no sequences to score".into()));
-        }
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(BackendError::invalid(
-                "temperature",
-                format!("{temperature} must be positive"),
-            ));
-        }
-        for (i, s) in seqs.iter().enumerate() {
-            check_sequence(
-                &self.model.cfg,
-                &s.prompt,
-                &s.response,
-                &format!("sequence {i}"),
-            )?;
-        }
-        let pairs: Vec<(&[u32], &[u32])> = seqs
-            .iter()
-            .map(|s| (&s.prompt[..], &s.response[..]))
-            .collect();
-        let b = Packed::scored(&pairs);
-        self.forward(&b)?;
-        let a = self.acts()?;
-        let m = b.rows.len();
-        model::logprobs(&self.model, a, m, temperature as f64)?;
-        let lp = a.logp.read(0, m)?;
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut at = 0;
-        for s in seqs {
-            out.push(lp[at..at + s.response.len()].to_vec());
-            at += s.response.len();
-        }
-        Ok(out)
+        let pairs = pairs(seqs);
+        self.with_net(|net, o, acts| net.logprobs(o, acts, &pairs, temperature as f64))
     }
 
     fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let cfg = &self.model.cfg;
-        if ids.is_empty() {
-            return Err(BackendError::EmptyBatch("no token ids".into()));
-        }
-        check_tokens(cfg, ids, "ids")?;
-        if ids.len() > cfg.max_position_embeddings {
-            return Err(BackendError::shape(
-                "ids length",
-                cfg.max_position_embeddings,
-                ids.len(),
-            ));
-        }
-        let b = Packed::all_positions(ids);
-        self.forward(&b)?;
-        model::read_logits(&self.model, self.acts()?, ids.len())
+        self.with_net(|net, o, acts| net.logits(o, acts, ids))
     }
 
     fn zero_grad(&mut self) -> Result<()> {
@@ -399,61 +378,7 @@ impl Trainer for CudaBackend {
     }
 
     fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats> {
-        validate_train_batch(&self.model.cfg, batch, obj)?;
-        let (grpo, temperature) = match *obj {
-            Objective::Grpo {
-                eps_low,
-                eps_high,
-                beta,
-                temperature,
-            } => (Some((eps_low, eps_high, beta)), temperature),
-            Objective::Sft => (None, 1.0),
-        };
-        let pairs: Vec<(&[u32], &[u32])> = batch
-            .sequences
-            .iter()
-            .map(|s| (&s.prompt[..], &s.response[..]))
-            .collect();
-        let b = Packed::scored(&pairs);
-        let (n, m) = (b.ids.len(), b.rows.len());
-        let LossInputs {
-            old,
-            refp,
-            adv,
-            wts,
-            flags: fl,
-        } = LossInputs::from_batch(batch, m);
-        self.forward(&b)?;
-        let a = self.acts()?;
-        a.old.write(0, &old)?;
-        a.refp.write(0, &refp)?;
-        a.adv.write(0, &adv)?;
-        a.wts.write(0, &wts)?;
-        a.flags.write(0, &fl)?;
-        model::logprobs(&self.model, a, m, temperature)?;
-        let loss = LossBufs {
-            logp: &a.logp,
-            old: &a.old,
-            refp: &a.refp,
-            adv: &a.adv,
-            w: &a.wts,
-            flags: &a.flags,
-        };
-        ops::grpo_loss_fwd(&self.cuda, &a.loss_stats, loss, &a.entropy, m, grpo)?;
-        let st = a.loss_stats.read(0, 4)?;
-        let stats = AccumStats {
-            loss_sum: st[0] as f64,
-            tokens: m,
-            sequences: batch.sequences.len(),
-            kl_sum: st[1] as f64,
-            entropy_sum: st[3] as f64,
-            clipped: st[2].max(0.0) as usize,
-        };
-        // A non-finite loss is refused before the backward, leaving the sums untouched.
-        if !stats.loss_sum.is_finite() {
-            return Err(BackendError::non_finite("loss of the micro-batch"));
-        }
-        model::backward(&self.model, a, n, m, grpo, temperature)?;
+        let stats = self.with_net(|net, o, acts| net.accumulate(o, acts, batch, obj, true))?;
         if !self.grad_sumsq()?.is_finite() {
             return Err(BackendError::non_finite(
                 "gradient sums after this micro-batch (overflow); call zero_grad before reusing them",
@@ -463,52 +388,7 @@ impl Trainer for CudaBackend {
     }
 
     fn optimizer_step(&mut self, normalizer: f64, opt: &AdamW) -> Result<OptStats> {
-        opt.validate()?;
-        if !(normalizer.is_finite() && normalizer > 0.0) {
-            return Err(BackendError::invalid(
-                "normalizer",
-                format!("{normalizer} is not a positive finite number"),
-            ));
-        }
-        let norm = self.grad_sumsq()?.sqrt() / normalizer;
-        if !norm.is_finite() {
-            return Err(BackendError::non_finite("gradient (global norm)"));
-        }
-        let clip = match opt.max_grad_norm {
-            Some(c) => (c / (norm + 1e-6)).min(1.0),
-            None => 1.0,
-        };
-        self.opt_step += 1;
-        let scale = (clip / normalizer) as f32;
-        let groups = self.model.layout.param_groups(opt.exclude_norms_from_decay);
-        for (i, g) in groups.iter().enumerate() {
-            let wd = if g.decay { opt.weight_decay } else { 0.0 };
-            let s = AdamScalars::new(
-                scale,
-                opt.lr,
-                opt.beta1,
-                opt.beta2,
-                opt.eps,
-                wd,
-                self.opt_step,
-            );
-            let md = &self.model;
-            ops::adamw_step(
-                &self.cuda,
-                &md.params[i],
-                &md.grads[i],
-                &self.opt_m[i],
-                &self.opt_v[i],
-                g.len,
-                s,
-            )?;
-        }
-        self.cuda.sync()?;
-        Ok(OptStats {
-            grad_norm: norm,
-            clip_scale: clip,
-            step: self.opt_step,
-        })
+        crate::optim::step(self, normalizer, opt)
     }
 
     fn gradients(&self) -> Result<Weights> {

@@ -21,8 +21,9 @@ use super::model::DeviceModel;
 use super::ops;
 use super::plan;
 use crate::config::ModelConfig;
-use crate::cpu::generate::{finish_reason, uniform, validate_request};
 use crate::error::{BackendError, Result};
+use crate::model::check::validate_request;
+use crate::model::sampling::{finish_reason, sample_row, uniform};
 use crate::seam::{GenOutput, GenRequest, RequestKey, SamplingParams};
 
 #[derive(Debug)]
@@ -243,7 +244,7 @@ impl Generator {
             let u = uniform(&mut a.rng);
             let p = &a.params;
             self.rowp
-                .extend(plan::sample_row(p.temperature, p.top_k, p.top_p, u));
+                .extend(sample_row(p.temperature, p.top_k, p.top_p, u));
         }
         let (n, r) = (self.ids.len(), self.active.len());
         if self
@@ -271,12 +272,21 @@ impl Generator {
         let n_k = self.slots * self.slot_rows;
         ops::embedding_fwd(cu, &s.x, &p[md.embed], &s.ids, n, d, v)?;
         for (l, li) in md.layers.iter().enumerate() {
-            ops::rmsnorm_fwd(cu, &s.ln, &s.rstd, &s.x, &p[li.input_norm], n, d, eps)?;
-            ops::matmul_fwd(cu, &s.q_pre, &s.ln, &p[li.q], n, d, qd)?;
-            ops::matmul_fwd(cu, &s.k_pre, &s.ln, &p[li.k], n, d, kd)?;
-            ops::matmul_fwd(cu, &s.v, &s.ln, &p[li.v], n, d, kd)?;
-            ops::rmsnorm_fwd(cu, &s.q, &s.rstd, &s.q_pre, &p[li.q_norm], n * h, hd, eps)?;
-            ops::rmsnorm_fwd(cu, &s.k, &s.rstd, &s.k_pre, &p[li.k_norm], n * kvh, hd, eps)?;
+            ops::rmsnorm_fwd(cu, &s.ln, &s.rstd, &s.x, &p[li.input_norm.0], n, d, eps)?;
+            ops::matmul_fwd(cu, &s.q_pre, &s.ln, &p[li.q.0], n, d, qd)?;
+            ops::matmul_fwd(cu, &s.k_pre, &s.ln, &p[li.k.0], n, d, kd)?;
+            ops::matmul_fwd(cu, &s.v, &s.ln, &p[li.v.0], n, d, kd)?;
+            ops::rmsnorm_fwd(cu, &s.q, &s.rstd, &s.q_pre, &p[li.q_norm.0], n * h, hd, eps)?;
+            ops::rmsnorm_fwd(
+                cu,
+                &s.k,
+                &s.rstd,
+                &s.k_pre,
+                &p[li.k_norm.0],
+                n * kvh,
+                hd,
+                eps,
+            )?;
             ops::rope(cu, true, &s.q, &s.pos, &md.cos, &md.sin, n, h, hd, maxp)?;
             ops::rope(cu, true, &s.k, &s.pos, &md.cos, &md.sin, n, kvh, hd, maxp)?;
             for (a, &(start, len)) in self.active.iter().zip(&self.chunks) {
@@ -294,13 +304,13 @@ impl Generator {
                 &s.qmeta,
                 md.attn(n, n_k),
             )?;
-            ops::matmul_fwd(cu, &s.tmp, &s.att_out, &p[li.o], n, qd, d)?;
+            ops::matmul_fwd(cu, &s.tmp, &s.att_out, &p[li.o.0], n, qd, d)?;
             ops::residual_fwd(cu, &s.x_mid, &s.x, &s.tmp, n * d)?;
-            ops::rmsnorm_fwd(cu, &s.ln, &s.rstd, &s.x_mid, &p[li.post_norm], n, d, eps)?;
-            ops::matmul_fwd(cu, &s.gate, &s.ln, &p[li.gate], n, d, f)?;
-            ops::matmul_fwd(cu, &s.up, &s.ln, &p[li.up], n, d, f)?;
+            ops::rmsnorm_fwd(cu, &s.ln, &s.rstd, &s.x_mid, &p[li.post_norm.0], n, d, eps)?;
+            ops::matmul_fwd(cu, &s.gate, &s.ln, &p[li.gate.0], n, d, f)?;
+            ops::matmul_fwd(cu, &s.up, &s.ln, &p[li.up.0], n, d, f)?;
             ops::swiglu_fwd(cu, &s.h, &s.gate, &s.up, n * f)?;
-            ops::matmul_fwd(cu, &s.tmp, &s.h, &p[li.down], n, f, d)?;
+            ops::matmul_fwd(cu, &s.tmp, &s.h, &p[li.down.0], n, f, d)?;
             ops::residual_fwd(cu, &s.x, &s.x_mid, &s.tmp, n * d)?;
         }
         ops::embedding_fwd(cu, &s.hsel, &s.x, &s.last, r, d, n)?;

@@ -35,6 +35,8 @@ pub mod generate;
 #[cfg(feature = "cuda")]
 pub mod model;
 #[cfg(feature = "cuda")]
+pub mod model_ops;
+#[cfg(feature = "cuda")]
 pub mod ops;
 
 #[cfg(feature = "cuda")]

@@ -140,23 +140,32 @@ pub(super) fn encode_step(
     };
     ops::embedding_fwd_as(ex, &s.x, &s.ids, &p[md.embed], wf, n, d, v);
     for (l, li) in md.layers.iter().enumerate() {
-        ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x, &p[li.input_norm], n, d, eps);
-        ops::matmul_fwd_as(ex, &s.q_pre, &s.ln, &p[li.q], wf, n, d, qd, false);
-        ops::matmul_fwd_as(ex, &s.k_pre, &s.ln, &p[li.k], wf, n, d, kd, false);
-        ops::matmul_fwd_as(ex, &s.v, &s.ln, &p[li.v], wf, n, d, kd, false);
-        ops::rmsnorm_fwd(ex, &s.q, &s.rstd, &s.q_pre, &p[li.q_norm], n * h, hd, eps);
-        ops::rmsnorm_fwd(ex, &s.k, &s.rstd, &s.k_pre, &p[li.k_norm], n * kvh, hd, eps);
+        ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x, &p[li.input_norm.0], n, d, eps);
+        ops::matmul_fwd_as(ex, &s.q_pre, &s.ln, &p[li.q.0], wf, n, d, qd, false);
+        ops::matmul_fwd_as(ex, &s.k_pre, &s.ln, &p[li.k.0], wf, n, d, kd, false);
+        ops::matmul_fwd_as(ex, &s.v, &s.ln, &p[li.v.0], wf, n, d, kd, false);
+        ops::rmsnorm_fwd(ex, &s.q, &s.rstd, &s.q_pre, &p[li.q_norm.0], n * h, hd, eps);
+        ops::rmsnorm_fwd(
+            ex,
+            &s.k,
+            &s.rstd,
+            &s.k_pre,
+            &p[li.k_norm.0],
+            n * kvh,
+            hd,
+            eps,
+        );
         ops::rope_fwd(ex, &s.q, &s.pos, &md.cos, &md.sin, n, h, hd, maxp);
         ops::rope_fwd(ex, &s.k, &s.pos, &md.cos, &md.sin, n, kvh, hd, maxp);
         rows.kv_append(ex, pool, l, c)?;
         rows.attention_decode(ex, pool, l, c)?;
-        ops::matmul_fwd_as(ex, &s.tmp, &s.att_out, &p[li.o], wf, n, qd, d, false);
+        ops::matmul_fwd_as(ex, &s.tmp, &s.att_out, &p[li.o.0], wf, n, qd, d, false);
         ops::residual_fwd(ex, &s.x_mid, &s.x, &s.tmp, n * d);
-        ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x_mid, &p[li.post_norm], n, d, eps);
-        ops::matmul_fwd_as(ex, &s.gate, &s.ln, &p[li.gate], wf, n, d, f, false);
-        ops::matmul_fwd_as(ex, &s.up, &s.ln, &p[li.up], wf, n, d, f, false);
+        ops::rmsnorm_fwd(ex, &s.ln, &s.rstd, &s.x_mid, &p[li.post_norm.0], n, d, eps);
+        ops::matmul_fwd_as(ex, &s.gate, &s.ln, &p[li.gate.0], wf, n, d, f, false);
+        ops::matmul_fwd_as(ex, &s.up, &s.ln, &p[li.up.0], wf, n, d, f, false);
         ops::swiglu_fwd(ex, &s.h, &s.gate, &s.up, n * f);
-        ops::matmul_fwd_as(ex, &s.tmp, &s.h, &p[li.down], wf, n, f, d, false);
+        ops::matmul_fwd_as(ex, &s.tmp, &s.h, &p[li.down.0], wf, n, f, d, false);
         ops::residual_fwd(ex, &s.x, &s.x_mid, &s.tmp, n * d);
     }
     ops::embedding_fwd(ex, &s.hsel, &s.last, &s.x, r, d, n);

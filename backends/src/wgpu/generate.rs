@@ -41,14 +41,11 @@ use super::gpu::{Exec, Gpu, Ticket};
 use super::inflight::InFlight;
 use super::kv::{KvPool, PAGE, pages_for};
 use super::model::DeviceModel;
-use super::ops;
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
 use crate::seam::{GenOutput, GenRequest, Rejected, RequestKey, ResumeState, SamplingParams};
 
-// The CPU reference's draw and finish rule, shared so both backends sample the same stream
-// and end requests alike (requests are checked by the backend, with the CPU's checks).
-use crate::cpu::generate::{exported, finish_reason, not_started, uniform};
+use crate::model::sampling::{exported, finish_reason, not_started, sample_row, uniform};
 
 /// Positions of a group's prompt stored once for all samples: the whole pages before the
 /// prompt's last position (whose logits each sample needs, so each computes it).
@@ -477,7 +474,7 @@ impl Generator {
             let u = uniform(&mut a.rng);
             let p = &a.params;
             self.rowp
-                .push(ops::sample_row(p.temperature, p.top_k, p.top_p, u));
+                .push(sample_row(p.temperature, p.top_k, p.top_p, u));
         }
         rows
     }

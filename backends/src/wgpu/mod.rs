@@ -51,6 +51,7 @@ pub mod inflight;
 pub mod kv;
 pub mod lm_head;
 pub mod model;
+pub mod model_ops;
 pub mod ops;
 
 use std::sync::Arc;
@@ -58,18 +59,18 @@ use std::sync::Arc;
 pub use gpu::{Exec, Gpu};
 
 use crate::config::ModelConfig;
-use crate::cpu::model::{Layout, ParamEntry, check_sequence, check_tokens, validate_train_batch};
 use crate::error::{BackendError, Result};
-use crate::loss_inputs::LossInputs;
-use crate::optim::AdamState;
+use crate::model::acts::Acts;
+use crate::model::check::{pairs, refuse_while_generating, validate_request, validate_resume};
+use crate::model::train::Net;
+use crate::model::{Layout, ParamEntry};
+use crate::optim::{AdamState, Optimize, ParamGroup};
 use crate::seam::*;
 use crate::weights::Weights;
 use generate::Generator;
-use model::{
-    Acts, DeviceModel, Packed, encode_backward, encode_forward, ensure_acts, f16_overflow,
-    half_stored, stored_words, upload_packed, weight_format,
-};
-use ops::{AdamScalars, Loss};
+use model::{DeviceModel, f16_overflow, half_stored, stored_words, weight_format};
+use model_ops::WgpuOps;
+use ops::AdamScalars;
 use rolloutpipe_kernels::{Kernel, WeightFormat};
 
 /// Largest `head_dim` the attention kernels support (each of 64 threads owns ≤ 4 dims).
@@ -82,7 +83,8 @@ pub struct WgpuBackend {
     gpu: Arc<Gpu>,
     ex: Exec,
     model: DeviceModel,
-    acts: Option<Acts>,
+    acts: Option<WgpuActs>,
+    scratch: Option<model_ops::Scratch>,
     generator: Generator,
     /// AdamW moments per tensor (allocated zeroed with the model) and the step count.
     opt_m: Vec<wgpu::Buffer>,
@@ -184,6 +186,7 @@ impl WgpuBackend {
             gpu,
             model,
             acts: None,
+            scratch: None,
             generator: Generator::default(),
             opt_m,
             opt_v,
@@ -306,16 +309,7 @@ impl WgpuBackend {
 
     /// Refuses a training call on a 16-bit (engine-only) backend.
     fn trainable(&self, what: &str) -> Result<()> {
-        if self.model.weights != WeightFormat::F32 {
-            return Err(BackendError::invalid(
-                what,
-                format!(
-                    "this backend stores its weights in {} for generation only; train on an f32 backend",
-                    self.weight_dtype()
-                ),
-            ));
-        }
-        Ok(())
+        crate::model::check::trainable(self.weight_dtype(), what)
     }
 
     /// AdamW steps taken so far.
@@ -387,26 +381,22 @@ impl WgpuBackend {
         ops::grad_norm_reduce(&mut self.ex, &self.norm_total, &self.partials, base);
     }
 
-    /// Packs, uploads and records the forward of `seqs`; returns the packing.
-    fn forward(&mut self, b: &Packed) -> Result<()> {
-        let (n, m) = (b.ids.len(), b.rows.len());
-        ensure_acts(
-            &self.gpu,
-            &mut self.ex,
-            &self.model.cfg,
-            &mut self.acts,
-            n,
-            m,
-        );
-        let a = self
-            .acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        upload_packed(&self.gpu, a, b);
-        encode_forward(&mut self.ex, &self.model, a, n, m);
-        Ok(())
+    /// Runs `f` with the one model over this backend's ops and activations.
+    fn with_net<R>(
+        &mut self,
+        f: impl FnOnce(Net<'_>, &mut WgpuOps<'_>, &mut Option<WgpuActs>) -> R,
+    ) -> R {
+        let net = Net {
+            cfg: &self.model.cfg,
+            ids: &self.model.layout.ids,
+        };
+        let mut o = WgpuOps::new(&mut self.ex, &self.model, &mut self.scratch);
+        f(net, &mut o, &mut self.acts)
     }
 }
+
+/// The activations of a training or scoring pass on this backend.
+type WgpuActs = Acts<wgpu::Buffer, model_ops::Idx, model_ops::Seqs>;
 
 impl BackendInfo for WgpuBackend {
     fn name(&self) -> &'static str {
@@ -435,7 +425,7 @@ impl RolloutEngine for WgpuBackend {
         if self.generator.in_flight() {
             return Err(BackendError::StepInFlight("load_weights"));
         }
-        crate::cpu::refuse_while_generating(self.generator.active())?;
+        refuse_while_generating(self.generator.active())?;
         // A look-ahead step queued behind the last one holds only rows of finished requests;
         // the new weights are written after it has run.
         self.generator.drop_ahead();
@@ -532,7 +522,7 @@ impl RolloutEngine for WgpuBackend {
     }
 
     fn resume_request(&mut self, st: ResumeState) -> Result<()> {
-        crate::cpu::generate::validate_resume(&self.model.cfg, &st)?;
+        validate_resume(&self.model.cfg, &st)?;
         if self.generator.contains(st.request.id) {
             return Err(BackendError::DuplicateRequest(st.request.id));
         }
@@ -567,7 +557,7 @@ fn generate_check(
     generator: &generate::Generator,
 ) -> Result<()> {
     for (i, r) in reqs.iter().enumerate() {
-        crate::cpu::generate::validate_request(cfg, r)?;
+        validate_request(cfg, r)?;
         if generator.contains(r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
             return Err(BackendError::DuplicateRequest(r.id));
         }
@@ -627,6 +617,40 @@ impl WgpuBackend {
     }
 }
 
+impl Optimize for WgpuBackend {
+    fn groups(&self, exclude_norms_from_decay: bool) -> Vec<ParamGroup> {
+        self.model.layout.param_groups(exclude_norms_from_decay)
+    }
+
+    fn grad_sumsq(&mut self) -> Result<f64> {
+        self.encode_grad_sumsq();
+        let t = self.ex.read_back(&self.norm_total, 0, 4);
+        Ok(self.ex.submit()?.get::<f32>(t)[0] as f64)
+    }
+
+    fn steps(&self) -> u64 {
+        self.opt_step
+    }
+
+    fn adamw(&mut self, t: u64, scalars: &[AdamScalars]) -> Result<()> {
+        self.opt_step = t;
+        let md = &self.model;
+        for (i, (e, s)) in md.layout.entries.iter().zip(scalars).enumerate() {
+            let (p, g) = (&md.params[i], &md.grads[i]);
+            ops::adamw_step(
+                &mut self.ex,
+                p,
+                g,
+                &self.opt_m[i],
+                &self.opt_v[i],
+                e.len,
+                *s,
+            );
+        }
+        self.ex.submit().map(|_| ())
+    }
+}
+
 impl Trainer for WgpuBackend {
     fn export_weights(&self) -> Result<Weights> {
         let mut ex = Exec::new(Arc::clone(&self.gpu));
@@ -635,7 +659,7 @@ impl Trainer for WgpuBackend {
     }
 
     fn import_weights(&mut self, w: &Weights) -> Result<()> {
-        crate::cpu::refuse_while_generating(self.generator.active())?;
+        refuse_while_generating(self.generator.active())?;
         w.validate(&self.model.cfg)?;
         let flat = self.model.layout.flatten::<f32>(w)?;
         self.model.write_params(&self.gpu, &flat)?;
@@ -660,66 +684,12 @@ impl Trainer for WgpuBackend {
     }
 
     fn logprobs(&mut self, seqs: &[Sequence], temperature: f32) -> Result<Vec<Vec<f32>>> {
-        if seqs.is_empty() {
-            return Err(BackendError::EmptyBatch("no sequences to score".into()));
-        }
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(BackendError::invalid(
-                "temperature",
-                format!("{temperature} must be positive"),
-            ));
-        }
-        for (i, s) in seqs.iter().enumerate() {
-            check_sequence(
-                &self.model.cfg,
-                &s.prompt,
-                &s.response,
-                &format!("sequence {i}"),
-            )?;
-        }
-        let pairs: Vec<(&[u32], &[u32])> = seqs
-            .iter()
-            .map(|s| (&s.prompt[..], &s.response[..]))
-            .collect();
-        let b = Packed::scored(&pairs);
-        self.forward(&b)?;
-        let a = self
-            .acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        let m = b.rows.len();
-        lm_head::logprob_fwd(&mut self.ex, &self.model, a, m, temperature as f64);
-        let t = self.ex.read_back(&a.logp, 0, m * 4);
-        let lp = self.ex.submit()?.get::<f32>(t);
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut at = 0;
-        for s in seqs {
-            out.push(lp[at..at + s.response.len()].to_vec());
-            at += s.response.len();
-        }
-        Ok(out)
+        let pairs = pairs(seqs);
+        self.with_net(|net, o, acts| net.logprobs(o, acts, &pairs, temperature as f64))
     }
 
     fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let cfg = &self.model.cfg;
-        if ids.is_empty() {
-            return Err(BackendError::EmptyBatch("no token ids".into()));
-        }
-        check_tokens(cfg, ids, "ids")?;
-        if ids.len() > cfg.max_position_embeddings {
-            return Err(BackendError::shape(
-                "ids length",
-                cfg.max_position_embeddings,
-                ids.len(),
-            ));
-        }
-        let b = Packed::all_positions(ids);
-        self.forward(&b)?;
-        let a = self
-            .acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        lm_head::read_logits(&mut self.ex, &self.model, a, ids.len())
+        self.with_net(|net, o, acts| net.logits(o, acts, ids))
     }
 
     fn zero_grad(&mut self) -> Result<()> {
@@ -731,84 +701,8 @@ impl Trainer for WgpuBackend {
 
     fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats> {
         self.trainable("accumulate")?;
-        validate_train_batch(&self.model.cfg, batch, obj)?;
-        let (loss, temperature) = match *obj {
-            Objective::Grpo {
-                eps_low,
-                eps_high,
-                beta,
-                temperature,
-            } => (
-                Loss::Grpo {
-                    eps_low,
-                    eps_high,
-                    beta,
-                },
-                temperature,
-            ),
-            Objective::Sft => (Loss::Sft, 1.0),
-        };
-        let pairs: Vec<(&[u32], &[u32])> = batch
-            .sequences
-            .iter()
-            .map(|s| (&s.prompt[..], &s.response[..]))
-            .collect();
-        let b = Packed::scored(&pairs);
-        let m = b.rows.len();
-        let LossInputs {
-            old,
-            refp,
-            adv,
-            wts,
-            flags: fl,
-        } = LossInputs::from_batch(batch, m);
-        self.forward(&b)?;
-        let a = self
-            .acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        self.gpu.write(&a.old, &old);
-        self.gpu.write(&a.refp, &refp);
-        self.gpu.write(&a.adv, &adv);
-        self.gpu.write(&a.wts, &wts);
-        self.gpu.write(&a.flags, &fl);
-        lm_head::logprob_fwd(&mut self.ex, &self.model, a, m, temperature);
-        ops::grpo_loss_fwd(
-            &mut self.ex,
-            &a.loss_stats,
-            &a.logp,
-            &a.old,
-            &a.refp,
-            &a.adv,
-            &a.wts,
-            &a.entropy,
-            &a.flags,
-            m,
-            loss,
-        );
-        let t = self.ex.read_back(&a.loss_stats, 0, 16);
-        let st = self.ex.submit()?.get::<f32>(t);
-        let stats = AccumStats {
-            loss_sum: st[0] as f64,
-            tokens: m,
-            sequences: batch.sequences.len(),
-            kl_sum: st[1] as f64,
-            entropy_sum: st[3] as f64,
-            clipped: st[2].max(0.0) as usize,
-        };
-        // A non-finite loss is refused before the backward, leaving the sums untouched.
-        if !stats.loss_sum.is_finite() {
-            return Err(BackendError::non_finite("loss of the micro-batch"));
-        }
-        let a = self
-            .acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        encode_backward(&mut self.ex, &self.model, a, &b, loss, temperature);
-        self.encode_grad_sumsq();
-        let t = self.ex.read_back(&self.norm_total, 0, 4);
-        let ss = self.ex.submit()?.get::<f32>(t)[0];
-        if !ss.is_finite() {
+        let stats = self.with_net(|net, o, acts| net.accumulate(o, acts, batch, obj, true))?;
+        if !self.grad_sumsq()?.is_finite() {
             return Err(BackendError::non_finite(
                 "gradient sums after this micro-batch (overflow); call zero_grad before reusing them",
             ));
@@ -818,55 +712,7 @@ impl Trainer for WgpuBackend {
 
     fn optimizer_step(&mut self, normalizer: f64, opt: &AdamW) -> Result<OptStats> {
         self.trainable("optimizer_step")?;
-        opt.validate()?;
-        if !(normalizer.is_finite() && normalizer > 0.0) {
-            return Err(BackendError::invalid(
-                "normalizer",
-                format!("{normalizer} is not a positive finite number"),
-            ));
-        }
-        self.encode_grad_sumsq();
-        let t = self.ex.read_back(&self.norm_total, 0, 4);
-        let ss = self.ex.submit()?.get::<f32>(t)[0] as f64;
-        let norm = ss.sqrt() / normalizer;
-        if !norm.is_finite() {
-            return Err(BackendError::non_finite("gradient (global norm)"));
-        }
-        let clip = match opt.max_grad_norm {
-            Some(c) => (c / (norm + 1e-6)).min(1.0),
-            None => 1.0,
-        };
-        self.opt_step += 1;
-        let scale = (clip / normalizer) as f32;
-        let groups = self.model.layout.param_groups(opt.exclude_norms_from_decay);
-        for (i, g) in groups.iter().enumerate() {
-            let wd = if g.decay { opt.weight_decay } else { 0.0 };
-            let s = AdamScalars::new(
-                scale,
-                opt.lr,
-                opt.beta1,
-                opt.beta2,
-                opt.eps,
-                wd,
-                self.opt_step,
-            );
-            let md = &self.model;
-            ops::adamw_step(
-                &mut self.ex,
-                &md.params[i],
-                &md.grads[i],
-                &self.opt_m[i],
-                &self.opt_v[i],
-                g.len,
-                s,
-            );
-        }
-        self.ex.submit()?;
-        Ok(OptStats {
-            grad_norm: norm,
-            clip_scale: clip,
-            step: self.opt_step,
-        })
+        crate::optim::step(self, normalizer, opt)
     }
 
     fn gradients(&self) -> Result<Weights> {

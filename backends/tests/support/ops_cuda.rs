@@ -328,8 +328,12 @@ impl OpRunner for CudaOps {
         let fb = self.up_u(&fl);
         let (sb, gb) = (self.zeros(4), self.zeros(n));
         let grpo = match kind {
-            LossKind::Grpo(c) => Some((c.eps_low, c.eps_high, c.beta)),
-            LossKind::Sft => None,
+            LossKind::Grpo(c) => rolloutpipe_backends::model::Loss::Grpo {
+                eps_low: c.eps_low,
+                eps_high: c.eps_high,
+                beta: c.beta,
+            },
+            LossKind::Sft => rolloutpipe_backends::model::Loss::Sft,
         };
         let bufs = LossBufs {
             logp: &lb,
@@ -391,7 +395,14 @@ impl OpRunner for CudaOps {
         let rows = us.len();
         let rowp: Vec<f32> = us
             .iter()
-            .flat_map(|&u| plan::sample_row(p.temperature, p.top_k, p.top_p, u))
+            .flat_map(|&u| {
+                rolloutpipe_backends::model::sampling::sample_row(
+                    p.temperature,
+                    p.top_k,
+                    p.top_p,
+                    u,
+                )
+            })
             .collect();
         let (zb, rb) = (self.up(z), self.up(&rowp));
         let (tb, lb) = (self.c.alloc::<u32>(rows).expect("alloc"), self.zeros(rows));
