@@ -30,6 +30,7 @@
 pub mod config;
 pub mod cpu;
 pub mod cuda;
+pub mod engine;
 pub mod error;
 pub mod grpo;
 pub mod model;

@@ -873,7 +873,8 @@ fn fused_lm_head_case(
     g.write(&hsel, &x);
     g.write(&tb, &targets);
     g.write(&dlb, &dlogp);
-    let (wb, dwb) = (&md.params[md.lm_head], &md.grads[md.lm_head]);
+    let lm = md.layout.ids.lm_head.0;
+    let (wb, dwb) = (&md.params[lm], &md.grads[lm]);
     let head = LmHead {
         w: wb,
         format: rolloutpipe_kernels::WeightFormat::F32,
@@ -915,7 +916,7 @@ fn fused_lm_head_case(
     );
     // dx sums v products per element, dW m (GRAD's per-element bound).
     assert_close(&format!("dx, {what}"), &get(&dhsel, m * d), &dx, tol::GRAD);
-    let gw = get(&md.grads[md.lm_head], v * d);
+    let gw = get(&md.grads[lm], v * d);
     assert_close(&format!("dW, {what}"), &gw, &dw, tol::GRAD);
 }
 

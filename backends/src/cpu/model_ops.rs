@@ -35,6 +35,11 @@ impl<'a, T: Float> CpuOps<'a, T> {
         Self { m, grads, scratch }
     }
 
+    /// The model's configuration.
+    pub fn cfg(&self) -> &crate::config::ModelConfig {
+        &self.m.cfg
+    }
+
     /// The gradient sum of tensor `id`.
     ///
     /// # Panics

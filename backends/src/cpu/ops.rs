@@ -516,6 +516,79 @@ pub fn attention_fwd<T: Float>(
     kvh: usize,
     hd: usize,
 ) {
+    let kd = kvh * hd;
+    let (k, v) = (Contiguous { x: k, kd }, Contiguous { x: v, kd });
+    attention_fwd_rows(out, att, q, &k, &v, nq, nk, h, kvh, hd);
+}
+
+/// Where the key (or value) row of each position lives: a contiguous `[nk, kv_dim]` slice
+/// ([`Contiguous`]) or rows of a paged KV pool ([`PagedRows`]).
+pub trait KvRows<T> {
+    /// Position `j`'s `kv_dim` values.
+    fn at(&self, j: usize) -> &[T];
+}
+
+/// Rows of `kd` values one after another.
+#[derive(Debug, Clone, Copy)]
+pub struct Contiguous<'a, T> {
+    /// The rows.
+    pub x: &'a [T],
+    /// Values per row.
+    pub kd: usize,
+}
+
+impl<T> KvRows<T> for Contiguous<'_, T> {
+    #[inline]
+    fn at(&self, j: usize) -> &[T] {
+        &self.x[j * self.kd..(j + 1) * self.kd]
+    }
+}
+
+/// A request's rows in a paged pool: position `j` is pool row
+/// `table[j / page_rows] * page_rows + j % page_rows`.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedRows<'a, T> {
+    /// The pool, `[rows, kd]`.
+    pub pool: &'a [T],
+    /// The request's page table.
+    pub table: &'a [u32],
+    /// Positions per page.
+    pub page_rows: usize,
+    /// Values per row.
+    pub kd: usize,
+}
+
+impl<T> PagedRows<'_, T> {
+    /// The pool row of position `j`.
+    #[inline]
+    pub fn row(&self, j: usize) -> usize {
+        self.table[j / self.page_rows] as usize * self.page_rows + j % self.page_rows
+    }
+}
+
+impl<T> KvRows<T> for PagedRows<'_, T> {
+    #[inline]
+    fn at(&self, j: usize) -> &[T] {
+        let r = self.row(j);
+        &self.pool[r * self.kd..(r + 1) * self.kd]
+    }
+}
+
+/// [`attention_fwd`] with the keys and values wherever `k` and `v` find them (a decode
+/// chunk against its request's pages); the same arithmetic, so the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd_rows<T: Float>(
+    out: &mut [T],
+    att: &mut [T],
+    q: &[T],
+    k: &impl KvRows<T>,
+    v: &impl KvRows<T>,
+    nq: usize,
+    nk: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+) {
     let qd = h * hd;
     out[..nq * qd].fill(T::ZERO);
     for hh in 0..h {
@@ -545,7 +618,8 @@ pub fn attention_fwd_lse<T: Float>(
     kvh: usize,
     hd: usize,
 ) {
-    let qd = h * hd;
+    let (qd, kd) = (h * hd, kvh * hd);
+    let (k, v) = (&Contiguous { x: k, kd }, &Contiguous { x: v, kd });
     out[..nq * qd].fill(T::ZERO);
     for hh in 0..h {
         for i in 0..nq {
@@ -564,8 +638,8 @@ fn attention_row<T: Float>(
     o: &mut [T],
     row: &mut [T],
     q: &[T],
-    k: &[T],
-    v: &[T],
+    k: &impl KvRows<T>,
+    v: &impl KvRows<T>,
     i: usize,
     hh: usize,
     nq: usize,
@@ -576,13 +650,13 @@ fn attention_row<T: Float>(
 ) -> T {
     let scale = T::from_f64(1.0 / (hd as f64).sqrt());
     let kh = hh / (h / kvh);
-    let (qd, kd) = (h * hd, kvh * hd);
+    let qd = h * hd;
     let qi = &q[i * qd + hh * hd..i * qd + (hh + 1) * hd];
     let last = nk - nq + i;
     let mut mx = T::from_f64(f64::NEG_INFINITY);
-    for j in 0..=last {
-        let s = dot(qi, &k[j * kd + kh * hd..j * kd + (kh + 1) * hd]) * scale;
-        row[j] = s;
+    for (j, r) in row[..=last].iter_mut().enumerate() {
+        let s = dot(qi, &k.at(j)[kh * hd..(kh + 1) * hd]) * scale;
+        *r = s;
         mx = mx.max(s);
     }
     let mut sum = T::ZERO;
@@ -595,9 +669,8 @@ fn attention_row<T: Float>(
         *r *= inv;
     }
     row[last + 1..nk].fill(T::ZERO);
-    for j in 0..=last {
-        let p = row[j];
-        let vj = &v[j * kd + kh * hd..j * kd + (kh + 1) * hd];
+    for (j, &p) in row[..=last].iter().enumerate() {
+        let vj = &v.at(j)[kh * hd..(kh + 1) * hd];
         for (oi, vi) in o.iter_mut().zip(vj) {
             *oi += p * *vi;
         }

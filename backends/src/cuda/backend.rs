@@ -1,19 +1,20 @@
 //! [`CudaBackend`]: the seam v2 engine and trainer roles on one CUDA context.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::decode::{CudaDecoder, CudaStep};
 use super::device::{Cuda, DBuf};
-use super::generate::Generator;
 use super::model::DeviceModel;
 use super::model_ops::{CudaOps, Scratch};
 use super::ops;
 use super::plan::{self, AdamScalars};
 use crate::config::ModelConfig;
+use crate::engine::host::EngineHost;
+use crate::engine::{Engine, Sampled, Slots};
 use crate::error::{BackendError, Result};
 use crate::model::Layout;
 use crate::model::acts::Acts;
-use crate::model::check::{pairs, refuse_while_generating, validate_request};
+use crate::model::check::{pairs, refuse_while_generating};
 use crate::model::train::Net;
 use crate::optim::{AdamState, Optimize, ParamGroup};
 use crate::seam::*;
@@ -26,7 +27,8 @@ pub struct CudaBackend {
     model: DeviceModel,
     acts: Option<CudaActs>,
     scratch: Option<Scratch>,
-    generator: Generator,
+    engine: Engine<Slots, Sampled>,
+    step: CudaStep,
     /// AdamW moments per tensor (allocated zeroed with the model) and the step count.
     opt_m: Vec<DBuf<f32>>,
     opt_v: Vec<DBuf<f32>>,
@@ -35,9 +37,6 @@ pub struct CudaBackend {
     norm_bases: Vec<usize>,
     partials: DBuf<f64>,
     norm_total: DBuf<f64>,
-    admitted: HashMap<RequestKey, usize>,
-    limits: EngineLimits,
-    stepped: Option<Result<Vec<GenOutput>>>,
 }
 
 /// A same-device weight snapshot: parameter buffers copied on the device.
@@ -79,16 +78,14 @@ impl CudaBackend {
             model,
             acts: None,
             scratch: None,
-            generator: Generator::default(),
+            engine: Engine::new(cfg, Slots::new(cfg.max_position_embeddings)),
+            step: CudaStep::default(),
             opt_m,
             opt_v,
             opt_step: 0,
             norm_bases,
             partials,
             norm_total,
-            admitted: HashMap::new(),
-            limits: EngineLimits::default(),
-            stepped: None,
         })
     }
 
@@ -133,31 +130,34 @@ impl BackendInfo for CudaBackend {
     }
 }
 
-/// Checks requests before admission: valid, and no id already admitted or repeated.
-fn generate_check(
-    cfg: &ModelConfig,
-    reqs: &[GenRequest],
-    admitted: &HashMap<RequestKey, usize>,
-) -> Result<()> {
-    for (i, r) in reqs.iter().enumerate() {
-        validate_request(cfg, r)?;
-        if admitted.contains_key(&r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
-            return Err(BackendError::DuplicateRequest(r.id));
-        }
-    }
-    Ok(())
-}
+impl EngineHost for CudaBackend {
+    type Store = Slots;
+    type Run = Sampled;
+    type Dec<'a> = CudaDecoder<'a>;
 
-impl RolloutEngine for CudaBackend {
-    fn weight_dtype(&self) -> DType {
+    fn engine(&self) -> &Engine<Slots, Sampled> {
+        &self.engine
+    }
+
+    fn engine_mut(&mut self) -> &mut Engine<Slots, Sampled> {
+        &mut self.engine
+    }
+
+    fn engine_and_decoder(&mut self) -> (&mut Engine<Slots, Sampled>, CudaDecoder<'_>) {
+        let dec = CudaDecoder {
+            cuda: &self.cuda,
+            md: &self.model,
+            step: &mut self.step,
+            scratch: &mut self.scratch,
+        };
+        (&mut self.engine, dec)
+    }
+
+    fn stored_dtype(&self) -> DType {
         DType::F32
     }
 
-    fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
-        refuse_while_generating(self.admitted.len())?;
-        if self.stepped.is_some() {
-            return Err(BackendError::StepInFlight("load_weights"));
-        }
+    fn load_snapshot(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
         snap.check_config(&self.model.cfg)?;
         if let SnapshotPayload::Device(d) = &snap.payload
             && let Some(src) = d.handle.downcast_ref::<CudaSnapshot>()
@@ -181,72 +181,6 @@ impl RolloutEngine for CudaBackend {
         let flat = self.model.layout.flatten::<f32>(&w)?;
         self.model.write_params(&flat)?;
         Ok(SyncPath::Host)
-    }
-
-    fn limits(&self) -> EngineLimits {
-        self.limits
-    }
-
-    fn set_limits(&mut self, limits: EngineLimits) -> Result<()> {
-        self.limits = limits.validate()?;
-        Ok(())
-    }
-
-    fn load(&self) -> EngineLoad {
-        EngineLoad {
-            requests: self.admitted.len(),
-            kv_tokens: self.admitted.values().sum(),
-        }
-    }
-
-    fn add_request(&mut self, req: GenRequest) -> Result<()> {
-        generate_check(&self.model.cfg, std::slice::from_ref(&req), &self.admitted)?;
-        let (id, kv) = (req.id, req.kv_tokens());
-        self.load()
-            .admit(&self.limits, 1, kv, || Rejected::Request(req.clone()))?;
-        self.generator.add(&self.cuda, &self.model.cfg, req)?;
-        self.admitted.insert(id, kv);
-        Ok(())
-    }
-
-    fn add_group(&mut self, group: GroupRequest) -> Result<()> {
-        if group.samples.is_empty() {
-            return Err(BackendError::EmptyBatch("group with no samples".into()));
-        }
-        let reqs = group.clone().into_requests();
-        generate_check(&self.model.cfg, &reqs, &self.admitted)?;
-        // Each sample holds its own prompt rows (no shared-prefix KV pages yet).
-        let kv: usize = reqs.iter().map(GenRequest::kv_tokens).sum();
-        self.load()
-            .admit(&self.limits, reqs.len(), kv, || Rejected::Group(group))?;
-        for r in reqs {
-            let (id, kv) = (r.id, r.kv_tokens());
-            self.generator.add(&self.cuda, &self.model.cfg, r)?;
-            self.admitted.insert(id, kv);
-        }
-        Ok(())
-    }
-
-    fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
-        self.generator.cancel(id)?;
-        self.admitted.remove(&id);
-        Ok(())
-    }
-
-    fn submit_step(&mut self) -> Result<()> {
-        if self.stepped.is_some() {
-            return Err(BackendError::StepInFlight("submit_step"));
-        }
-        self.stepped = Some(self.generator.step(&self.model));
-        Ok(())
-    }
-
-    fn poll_step(&mut self, _wait: bool) -> Result<Option<Vec<GenOutput>>> {
-        let out = self.stepped.take().unwrap_or_else(|| Ok(Vec::new()))?;
-        for o in &out {
-            self.admitted.remove(&o.id);
-        }
-        Ok(Some(out))
     }
 }
 
@@ -294,7 +228,7 @@ impl Trainer for CudaBackend {
     }
 
     fn import_weights(&mut self, w: &Weights) -> Result<()> {
-        refuse_while_generating(self.admitted.len())?;
+        refuse_while_generating(self.engine.active())?;
         w.validate(&self.model.cfg)?;
         let flat = self.model.layout.flatten::<f32>(w)?;
         self.model.write_params(&flat)

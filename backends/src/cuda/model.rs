@@ -15,7 +15,7 @@ use super::ops::AttnShape;
 use super::plan;
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::model::{LayerParams, Layout, RopeTable};
+use crate::model::{Layout, RopeTable};
 
 /// Parameters and gradient sums on the device.
 #[derive(Debug)]
@@ -30,14 +30,6 @@ pub struct DeviceModel {
     pub params: Vec<DBuf<f32>>,
     /// Gradient sums, one buffer per layout entry.
     pub grads: Vec<DBuf<f32>>,
-    /// Entry of `model.embed_tokens.weight`.
-    pub embed: usize,
-    /// Entry of `lm_head.weight` (the embedding's when tied).
-    pub lm_head: usize,
-    /// Entry of `model.norm.weight`.
-    pub final_norm: usize,
-    /// Per layer.
-    pub layers: Vec<LayerParams>,
     /// RoPE tables `[max_pos, head_dim/2]` from the CPU reference's own function.
     pub cos: DBuf<f32>,
     /// See `cos`.
@@ -56,10 +48,6 @@ impl DeviceModel {
         }
         let rope = RopeTable::<f32>::of(cfg);
         Ok(Self {
-            embed: layout.ids.embed.0,
-            lm_head: layout.ids.lm_head.0,
-            final_norm: layout.ids.final_norm.0,
-            layers: layout.ids.layers.clone(),
             cos: cuda.upload(&rope.cos)?,
             sin: cuda.upload(&rope.sin)?,
             params,

@@ -40,6 +40,16 @@ impl<'a> CudaOps<'a> {
         Self { cuda, md, scratch }
     }
 
+    /// The context the ops launch on.
+    pub fn cuda(&self) -> &'a Arc<Cuda> {
+        self.cuda
+    }
+
+    /// The model the ops read.
+    pub fn model(&self) -> &'a DeviceModel {
+        self.md
+    }
+
     fn p(&self, id: ParamId) -> &'a DBuf<f32> {
         &self.md.params[id.0]
     }

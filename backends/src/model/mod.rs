@@ -15,6 +15,7 @@ pub mod acts;
 pub mod adam;
 pub mod batch;
 pub mod check;
+pub mod decode;
 pub mod forward;
 pub mod layout;
 pub mod loss;

@@ -44,8 +44,7 @@
 //! ```
 
 pub mod coop;
-mod decode;
-pub mod generate;
+pub mod decode;
 pub mod gpu;
 pub mod inflight;
 pub mod kv;
@@ -59,15 +58,17 @@ use std::sync::Arc;
 pub use gpu::{Exec, Gpu};
 
 use crate::config::ModelConfig;
+use crate::engine::host::EngineHost;
+use crate::engine::{Engine, Paged};
 use crate::error::{BackendError, Result};
 use crate::model::acts::Acts;
-use crate::model::check::{pairs, refuse_while_generating, validate_request, validate_resume};
+use crate::model::check::{pairs, refuse_while_generating};
 use crate::model::train::Net;
 use crate::model::{Layout, ParamEntry};
 use crate::optim::{AdamState, Optimize, ParamGroup};
 use crate::seam::*;
 use crate::weights::Weights;
-use generate::Generator;
+use decode::{WgpuDecoder, WgpuRun, WgpuStep};
 use model::{DeviceModel, f16_overflow, half_stored, stored_words, weight_format};
 use model_ops::WgpuOps;
 use ops::AdamScalars;
@@ -85,14 +86,14 @@ pub struct WgpuBackend {
     model: DeviceModel,
     acts: Option<WgpuActs>,
     scratch: Option<model_ops::Scratch>,
-    generator: Generator,
+    engine: Engine<Paged, WgpuRun>,
+    step: WgpuStep,
     /// AdamW moments per tensor (allocated zeroed with the model) and the step count.
     opt_m: Vec<wgpu::Buffer>,
     opt_v: Vec<wgpu::Buffer>,
     opt_step: u64,
     partials: wgpu::Buffer,
     norm_total: wgpu::Buffer,
-    limits: EngineLimits,
 }
 
 /// A same-device weight snapshot: parameter buffers copied on the device.
@@ -180,6 +181,7 @@ impl WgpuBackend {
             norm_partials(ex.binding_limit(), train_entries),
         );
         let norm_total = gpu.buffer("grad norm total", 1);
+        let pages = kv::device_pages(&gpu, cfg);
         gpu.check()?;
         Ok(Self {
             ex,
@@ -187,13 +189,13 @@ impl WgpuBackend {
             model,
             acts: None,
             scratch: None,
-            generator: Generator::default(),
+            engine: Engine::new(cfg, Paged::new(pages)),
+            step: WgpuStep::new(pages),
             opt_m,
             opt_v,
             opt_step: 0,
             partials,
             norm_total,
-            limits: EngineLimits::default(),
         })
     }
 
@@ -201,8 +203,13 @@ impl WgpuBackend {
     /// as many as one storage binding holds): a request or group whose positions do not fit
     /// in the free pages is handed back ([`BackendError::EngineFull`]).
     pub fn set_kv_pages(&mut self, pages: usize) -> Result<()> {
-        self.generator
-            .set_kv_pages(&self.gpu, &self.model.cfg, pages)
+        let device = kv::device_pages(&self.gpu, &self.model.cfg);
+        self.engine
+            .store_mut()
+            .set_max_pages(pages, device)
+            .map_err(|why| BackendError::invalid("KV pool pages", why))?;
+        self.step.max_pages = pages;
+        Ok(())
     }
 
     /// Splits every tensor the chunked ops bind (the embedding table and lm_head in the
@@ -279,22 +286,22 @@ impl WgpuBackend {
     /// `poll_step(true)` waits for its own step only. Each request's tokens and log-probs are
     /// the same bits as with it off (batch invariance; `tests/wgpu_lookahead.rs`).
     pub fn set_lookahead(&mut self, on: bool) {
-        self.generator.set_lookahead(on);
+        self.engine.set_lookahead(on);
     }
 
     /// Whether look-ahead decoding is on ([`WgpuBackend::set_lookahead`]).
     pub fn lookahead(&self) -> bool {
-        self.generator.lookahead()
+        self.engine.lookahead()
     }
 
     /// Whether a look-ahead step is queued on the device now.
     pub fn lookahead_queued(&self) -> bool {
-        self.generator.ahead_in_flight()
+        self.engine.ahead_in_flight()
     }
 
     /// The generation KV pool's capacity in pages of [`kv::PAGE`] positions.
     pub fn kv_pages(&mut self) -> Result<usize> {
-        self.generator.kv_pages(&self.gpu, &self.model.cfg)
+        Ok(self.engine.store().max_pages())
     }
 
     /// The device this backend runs on.
@@ -412,8 +419,39 @@ impl BackendInfo for WgpuBackend {
     }
 }
 
-impl RolloutEngine for WgpuBackend {
-    fn weight_dtype(&self) -> DType {
+impl EngineHost for WgpuBackend {
+    type Store = Paged;
+    type Run = WgpuRun;
+    type Dec<'a> = WgpuDecoder<'a>;
+
+    fn engine(&self) -> &Engine<Paged, WgpuRun> {
+        &self.engine
+    }
+
+    fn engine_mut(&mut self) -> &mut Engine<Paged, WgpuRun> {
+        &mut self.engine
+    }
+
+    fn engine_and_decoder(&mut self) -> (&mut Engine<Paged, WgpuRun>, WgpuDecoder<'_>) {
+        let dec = WgpuDecoder {
+            gpu: &self.gpu,
+            ex: &mut self.ex,
+            md: &self.model,
+            step: &mut self.step,
+            scratch: &mut self.scratch,
+        };
+        (&mut self.engine, dec)
+    }
+
+    fn can_look_ahead(&self) -> bool {
+        true
+    }
+
+    fn can_generate(&self) -> Result<()> {
+        kv::check_gqa(&self.model.cfg)
+    }
+
+    fn stored_dtype(&self) -> DType {
         match self.model.weights {
             WeightFormat::F32 => DType::F32,
             WeightFormat::Bf16 => DType::Bf16,
@@ -421,14 +459,7 @@ impl RolloutEngine for WgpuBackend {
         }
     }
 
-    fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
-        if self.generator.in_flight() {
-            return Err(BackendError::StepInFlight("load_weights"));
-        }
-        refuse_while_generating(self.generator.active())?;
-        // A look-ahead step queued behind the last one holds only rows of finished requests;
-        // the new weights are written after it has run.
-        self.generator.drop_ahead();
+    fn load_snapshot(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
         snap.check_config(&self.model.cfg)?;
         if let SnapshotPayload::Device(d) = &snap.payload
             && let Some(src) = d.handle.downcast_ref::<WgpuSnapshot>()
@@ -467,79 +498,6 @@ impl RolloutEngine for WgpuBackend {
         self.gpu.check()?;
         Ok(SyncPath::Host)
     }
-
-    fn limits(&self) -> EngineLimits {
-        self.limits
-    }
-
-    fn set_limits(&mut self, limits: EngineLimits) -> Result<()> {
-        self.limits = limits.validate()?;
-        Ok(())
-    }
-
-    fn load(&self) -> EngineLoad {
-        EngineLoad {
-            requests: self.generator.active(),
-            kv_tokens: self.generator.kv_positions(),
-        }
-    }
-
-    fn add_request(&mut self, req: GenRequest) -> Result<()> {
-        generate_check(&self.model.cfg, std::slice::from_ref(&req), &self.generator)?;
-        self.load().admit(&self.limits, 1, req.kv_tokens(), || {
-            Rejected::Request(req.clone())
-        })?;
-        self.generator
-            .add(&self.gpu, &self.model.cfg, vec![req], false, |mut back| {
-                Rejected::Request(back.swap_remove(0))
-            })
-    }
-
-    fn add_group(&mut self, group: GroupRequest) -> Result<()> {
-        if group.samples.is_empty() {
-            return Err(BackendError::EmptyBatch("group with no samples".into()));
-        }
-        let reqs = group.clone().into_requests();
-        generate_check(&self.model.cfg, &reqs, &self.generator)?;
-        // The shared prefix is reserved once, each sample's other positions on their own.
-        let shared = generate::shared_positions(&reqs, true);
-        let kv = shared + reqs.iter().map(|r| r.kv_tokens() - shared).sum::<usize>();
-        self.load().admit(&self.limits, reqs.len(), kv, || {
-            Rejected::Group(group.clone())
-        })?;
-        self.generator
-            .add(&self.gpu, &self.model.cfg, reqs, true, |_| {
-                Rejected::Group(group)
-            })
-    }
-
-    fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
-        self.generator.cancel(id)
-    }
-
-    fn export_request(&mut self, id: RequestKey) -> Result<ResumeState> {
-        self.generator.export(id)
-    }
-
-    fn resume_request(&mut self, st: ResumeState) -> Result<()> {
-        validate_resume(&self.model.cfg, &st)?;
-        if self.generator.contains(st.request.id) {
-            return Err(BackendError::DuplicateRequest(st.request.id));
-        }
-        self.load()
-            .admit(&self.limits, 1, st.request.kv_tokens(), || {
-                Rejected::Resume(Box::new(st.clone()))
-            })?;
-        self.generator.resume(&self.gpu, &self.model.cfg, st)
-    }
-
-    fn submit_step(&mut self) -> Result<()> {
-        self.generator.submit(&self.gpu, &mut self.ex, &self.model)
-    }
-
-    fn poll_step(&mut self, wait: bool) -> Result<Option<Vec<GenOutput>>> {
-        self.generator.poll(&mut self.ex, wait)
-    }
 }
 
 /// Gradient-norm partials the trained `entries` need under a binding limit of `limit` bytes.
@@ -548,21 +506,6 @@ fn norm_partials(limit: usize, entries: &[ParamEntry]) -> usize {
         .iter()
         .map(|e| ops::grad_norm_partials(limit, e.len))
         .sum()
-}
-
-/// Checks requests before admission: valid, and no id already active or repeated.
-fn generate_check(
-    cfg: &ModelConfig,
-    reqs: &[GenRequest],
-    generator: &generate::Generator,
-) -> Result<()> {
-    for (i, r) in reqs.iter().enumerate() {
-        validate_request(cfg, r)?;
-        if generator.contains(r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
-            return Err(BackendError::DuplicateRequest(r.id));
-        }
-    }
-    Ok(())
 }
 
 impl WgpuBackend {
@@ -659,7 +602,7 @@ impl Trainer for WgpuBackend {
     }
 
     fn import_weights(&mut self, w: &Weights) -> Result<()> {
-        refuse_while_generating(self.generator.active())?;
+        refuse_while_generating(self.engine.active())?;
         w.validate(&self.model.cfg)?;
         let flat = self.model.layout.flatten::<f32>(w)?;
         self.model.write_params(&self.gpu, &flat)?;

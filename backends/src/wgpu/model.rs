@@ -21,7 +21,7 @@ use super::gpu::{Exec, Gpu, Readback, Ticket};
 use super::ops;
 use crate::config::ModelConfig;
 use crate::error::{BackendError, Result};
-use crate::model::{LayerParams, Layout, ParamEntry, RopeTable};
+use crate::model::{Layout, ParamEntry, RopeTable};
 use crate::seam::DType;
 use crate::seam::tensor::{round_to_bf16, round_to_f16};
 
@@ -38,14 +38,6 @@ pub struct DeviceModel {
     pub params: Vec<Buffer>,
     /// Gradient sums, one buffer per layout entry (none for a 16-bit, engine-only model).
     pub grads: Vec<Buffer>,
-    /// Entry of `model.embed_tokens.weight`.
-    pub embed: usize,
-    /// Entry of `lm_head.weight` (the embedding's when tied: both uses add into one tensor).
-    pub lm_head: usize,
-    /// Entry of `model.norm.weight`.
-    pub final_norm: usize,
-    /// Per layer.
-    pub layers: Vec<LayerParams>,
     /// RoPE tables `[max_pos, head_dim/2]` from the CPU reference's own function.
     pub cos: Buffer,
     /// See `cos`.
@@ -81,10 +73,6 @@ impl DeviceModel {
         };
         let rope = RopeTable::<f32>::of(cfg);
         Ok(Self {
-            embed: layout.ids.embed.0,
-            lm_head: layout.ids.lm_head.0,
-            final_norm: layout.ids.final_norm.0,
-            layers: layout.ids.layers.clone(),
             cos: gpu.upload("rope cos", &rope.cos),
             sin: gpu.upload("rope sin", &rope.sin),
             weights,

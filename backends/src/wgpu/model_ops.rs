@@ -93,6 +93,16 @@ impl<'a> WgpuOps<'a> {
         Self { ex, md, scratch }
     }
 
+    /// The model the ops read.
+    pub fn model(&self) -> &'a DeviceModel {
+        self.md
+    }
+
+    /// The recorder the ops record into.
+    pub fn exec(&mut self) -> &mut Exec {
+        self.ex
+    }
+
     fn scratch(&mut self) -> Result<&mut Scratch> {
         let s = self
             .scratch
