@@ -502,13 +502,7 @@ impl Ops for CudaOps<'_> {
     ) -> Result<LossSums> {
         let stats = &self.scratch()?.loss_stats;
         ops::grpo_loss_fwd(self.cuda, stats, kernel_loss(logp, x), entropy, m, loss)?;
-        let st = stats.read(0, 4)?;
-        Ok(LossSums {
-            loss: st[0] as f64,
-            kl: st[1] as f64,
-            clipped: st[2].max(0.0) as usize,
-            entropy: st[3] as f64,
-        })
+        Ok(LossSums::from_kernel(&stats.read(0, 4)?))
     }
 
     fn loss_bwd(

@@ -66,6 +66,19 @@ pub struct LossSums {
     pub entropy: f64,
 }
 
+impl LossSums {
+    /// The sums as the device loss kernels write them: `[Σ w·loss, Σ KL, #clipped,
+    /// Σ entropy]` in f32.
+    pub fn from_kernel(st: &[f32]) -> Self {
+        Self {
+            loss: st[0] as f64,
+            kl: st[1] as f64,
+            clipped: st[2].max(0.0) as usize,
+            entropy: st[3] as f64,
+        }
+    }
+}
+
 /// One entry per response token of the batch.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct LossInputs {

@@ -595,13 +595,7 @@ impl Ops for WgpuOps<'_> {
             ex, &stats, logp, &x.old, &x.refp, &x.adv, &x.wts, entropy, f, m, loss,
         );
         let t = ex.read_back(&stats, 0, 16);
-        let st = ex.submit()?.get::<f32>(t);
-        Ok(LossSums {
-            loss: st[0] as f64,
-            kl: st[1] as f64,
-            clipped: st[2].max(0.0) as usize,
-            entropy: st[3] as f64,
-        })
+        Ok(LossSums::from_kernel(&ex.submit()?.get::<f32>(t)))
     }
 
     fn loss_bwd(
