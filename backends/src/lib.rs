@@ -7,6 +7,9 @@
 //!   batches, RoPE tables, input limits, sampling rules, the loss and the AdamW scalars;
 //! - [`grpo`], [`optim`]: advantages, aggregation and normaliser, AdamW with global-norm clipping
 //!   (SPEC §6), shared by all backends;
+//! - [`engine`]: the rollout engine written once over a KV store, for every backend;
+//! - [`spec`]: [`BackendSpec`], a backend named by value (serde), and the one place that opens
+//!   one;
 //! - [`cpu`]: the f32 reference backend, plain forward/backward ops that the GPU backends are
 //!   checked against;
 //! - [`cuda`]: the CUDA backend's launch ABI and planning (always), and with the `cuda`
@@ -36,6 +39,7 @@ pub mod grpo;
 pub mod model;
 pub mod optim;
 pub mod seam;
+pub mod spec;
 pub mod weights;
 
 #[cfg(feature = "wgpu")]
@@ -46,4 +50,7 @@ pub use cpu::CpuBackend;
 pub use error::{BackendError, Result};
 pub use grpo::{Aggregation, StdMode, advantages, normalizer};
 pub use seam::*;
-pub use weights::{Tensor, Weights, load_model_dir, save_model_dir};
+pub use spec::{BackendKind, BackendSpec};
+pub use weights::{
+    Tensor, Weights, load_model_dir, save_model_dir, write_model_dir, write_safetensors,
+};

@@ -376,4 +376,25 @@ impl Trainer for CpuBackend {
         self.trainable("gradients")?;
         Ok(self.model.layout.to_weights(&self.grads))
     }
+
+    fn visit_gradients(&self, visit: &mut dyn FnMut(&str, &[f32]) -> Result<()>) -> Result<()> {
+        self.trainable("gradients")?;
+        for e in &self.model.layout.entries {
+            visit(&e.name, &self.grads[e.offset..e.offset + e.len])?;
+        }
+        Ok(())
+    }
+
+    fn visit_weights(&self, visit: &mut dyn FnMut(&str, &[f32]) -> Result<()>) -> Result<()> {
+        // A 16-bit store is widened one tensor at a time.
+        let m = &self.model;
+        for e in &m.layout.entries {
+            let r = e.offset..e.offset + e.len;
+            match &m.half {
+                Some(h) => visit(&e.name, &h.data.range_f32(r))?,
+                None => visit(&e.name, &m.params[r])?,
+            }
+        }
+        Ok(())
+    }
 }

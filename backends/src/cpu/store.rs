@@ -64,6 +64,14 @@ impl HalfData {
         }
     }
 
+    /// Values `r` widened to f32 (a copy; exact).
+    pub fn range_f32(&self, r: std::ops::Range<usize>) -> Vec<f32> {
+        match self {
+            HalfData::Bf16(v) => v[r].iter().map(|x| x.to_f32()).collect(),
+            HalfData::F16(v) => v[r].iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
     /// A copy as seam tensor data.
     pub fn to_tensor_data(&self) -> TensorData {
         match self {

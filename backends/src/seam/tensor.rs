@@ -8,8 +8,9 @@ use half::{bf16, f16};
 
 use crate::error::{BackendError, Result};
 
-/// Storage type of a tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Storage type of a tensor (serde: `"f32"`, `"bf16"`, `"f16"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DType {
     /// IEEE binary32.
     F32,
