@@ -265,14 +265,19 @@ pub fn save_model_dir(dir: &Path, cfg: &ModelConfig, w: &Weights) -> Result<()> 
         path: dir.to_path_buf(),
         error,
     })?;
+    write_config(dir, cfg)?;
+    w.save_safetensors(&dir.join("model.safetensors"))
+}
+
+/// Writes `dir/config.json`.
+fn write_config(dir: &Path, cfg: &ModelConfig) -> Result<()> {
     let cfg_path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&cfg.to_json())
         .map_err(|e| BackendError::config("config.json", e.to_string()))?;
     std::fs::write(&cfg_path, text).map_err(|error| BackendError::Io {
         path: cfg_path,
         error,
-    })?;
-    w.save_safetensors(&dir.join("model.safetensors"))
+    })
 }
 
 /// Writes an F32 safetensors file (with `{"format": "pt"}` metadata) tensor by tensor:
@@ -373,13 +378,7 @@ pub fn write_model_dir(
         error,
     })?;
     write_safetensors(&dir.join("model.safetensors"), &param_specs(cfg), fill)?;
-    let cfg_path = dir.join("config.json");
-    let text = serde_json::to_string_pretty(&cfg.to_json())
-        .map_err(|e| BackendError::config("config.json", e.to_string()))?;
-    std::fs::write(&cfg_path, text).map_err(|error| BackendError::Io {
-        path: cfg_path,
-        error,
-    })
+    write_config(dir, cfg)
 }
 
 /// One standard normal draw (Box–Muller), so initialisation needs no distribution crate.
