@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 use criterion::{
     BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
+use rolloutpipe_backends::engine::{KvStore, Paged};
 use rolloutpipe_backends::wgpu::kv::{self, KvPool, StepRows};
 use rolloutpipe_backends::wgpu::{Exec, Gpu, WgpuBackend, ops};
 use rolloutpipe_backends::*;
@@ -363,9 +364,10 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     let (h, hd) = (cfg.num_attention_heads, cfg.head_dim);
     for (rows_n, pos) in [(16usize, 47usize), (8, 95)] {
         let per = kv::pages_for(pos + 1);
-        let mut pool = KvPool::new(g, &cfg).expect("pool");
-        pool.alloc(rows_n * per).expect("pages");
-        pool.ensure_built(g, &mut ex, &cfg);
+        let mut store = Paged::new(kv::device_pages(g, &cfg));
+        store.alloc(rows_n * per).expect("pages");
+        let mut pool = KvPool::default();
+        pool.ensure_built(g, &mut ex, &cfg, store.pages_used(), store.max_pages());
         let pages: Vec<u32> = (0..(rows_n * per) as u32).collect();
         let meta: Vec<u32> = (0..rows_n)
             .flat_map(|r| [(r * per) as u32, pos as u32])
@@ -457,7 +459,14 @@ fn bench_ops(c: &mut Criterion, g: &Arc<Gpu>) {
     ] {
         let z = g.upload("logits", &data(rows * vocab, 10));
         let rowp: Vec<f32> = (0..rows)
-            .flat_map(|r| ops::sample_row(1.0, top_k, top_p, (r as f64 + 0.5) / rows as f64))
+            .flat_map(|r| {
+                rolloutpipe_backends::model::sampling::sample_row(
+                    1.0,
+                    top_k,
+                    top_p,
+                    (r as f64 + 0.5) / rows as f64,
+                )
+            })
             .collect();
         let (rp, tk, lp) = (
             g.upload("rowp", &rowp),

@@ -6,8 +6,8 @@
 //! folded into one scale so the raw sums are never rewritten (they stay readable for tests and
 //! `--save-grads`).
 
-use crate::cpu::ops::{adamw_first_step, adamw_step, grad_norm};
 use crate::error::{BackendError, Result};
+use crate::model::AdamScalars;
 
 /// Optimizer settings (torch's AdamW defaults, plus clipping and decay options).
 #[derive(Debug, Clone, PartialEq)]
@@ -108,18 +108,23 @@ pub struct ParamGroup {
     pub decay: bool,
 }
 
-/// Normalise, clip and apply AdamW to the flat `params` from the gradient sums `grads`.
+/// A trainer's parameters, gradient sums and AdamW moments, as the optimizer step sees them.
+pub trait Optimize {
+    /// One group per tensor, in the order [`Optimize::adamw`] takes their scalars.
+    fn groups(&self, exclude_norms_from_decay: bool) -> Vec<ParamGroup>;
+    /// Σ g² over every gradient sum, reduced in an order fixed by the shapes.
+    fn grad_sumsq(&mut self) -> Result<f64>;
+    /// AdamW steps taken so far.
+    fn steps(&self) -> u64;
+    /// AdamW step `t` of every tensor with its scalars (one per group), in place.
+    fn adamw(&mut self, t: u64, scalars: &[AdamScalars]) -> Result<()>;
+}
+
+/// Normalise, clip and apply AdamW from the gradient sums: the step every backend takes.
 ///
 /// Errors (changing nothing) on a non-positive or non-finite normaliser and on a non-finite
 /// gradient norm, so a diverged micro-batch cannot poison the weights.
-pub fn step(
-    params: &mut [f32],
-    grads: &[f32],
-    state: &mut AdamState,
-    groups: &[ParamGroup],
-    normalizer: f64,
-    opt: &AdamW,
-) -> Result<OptStats> {
+pub fn step(o: &mut impl Optimize, normalizer: f64, opt: &AdamW) -> Result<OptStats> {
     opt.validate()?;
     if !(normalizer.is_finite() && normalizer > 0.0) {
         return Err(BackendError::invalid(
@@ -127,14 +132,7 @@ pub fn step(
             format!("{normalizer} is not a positive finite number"),
         ));
     }
-    if params.len() != grads.len() {
-        return Err(BackendError::shape(
-            "gradient buffer",
-            params.len(),
-            grads.len(),
-        ));
-    }
-    let norm = grad_norm(grads).sqrt() / normalizer;
+    let norm = o.grad_sumsq()?.sqrt() / normalizer;
     if !norm.is_finite() {
         return Err(BackendError::non_finite("gradient (global norm)"));
     }
@@ -142,104 +140,20 @@ pub fn step(
         Some(c) => (c / (norm + 1e-6)).min(1.0),
         None => 1.0,
     };
-    // Fresh moments are all zero and, allocated zeroed, not yet touched: the first step
-    // writes them without reading them (`adamw_first_step`, same bits).
-    let fresh = state.m.len() != params.len();
-    if fresh {
-        state.m = vec![0.0; params.len()];
-        state.v = vec![0.0; params.len()];
-        state.step = 0;
-    }
-    state.step += 1;
+    let t = o.steps() + 1;
     let scale = (clip / normalizer) as f32;
-    let update = if fresh { adamw_first_step } else { adamw_step };
-    for g in groups {
-        let r = g.offset..g.offset + g.len;
-        let wd = if g.decay { opt.weight_decay } else { 0.0 };
-        update(
-            &mut params[r.clone()],
-            &grads[r.clone()],
-            &mut state.m[r.clone()],
-            &mut state.v[r],
-            scale,
-            opt.lr,
-            opt.beta1,
-            opt.beta2,
-            opt.eps,
-            wd,
-            state.step,
-        );
-    }
+    let scalars: Vec<AdamScalars> = o
+        .groups(opt.exclude_norms_from_decay)
+        .iter()
+        .map(|g| {
+            let wd = if g.decay { opt.weight_decay } else { 0.0 };
+            AdamScalars::new(scale, opt.lr, opt.beta1, opt.beta2, opt.eps, wd, t)
+        })
+        .collect();
+    o.adamw(t, &scalars)?;
     Ok(OptStats {
         grad_norm: norm,
         clip_scale: clip,
-        step: state.step,
+        step: t,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn clipping_scales_to_max_norm_and_decay_mask_holds() {
-        // grads sum [6, 8] over normaliser 2 -> scaled [3, 4], norm 5; clip to 1 -> [0.6, 0.8].
-        let mut p = vec![1.0f32, 1.0, 1.0];
-        let g = vec![6.0f32, 8.0, 0.0];
-        let groups = [
-            ParamGroup {
-                offset: 0,
-                len: 2,
-                decay: true,
-            },
-            ParamGroup {
-                offset: 2,
-                len: 1,
-                decay: false,
-            },
-        ];
-        let opt = AdamW {
-            lr: 0.1,
-            weight_decay: 0.5,
-            max_grad_norm: Some(1.0),
-            ..Default::default()
-        };
-        let mut st = AdamState::default();
-        let s = step(&mut p, &g, &mut st, &groups, 2.0, &opt).unwrap();
-        assert!((s.grad_norm - 5.0).abs() < 1e-12);
-        assert!((s.clip_scale - 1.0 / (5.0 + 1e-6)).abs() < 1e-12);
-        // first Adam step: each coordinate moves by lr·sign(g) after decay 1 − 0.05
-        assert!((p[0] - (0.95 - 0.1)).abs() < 1e-6);
-        assert!((p[1] - (0.95 - 0.1)).abs() < 1e-6);
-        assert_eq!(p[2], 1.0, "zero gradient and no decay leaves it unchanged");
-        // moments saw the clipped gradient 0.6, 0.8
-        assert!((st.m[0] - 0.06).abs() < 1e-6 && (st.m[1] - 0.08).abs() < 1e-6);
-        assert_eq!(st.step, 1);
-    }
-
-    #[test]
-    fn bad_normaliser_or_gradient_changes_nothing() {
-        let mut p = vec![1.0f32];
-        let groups = [ParamGroup {
-            offset: 0,
-            len: 1,
-            decay: true,
-        }];
-        let mut st = AdamState::default();
-        let opt = AdamW::default();
-        for n in [0.0, -1.0, f64::NAN] {
-            assert!(step(&mut p, &[1.0], &mut st, &groups, n, &opt).is_err());
-        }
-        assert!(matches!(
-            step(&mut p, &[f32::INFINITY], &mut st, &groups, 1.0, &opt),
-            Err(BackendError::NonFinite { .. })
-        ));
-        let bad = AdamW {
-            beta1: 1.0,
-            ..Default::default()
-        };
-        assert!(step(&mut p, &[1.0], &mut st, &groups, 1.0, &bad).is_err());
-        assert_eq!(p, vec![1.0]);
-        assert_eq!(st.step, 0);
-    }
 }

@@ -265,14 +265,120 @@ pub fn save_model_dir(dir: &Path, cfg: &ModelConfig, w: &Weights) -> Result<()> 
         path: dir.to_path_buf(),
         error,
     })?;
+    write_config(dir, cfg)?;
+    w.save_safetensors(&dir.join("model.safetensors"))
+}
+
+/// Writes `dir/config.json`.
+fn write_config(dir: &Path, cfg: &ModelConfig) -> Result<()> {
     let cfg_path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&cfg.to_json())
         .map_err(|e| BackendError::config("config.json", e.to_string()))?;
     std::fs::write(&cfg_path, text).map_err(|error| BackendError::Io {
         path: cfg_path,
         error,
+    })
+}
+
+/// Writes an F32 safetensors file (with `{"format": "pt"}` metadata) tensor by tensor:
+/// `specs` names every tensor with its shape, in file order, and `fill` hands their values
+/// over in that order. Only a small buffer of bytes is held besides the caller's values, so a
+/// large model is written without a copy of it. The file appears only once it is complete
+/// (written beside it, then renamed).
+pub fn write_safetensors(
+    path: &Path,
+    specs: &[(String, Vec<usize>)],
+    fill: impl FnOnce(&mut dyn FnMut(&str, &[f32]) -> Result<()>) -> Result<()>,
+) -> Result<()> {
+    use std::io::Write;
+    let io = |error| BackendError::Io {
+        path: path.to_path_buf(),
+        error,
+    };
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut at = 0usize;
+    for (name, shape) in specs {
+        let bytes = 4 * shape.iter().product::<usize>();
+        let entry =
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [at, at + bytes]});
+        header.insert(name.clone(), entry);
+        at += bytes;
+    }
+    let mut head = serde_json::to_vec(&header).map_err(|e| BackendError::Safetensors {
+        what: "header".into(),
+        reason: e.to_string(),
     })?;
-    w.save_safetensors(&dir.join("model.safetensors"))
+    // The data starts on an 8-byte boundary (the format pads the header with spaces).
+    head.resize(head.len().next_multiple_of(8), b' ');
+    let tmp = path.with_extension("safetensors.partial");
+    let file = std::fs::File::create(&tmp).map_err(io)?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+    out.write_all(&(head.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    out.write_all(&head).map_err(io)?;
+    let mut next = 0;
+    let filled = {
+        let mut put = |name: &str, values: &[f32]| -> Result<()> {
+            let (want, shape) = specs.get(next).ok_or_else(|| {
+                BackendError::invalid(
+                    "safetensors writer",
+                    format!("tensor `{name}` past the last one named"),
+                )
+            })?;
+            if want != name || values.len() != shape.iter().product::<usize>() {
+                return Err(BackendError::shape(
+                    format!("tensor `{want}`"),
+                    format!("{shape:?}"),
+                    format!("`{name}` of {} values", values.len()),
+                ));
+            }
+            for chunk in values.chunks(1 << 14) {
+                let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
+                out.write_all(&bytes).map_err(io)?;
+            }
+            next += 1;
+            Ok(())
+        };
+        fill(&mut put)
+    };
+    let done = next == specs.len();
+    let written = filled
+        .and_then(|()| {
+            if done {
+                Ok(())
+            } else {
+                Err(BackendError::invalid(
+                    "safetensors writer",
+                    "fewer tensors than named",
+                ))
+            }
+        })
+        .and_then(|()| out.flush().map_err(io));
+    drop(out);
+    match written {
+        Ok(()) => std::fs::rename(&tmp, path).map_err(io),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// Writes a model directory (creating it) from tensors handed over one at a time in
+/// [`param_specs`] order (see [`write_safetensors`]): `config.json` and F32
+/// `model.safetensors`.
+pub fn write_model_dir(
+    dir: &Path,
+    cfg: &ModelConfig,
+    fill: impl FnOnce(&mut dyn FnMut(&str, &[f32]) -> Result<()>) -> Result<()>,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|error| BackendError::Io {
+        path: dir.to_path_buf(),
+        error,
+    })?;
+    write_safetensors(&dir.join("model.safetensors"), &param_specs(cfg), fill)?;
+    write_config(dir, cfg)
 }
 
 /// One standard normal draw (Box–Muller), so initialisation needs no distribution crate.
@@ -286,6 +392,32 @@ fn normal(rng: &mut ChaCha8Rng) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn streamed_safetensors_load_back_and_a_short_stream_leaves_no_file() {
+        let cfg = ModelConfig::tiny();
+        let w = Weights::random(&cfg, 4).unwrap();
+        let dir = std::env::temp_dir().join(format!("rp-stream-{}", std::process::id()));
+        write_model_dir(&dir, &cfg, |put| {
+            for (name, _) in param_specs(&cfg) {
+                put(&name, &w.tensors[&name].data)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        let (c2, w2) = load_model_dir(&dir).unwrap();
+        assert_eq!((c2, w2), (cfg.clone(), w.clone()));
+        let path = dir.join("short.safetensors");
+        let specs = param_specs(&cfg);
+        let e = write_safetensors(&path, &specs, |put| {
+            put(&specs[0].0, &w.tensors[&specs[0].0].data)
+        });
+        assert!(e.unwrap_err().to_string().contains("fewer tensors"));
+        let e = write_safetensors(&path, &specs, |put| put("lm_head.weight", &[0.0]));
+        assert!(e.unwrap_err().to_string().contains(&specs[0].0));
+        assert!(!path.exists() && !path.with_extension("safetensors.partial").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn random_is_seeded_and_well_scaled() {

@@ -718,9 +718,15 @@ fn wgpu_chunked_bindings_match_unchunked() {
         decay: true,
     }];
     let mut state = rolloutpipe_backends::optim::AdamState::default();
-    let host =
-        rolloutpipe_backends::optim::step(&mut want, &flat(gs), &mut state, &groups, norm, &opt)
-            .expect("host step");
+    let host = rolloutpipe_backends::cpu::optim::step(
+        &mut want,
+        &flat(gs),
+        &mut state,
+        &groups,
+        norm,
+        &opt,
+    )
+    .expect("host step");
     assert_stats_close(ss, &host);
     let got = flat(&split.export_weights().expect("weights"));
     let moved = got.iter().zip(&flat(&w)).filter(|(a, b)| a != b).count();
@@ -787,15 +793,16 @@ fn fused_lm_head_case(
     split: bool,
 ) {
     use rolloutpipe_backends::cpu::lm_head::{lm_head_logprob_bwd, lm_head_logprob_fwd};
-    use rolloutpipe_backends::cpu::model::Layout;
+    use rolloutpipe_backends::model::Layout;
     use rolloutpipe_backends::wgpu::Exec;
-    use rolloutpipe_backends::wgpu::lm_head::{self, LmPlan};
-    use rolloutpipe_backends::wgpu::model::{Acts, DeviceModel};
+    use rolloutpipe_backends::wgpu::lm_head::{LmHead, LmPlan};
+    use rolloutpipe_backends::wgpu::model::DeviceModel;
+    use rolloutpipe_backends::wgpu::ops::LogprobBufs;
     let (d, v, temp) = (cfg.hidden_size, cfg.vocab_size, 0.7);
     let layout = Layout::new(cfg);
     let mut rng = ChaCha8Rng::seed_from_u64(91);
     let flat = rand_vec(&mut rng, layout.total, 0.5);
-    let w = flat[layout.lm_head..layout.lm_head + v * d].to_vec();
+    let w = flat[layout.range(layout.ids.lm_head)].to_vec();
     let x = rand_vec(&mut rng, m * d, 2.0);
     let dlogp = rand_vec(&mut rng, m, 1.0);
     let mut targets = rand_ids(&mut rng, m, v);
@@ -849,42 +856,67 @@ fn fused_lm_head_case(
     )
     .expect("model");
     drop(flat);
-    let a = Acts::new(g, cfg, 64, m.next_power_of_two(), plan);
-    g.write(&a.hsel, &x);
-    g.write(&a.targets, &targets);
-    g.write(&a.dlogp, &dlogp);
-    lm_head::logprob_fwd(&mut ex, &md, &a, m, temp);
-    lm_head::logprob_bwd(&mut ex, &md, &a, m, temp);
+    let b = |name: &str, len: usize| g.buffer(name, len);
+    let (hsel, dhsel, tb, dlb) = (
+        b("x", m * d),
+        b("dx", m * d),
+        b("targets", m),
+        b("dlogp", m),
+    );
+    let (logp, entropy, lse_b, state) = (
+        b("logp", m),
+        b("entropy", m),
+        b("lse", m),
+        b("state", 4 * m),
+    );
+    let scratch = b("lm_head chunk", plan.scratch_len(m));
+    g.write(&hsel, &x);
+    g.write(&tb, &targets);
+    g.write(&dlb, &dlogp);
+    let lm = md.layout.ids.lm_head.0;
+    let (wb, dwb) = (&md.params[lm], &md.grads[lm]);
+    let head = LmHead {
+        w: wb,
+        format: rolloutpipe_kernels::WeightFormat::F32,
+        plan,
+        d,
+        v,
+    };
+    let out = LogprobBufs {
+        state: &state,
+        logp: &logp,
+        entropy: &entropy,
+        lse: &lse_b,
+    };
+    head.logprob_fwd(&mut ex, &scratch, out, &hsel, &tb, m, temp);
+    head.logprob_bwd(
+        &mut ex, &scratch, &dhsel, dwb, &dlb, &lse_b, &hsel, &tb, m, temp,
+    );
     ex.submit().expect("submit");
     let get = |b: &::wgpu::Buffer, n: usize| g.read::<f32>(b, n).expect("read");
     let what = format!("{chunks} chunk(s) of {}", plan.chunk);
     // Vocabulary reductions in f32 trees against the reference's f64.
     assert_close(
         &format!("logp, {what}"),
-        &get(&a.logp, m),
+        &get(&logp, m),
         &lp,
         tol::REDUCTION,
     );
     assert_close(
         &format!("entropy, {what}"),
-        &get(&a.entropy, m),
+        &get(&entropy, m),
         &ent,
         tol::REDUCTION,
     );
     assert_close(
         &format!("lse, {what}"),
-        &get(&a.lse, m),
+        &get(&lse_b, m),
         &lse,
         tol::REDUCTION,
     );
     // dx sums v products per element, dW m (GRAD's per-element bound).
-    assert_close(
-        &format!("dx, {what}"),
-        &get(&a.dhsel, m * d),
-        &dx,
-        tol::GRAD,
-    );
-    let gw = get(&md.grads[md.lm_head], v * d);
+    assert_close(&format!("dx, {what}"), &get(&dhsel, m * d), &dx, tol::GRAD);
+    let gw = get(&md.grads[lm], v * d);
     assert_close(&format!("dW, {what}"), &gw, &dw, tol::GRAD);
 }
 

@@ -256,7 +256,7 @@ fn an_f16_value_out_of_range_is_refused_naming_its_tensor() {
 /// shape. 16-bit storage halves every 2-D tensor; the f32 norm weights stay.
 #[test]
 fn weight_buffer_bytes_halve_at_the_default_model_and_qwen3_0_6b() {
-    use rolloutpipe_backends::cpu::model::Layout;
+    use rolloutpipe_backends::model::Layout;
     use rolloutpipe_backends::wgpu::model::param_buffer_bytes;
     use rolloutpipe_kernels::WeightFormat;
     let qwen3_0_6b = ModelConfig::qwen3_0_6b();

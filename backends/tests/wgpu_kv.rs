@@ -21,8 +21,9 @@ use check::{assert_close, rand_vec, tol};
 use engine::{assert_same_outputs as assert_same, drain, overlap_reference, params};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::SeedableRng;
+use rolloutpipe_backends::engine::{KvStore, Paged};
 use rolloutpipe_backends::wgpu::Exec;
-use rolloutpipe_backends::wgpu::kv::{KvPool, PAGE, StepRows};
+use rolloutpipe_backends::wgpu::kv::{self, KvPool, PAGE, StepRows};
 use rolloutpipe_backends::*;
 use small::{engine, overlap_matches, prompt, setup};
 
@@ -152,9 +153,10 @@ fn attention_decode_over_pages_matches_cpu_attention() {
     let k = rand_vec(&mut rng, (na + nb) * kd, 1.0);
     let v = rand_vec(&mut rng, (na + nb) * kd, 1.0);
     let mut ex = Exec::new(Arc::clone(&g));
-    let mut pool = KvPool::new(&g, &cfg).expect("pool");
-    let all = pool.alloc(16).expect("pages");
-    pool.ensure_built(&g, &mut ex, &cfg);
+    let mut store = Paged::new(kv::device_pages(&g, &cfg));
+    let all = store.alloc(16).expect("pages");
+    let mut pool = KvPool::default();
+    pool.ensure_built(&g, &mut ex, &cfg, store.pages_used(), store.max_pages());
     // A: pages 15, 13, .., 1 then 14, 12: positions land out of order. B: A's first four
     // pages, then two of its own.
     let table_a: Vec<u32> = [15, 13, 11, 9, 7, 5, 3, 1, 14, 12].map(|i| all[i]).to_vec();
@@ -258,9 +260,10 @@ fn long_decode(
     let v = rand_vec(&mut rng, len * kd, 1.0);
     let mut ex = Exec::new(Arc::clone(g));
     ex.force_decode_window(window);
-    let mut pool = KvPool::new(g, &cfg).expect("pool");
-    let table = pool.alloc(len.div_ceil(PAGE)).expect("pages");
-    pool.ensure_built(g, &mut ex, &cfg);
+    let mut store = Paged::new(kv::device_pages(g, &cfg));
+    let table = store.alloc(len.div_ceil(PAGE)).expect("pages");
+    let mut pool = KvPool::default();
+    pool.ensure_built(g, &mut ex, &cfg, store.pages_used(), store.max_pages());
     // Every position appended as its own row (as a prefill's rows reach the pool), then one
     // decode row at the last position.
     let meta: Vec<u32> = (0..len as u32).flat_map(|t| [0, t]).collect();

@@ -16,10 +16,10 @@ start=$(date +%s)
 # re-checks every dependency, and wgpu's are the slowest to check and hold no CUDA code.
 lint=$(cargo clippy --locked -p rolloutpipe-backends --no-default-features --features cuda --all-targets \
   --message-format short 2>&1) || { echo "$lint"; exit 1; }
-if echo "$lint" | grep -E "^backends/(src/cuda/|tests/support/ops_cuda.rs|benches/cuda.rs|tests/conformance.rs)"; then
+if echo "$lint" | grep -E "^backends/(src/cuda/|tests/support/(ops_cuda|cuda_device).rs|benches/cuda.rs|tests/(conformance|engine).rs)"; then
   echo "clippy warnings in the CUDA code (above)"
   exit 1
 fi
 cargo test --locked -p rolloutpipe-backends --features cuda --lib cuda::
-cargo test --locked -p rolloutpipe-backends --features cuda --test conformance cuda
+cargo test --locked -p rolloutpipe-backends --features cuda --test conformance --test engine cuda
 echo "cuda check took $(( $(date +%s) - start )) s"

@@ -10,4 +10,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROLLOUTPIPE_REQUIRE_GPU=1 ROLLOUTPIPE_PROD_SHAPES=1 \
-  cargo test --locked -p rolloutpipe-backends --features wgpu --test conformance --test golden
+  cargo test --locked -p rolloutpipe-backends --features wgpu --test conformance --test engine --test golden

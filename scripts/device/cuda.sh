@@ -51,10 +51,10 @@ fi
 step "unit tests + conformance against the CPU reference"
 if [ "$have_pack" = 1 ]; then
   # From the package's folder, as cargo runs a test; both filtered to the CUDA tests.
-  (cd backends; rc=0; timeout "$(limit 150)" "$bin/unit" cuda || rc=$?; timeout "$(limit 150)" "$bin/conformance" cuda || rc=$?; exit $rc) 2>&1
+  (cd backends; rc=0; for t in unit conformance engine; do timeout "$(limit 150)" "$bin/$t" cuda || rc=$?; done; exit $rc) 2>&1
 else
   timeout "$(limit 150)" cargo test --release --locked -p rolloutpipe-backends --features cuda \
-    --lib --test conformance -- cuda 2>&1
+    --lib --test conformance --test engine -- cuda 2>&1
 fi | tee "$OUT/conformance.log" | grep -E "^test |test result|SKIP|panicked|CUDA device"
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "CONFORMANCE FAILED (see $OUT/conformance.log)"; status=1; }
 

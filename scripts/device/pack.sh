@@ -45,7 +45,7 @@ test_profile=(--release)
 bench_profile=bench
 [ "$profile" = dev ] && test_profile=() bench_profile=dev
 cargo test "${test_profile[@]}" --locked -p rolloutpipe-backends --features cuda --lib \
-  --test conformance --test wgpu_coop --test wgpu_lookahead --no-run --message-format=json-render-diagnostics > "$tmp/tests.json"
+  --test conformance --test engine --test wgpu_coop --test wgpu_lookahead --no-run --message-format=json-render-diagnostics > "$tmp/tests.json"
 cargo bench --profile "$bench_profile" --locked -p rolloutpipe-backends --features cuda \
   --bench wgpu --bench cuda --no-run --message-format=json-render-diagnostics > "$tmp/benches.json"
 
@@ -65,7 +65,7 @@ for path in sys.argv[1:]:
                 name = "bench-" + name
             print(name, m["executable"])
 EOF
-for want in unit conformance wgpu_coop wgpu_lookahead bench-wgpu bench-cuda; do
+for want in unit conformance engine wgpu_coop wgpu_lookahead bench-wgpu bench-cuda; do
   grep -q "^$want " "$tmp/exes" || { echo "pack.sh: cargo built no '$want' executable" >&2; exit 1; }
 done
 

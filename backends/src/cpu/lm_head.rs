@@ -15,10 +15,7 @@ use rayon::prelude::*;
 
 use super::model::fit;
 use super::ops::{Float, Mat, matmul_bwd, matmul_fwd};
-
-/// Vocabulary rows per chunk: large enough that each chunk's product is an efficient GEMM,
-/// small enough that `rows × chunk` scratch stays a few MB.
-pub const VOCAB_CHUNK: usize = 8192;
+use crate::model::VOCAB_CHUNK;
 
 /// Running log-sum-exp state of one row: max, Σ e^(y−max), Σ e^(y−max)·y (f64).
 #[derive(Debug, Clone, Copy)]

@@ -141,7 +141,7 @@ mod tests {
 
     /// The old route: named f32 weights, flattened, rounded to the store's dtype.
     fn through_f32(cfg: &ModelConfig, w: &Weights, dtype: DType) -> Vec<f32> {
-        let flat: Vec<f32> = super::super::model::Layout::new(cfg).flatten(w).unwrap();
+        let flat: Vec<f32> = crate::model::Layout::new(cfg).flatten(w).unwrap();
         match dtype {
             DType::F32 => flat,
             d => HalfData::round(&flat, d).unwrap().to_f32(),

@@ -1,50 +1,35 @@
-//! The CPU reference backend: plain f32 ops (`ops`), the Qwen3 model over packed batches
-//! (`model`), continuous-batching generation (`generate`), and [`CpuBackend`] implementing both
-//! seam roles, [`RolloutEngine`] and [`Trainer`]. Every GPU backend is checked against this one.
+//! The CPU reference backend: plain f32 ops (`ops`, `kernel`), the model's storage (`model`)
+//! and its [`Ops`](crate::model::ops::Ops) (`model_ops`), generation on the one engine
+//! (`decode`), and [`CpuBackend`] implementing both seam roles, [`RolloutEngine`] and
+//! [`Trainer`]. Every GPU backend is checked against this one.
 //!
 //! Decode steps run on the backend's own thread pool: `submit_step` hands the step to it and
 //! returns, so the caller's thread prepares the next step (adds, cancels, its own work) while
-//! the pool decodes; requests added or cancelled meanwhile take effect when the step is polled.
+//! the pool decodes.
 
-pub mod generate;
+mod decode;
 pub mod kernel;
 pub mod lm_head;
 mod load;
 pub mod model;
+mod model_ops;
 pub mod ops;
+pub mod optim;
 pub mod store;
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, TryRecvError, channel};
 
 use crate::config::ModelConfig;
+use crate::engine::host::EngineHost;
+use crate::engine::{Engine, Paged};
 use crate::error::{BackendError, Result};
-use crate::optim::{self, AdamState};
+use crate::model::Layout;
+use crate::model::check::refuse_while_generating;
+use crate::optim::AdamState;
 use crate::seam::*;
 use crate::weights::Weights;
-use generate::Generator;
-use model::{Activations, Layout, Model, PackedBatch, check_tokens};
-
-/// The result a decode step sends back from the pool with the generator it ran on.
-type StepResult = (Box<Generator>, Result<Vec<GenOutput>>);
-
-/// The generator, idle on this thread or away running a step (boxed: it is far larger than
-/// the receiver, and moves to the pool and back every step).
-#[derive(Debug)]
-enum EngineState {
-    Idle(Box<Generator>),
-    InFlight(Receiver<StepResult>),
-}
-
-/// An engine call made while a step was in flight, applied when it is polled.
-#[derive(Debug)]
-enum Pending {
-    Add(GenRequest),
-    Group(Vec<GenRequest>),
-    Cancel(RequestKey),
-    Resume(Box<ResumeState>),
-}
+use decode::{CpuDecoder, CpuRun, CpuStep};
+use model::{Activations, Model};
 
 /// A same-device weight snapshot: the trainer's parameters copied flat, in the layout both
 /// CPU sides share (no name map, no per-tensor validation on load).
@@ -61,12 +46,9 @@ pub struct CpuBackend {
     grads: Vec<f32>,
     opt: AdamState,
     acts: Activations<f32>,
-    engine: EngineState,
-    pending: Vec<Pending>,
-    /// Admitted requests (queued, waiting for their group's prefill, or active) and the KV
-    /// positions each reserves.
-    admitted: HashMap<RequestKey, usize>,
-    limits: EngineLimits,
+    engine: Engine<Paged, CpuRun>,
+    /// The decode step's state, away on the pool while a step runs.
+    step: Option<Box<CpuStep>>,
     pool: Arc<rayon::ThreadPool>,
 }
 
@@ -74,7 +56,7 @@ impl std::fmt::Debug for CpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CpuBackend")
             .field("config", &self.model.cfg)
-            .field("admitted_requests", &self.admitted.len())
+            .field("active_requests", &self.engine.active())
             .field("threads", &self.pool.current_num_threads())
             .finish()
     }
@@ -145,13 +127,12 @@ impl CpuBackend {
             } else {
                 vec![0.0; model.layout.total]
             },
+            // The host's memory is the pool's only bound.
+            engine: Engine::new(&model.cfg, Paged::new(usize::MAX)),
+            step: Some(Box::default()),
             model: Arc::new(model),
             opt: AdamState::default(),
             acts: Activations::default(),
-            engine: EngineState::Idle(Box::default()),
-            pending: Vec::new(),
-            admitted: HashMap::new(),
-            limits: EngineLimits::default(),
             pool: Arc::new(pool),
         })
     }
@@ -178,16 +159,7 @@ impl CpuBackend {
 
     /// Refuses a training call on a 16-bit (engine-only) backend.
     fn trainable(&self, what: &str) -> Result<()> {
-        if self.model.is_half() {
-            return Err(BackendError::invalid(
-                what,
-                format!(
-                    "this backend stores its weights in {} for generation only; train on an f32 backend",
-                    self.model.storage_dtype()
-                ),
-            ));
-        }
-        Ok(())
+        crate::model::check::trainable(self.model.storage_dtype(), what)
     }
 
     /// Replaces every parameter with the flat f32 values `flat` (rounded on a 16-bit backend).
@@ -215,78 +187,6 @@ impl CpuBackend {
     fn model_mut(&mut self, what: &'static str) -> Result<&mut Model<f32>> {
         Arc::get_mut(&mut self.model).ok_or(BackendError::StepInFlight(what))
     }
-
-    /// The generator, when no step is in flight.
-    fn idle(&mut self) -> Option<&mut Generator> {
-        match &mut self.engine {
-            EngineState::Idle(g) => Some(g.as_mut()),
-            EngineState::InFlight(_) => None,
-        }
-    }
-
-    /// Admission: checks limits and duplicates, hands the submission back when full.
-    fn admit(&self, reqs: &[GenRequest], rejected: impl FnOnce() -> Rejected) -> Result<()> {
-        // Invalid input is its own error before any back-pressure.
-        for (i, r) in reqs.iter().enumerate() {
-            if self.admitted.contains_key(&r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
-                return Err(BackendError::DuplicateRequest(r.id));
-            }
-        }
-        let kv: usize = reqs.iter().map(GenRequest::kv_tokens).sum();
-        self.load().admit(&self.limits, reqs.len(), kv, rejected)
-    }
-
-    /// Applies an add, group or cancel to the idle generator.
-    fn apply(gen_: &mut Generator, cfg: &ModelConfig, p: Pending) -> Result<()> {
-        match p {
-            Pending::Add(r) => gen_.add(cfg, r),
-            Pending::Group(rs) => gen_.add_group(cfg, rs),
-            Pending::Cancel(id) => gen_.cancel(cfg, id),
-            Pending::Resume(st) => gen_.resume(cfg, *st),
-        }
-    }
-
-    /// Validates the requests as the generator will (so that a request queued during a step
-    /// cannot fail later, when the caller no longer expects an answer).
-    fn validate(&self, reqs: &[GenRequest]) -> Result<()> {
-        for r in reqs {
-            generate::validate_request(&self.model.cfg, r)?;
-        }
-        Ok(())
-    }
-
-    fn submit(&mut self, reqs: Vec<GenRequest>, group: bool) -> Result<()> {
-        let kv: Vec<(RequestKey, usize)> = reqs.iter().map(|r| (r.id, r.kv_tokens())).collect();
-        let cfg = self.model.cfg.clone();
-        let p = if group {
-            Pending::Group(reqs)
-        } else {
-            Pending::Add(
-                reqs.into_iter()
-                    .next()
-                    .ok_or_else(|| BackendError::EmptyBatch("no request".into()))?,
-            )
-        };
-        match self.idle() {
-            Some(g) => Self::apply(g, &cfg, p)?,
-            None => self.pending.push(p),
-        }
-        self.admitted.extend(kv);
-        Ok(())
-    }
-}
-
-/// Weights cannot change under active requests: their KV caches hold the old weights (one
-/// weight version per rollout). Shared by the engine's load and the trainer's import, since
-/// one object may hold both roles.
-pub(crate) fn refuse_while_generating(active: usize) -> Result<()> {
-    if active > 0 {
-        return Err(BackendError::invalid(
-            "weights",
-            format!("{active} requests are active; their KV caches hold the old weights"),
-        ));
-    }
-    Ok(())
 }
 
 impl BackendInfo for CpuBackend {
@@ -303,13 +203,34 @@ impl BackendInfo for CpuBackend {
     }
 }
 
-impl RolloutEngine for CpuBackend {
-    fn weight_dtype(&self) -> DType {
+impl EngineHost for CpuBackend {
+    type Store = Paged;
+    type Run = CpuRun;
+    type Dec<'a> = CpuDecoder<'a>;
+
+    fn engine(&self) -> &Engine<Paged, CpuRun> {
+        &self.engine
+    }
+
+    fn engine_mut(&mut self) -> &mut Engine<Paged, CpuRun> {
+        &mut self.engine
+    }
+
+    fn engine_and_decoder(&mut self) -> (&mut Engine<Paged, CpuRun>, CpuDecoder<'_>) {
+        let dec = CpuDecoder {
+            model: &self.model,
+            pool: &self.pool,
+            state: &mut self.step,
+            lost: false,
+        };
+        (&mut self.engine, dec)
+    }
+
+    fn stored_dtype(&self) -> DType {
         self.model.storage_dtype()
     }
 
-    fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
-        refuse_while_generating(self.admitted.len())?;
+    fn load_snapshot(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
         snap.check_config(&self.model.cfg)?;
         let path = snap.path_to(DeviceId::Host);
         if let SnapshotPayload::Device(d) = &snap.payload
@@ -338,157 +259,6 @@ impl RolloutEngine for CpuBackend {
         };
         load::load_host(self.model_mut("load_weights")?, ts)?;
         Ok(SyncPath::Host)
-    }
-
-    fn limits(&self) -> EngineLimits {
-        self.limits
-    }
-
-    fn set_limits(&mut self, limits: EngineLimits) -> Result<()> {
-        self.limits = limits.validate()?;
-        Ok(())
-    }
-
-    fn load(&self) -> EngineLoad {
-        EngineLoad {
-            requests: self.admitted.len(),
-            // The CPU copies a group's prompt KV into each sample's cache, so every sample
-            // reserves its whole prompt.
-            kv_tokens: self.admitted.values().sum(),
-        }
-    }
-
-    fn add_request(&mut self, req: GenRequest) -> Result<()> {
-        self.validate(std::slice::from_ref(&req))?;
-        self.admit(std::slice::from_ref(&req), || {
-            Rejected::Request(req.clone())
-        })?;
-        self.submit(vec![req], false)
-    }
-
-    fn add_group(&mut self, group: GroupRequest) -> Result<()> {
-        if group.samples.is_empty() {
-            return Err(BackendError::EmptyBatch("group with no samples".into()));
-        }
-        let reqs = group.clone().into_requests();
-        self.validate(&reqs)?;
-        self.admit(&reqs, || Rejected::Group(group))?;
-        self.submit(reqs, true)
-    }
-
-    fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
-        if self.admitted.remove(&id).is_none() {
-            return Err(BackendError::UnknownRequest(id));
-        }
-        let cfg = self.model.cfg.clone();
-        match self.idle() {
-            Some(g) => g.cancel(&cfg, id),
-            None => {
-                self.pending.push(Pending::Cancel(id));
-                Ok(())
-            }
-        }
-    }
-
-    fn export_request(&mut self, id: RequestKey) -> Result<ResumeState> {
-        let g = self
-            .idle()
-            .ok_or(BackendError::StepInFlight("export_request"))?;
-        let st = g.export(id)?;
-        self.admitted.remove(&id);
-        Ok(st)
-    }
-
-    fn resume_request(&mut self, st: ResumeState) -> Result<()> {
-        generate::validate_resume(&self.model.cfg, &st)?;
-        let req = std::slice::from_ref(&st.request);
-        self.admit(req, || Rejected::Resume(Box::new(st.clone())))?;
-        let kv = (st.request.id, st.request.kv_tokens());
-        let cfg = self.model.cfg.clone();
-        match self.idle() {
-            Some(g) => g.resume(&cfg, st)?,
-            None => self.pending.push(Pending::Resume(Box::new(st))),
-        }
-        self.admitted.insert(kv.0, kv.1);
-        Ok(())
-    }
-
-    fn submit_step(&mut self) -> Result<()> {
-        let gen_ = match std::mem::replace(&mut self.engine, EngineState::Idle(Box::default())) {
-            EngineState::Idle(g) => g,
-            busy @ EngineState::InFlight(_) => {
-                self.engine = busy;
-                return Err(BackendError::StepInFlight("submit_step"));
-            }
-        };
-        let (tx, rx) = channel();
-        let model = Arc::clone(&self.model);
-        let mut gen_ = gen_;
-        self.pool.spawn(move || {
-            let r = gen_.step(&model);
-            // Release the model before answering: once polled, training must find it
-            // unshared (`Arc::get_mut`).
-            drop(model);
-            // The receiver is gone only when the backend was dropped mid-step.
-            let _ = tx.send((gen_, r));
-        });
-        self.engine = EngineState::InFlight(rx);
-        Ok(())
-    }
-
-    fn poll_step(&mut self, wait: bool) -> Result<Option<Vec<GenOutput>>> {
-        let EngineState::InFlight(rx) = &self.engine else {
-            return Ok(Some(Vec::new()));
-        };
-        let got = if wait {
-            rx.recv().ok()
-        } else {
-            match rx.try_recv() {
-                Ok(r) => Some(r),
-                Err(TryRecvError::Empty) => return Ok(None),
-                Err(TryRecvError::Disconnected) => None,
-            }
-        };
-        let Some((mut gen_, out)) = got else {
-            // The step's thread died: its requests are lost with the generator.
-            self.engine = EngineState::Idle(Box::default());
-            self.admitted.clear();
-            self.pending.clear();
-            return Err(BackendError::Device(
-                "the decode step's thread stopped; every active request was lost".into(),
-            ));
-        };
-        let cfg = self.model.cfg.clone();
-        let mut err = None;
-        let mut out = match out {
-            Ok(o) => o,
-            Err(e) => {
-                err = Some(e);
-                Vec::new()
-            }
-        };
-        // Cancelled while the step ran: its output (if it finished) is dropped, as a cancel
-        // of an idle engine would have prevented it.
-        for p in std::mem::take(&mut self.pending) {
-            if let Pending::Cancel(id) = &p
-                && let Some(i) = out.iter().position(|o| o.id == *id)
-            {
-                out.remove(i);
-                continue;
-            }
-            // Requests were validated and admitted when queued; this only fails on a bug.
-            if let Err(e) = Self::apply(&mut gen_, &cfg, p) {
-                err.get_or_insert(e);
-            }
-        }
-        for o in &out {
-            self.admitted.remove(&o.id);
-        }
-        self.engine = EngineState::Idle(gen_);
-        match err {
-            Some(e) => Err(e),
-            None => Ok(Some(out)),
-        }
     }
 }
 
@@ -531,7 +301,7 @@ impl Trainer for CpuBackend {
     }
 
     fn import_weights(&mut self, w: &Weights) -> Result<()> {
-        refuse_while_generating(self.admitted.len())?;
+        refuse_while_generating(self.engine.active())?;
         w.validate(&self.model.cfg)?;
         let flat = self.model.layout.flatten(w)?;
         self.set_flat(flat)
@@ -549,22 +319,8 @@ impl Trainer for CpuBackend {
     }
 
     fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let cfg = &self.model.cfg;
-        if ids.is_empty() {
-            return Err(BackendError::EmptyBatch("no token ids".into()));
-        }
-        check_tokens(cfg, ids, "ids")?;
-        if ids.len() > cfg.max_position_embeddings {
-            return Err(BackendError::shape(
-                "ids length",
-                cfg.max_position_embeddings,
-                ids.len(),
-            ));
-        }
-        let b = PackedBatch::all_positions(ids);
         let (model, acts) = (&self.model, &mut self.acts);
-        self.pool.install(|| model.forward(&b, acts));
-        Ok(self.acts.logits.clone())
+        self.pool.install(|| model.logits(ids, acts))
     }
 
     fn zero_grad(&mut self) -> Result<()> {
@@ -619,5 +375,26 @@ impl Trainer for CpuBackend {
     fn gradients(&self) -> Result<Weights> {
         self.trainable("gradients")?;
         Ok(self.model.layout.to_weights(&self.grads))
+    }
+
+    fn visit_gradients(&self, visit: &mut dyn FnMut(&str, &[f32]) -> Result<()>) -> Result<()> {
+        self.trainable("gradients")?;
+        for e in &self.model.layout.entries {
+            visit(&e.name, &self.grads[e.offset..e.offset + e.len])?;
+        }
+        Ok(())
+    }
+
+    fn visit_weights(&self, visit: &mut dyn FnMut(&str, &[f32]) -> Result<()>) -> Result<()> {
+        // A 16-bit store is widened one tensor at a time.
+        let m = &self.model;
+        for e in &m.layout.entries {
+            let r = e.offset..e.offset + e.len;
+            match &m.half {
+                Some(h) => visit(&e.name, &h.data.range_f32(r))?,
+                None => visit(&e.name, &m.params[r])?,
+            }
+        }
+        Ok(())
     }
 }

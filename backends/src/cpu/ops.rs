@@ -11,53 +11,15 @@
 //! same ones). Shapes use `n` rows (tokens), `d`/`din`/`dout` widths, `h` query heads, `kvh`
 //! key/value heads, `hd` head width, `v` vocabulary.
 
+use crate::model::AdamScalars;
+pub use crate::model::real::Real;
+/// The table the RoPE ops read.
+pub use crate::model::rope::RopeTable;
 use half::{bf16, f16};
-use std::fmt::Debug;
-use std::ops::{Add, AddAssign, Div, DivAssign, Mul, MulAssign, Neg, Sub, SubAssign};
 
-/// The float types the reference runs in: f32 (the backend) and f64 (gradient checks).
-pub trait Float:
-    Copy
-    + Send
-    + Sync
-    + Debug
-    + Default
-    + PartialOrd
-    + 'static
-    + Add<Output = Self>
-    + Sub<Output = Self>
-    + Mul<Output = Self>
-    + Div<Output = Self>
-    + Neg<Output = Self>
-    + AddAssign
-    + SubAssign
-    + MulAssign
-    + DivAssign
-{
-    /// 0.
-    const ZERO: Self;
-    /// 1.
-    const ONE: Self;
-    /// Conversion from f64 (rounding for f32).
-    fn from_f64(x: f64) -> Self;
-    /// Conversion to f64 (exact).
-    fn to_f64(self) -> f64;
-    /// e^x.
-    fn exp(self) -> Self;
-    /// Natural logarithm.
-    fn ln(self) -> Self;
-    /// Square root.
-    fn sqrt(self) -> Self;
-    /// x^y.
-    fn powf(self, y: Self) -> Self;
-    /// Cosine.
-    fn cos(self) -> Self;
-    /// Sine.
-    fn sin(self) -> Self;
-    /// Larger of two (NaN-ignoring like `f32::max`).
-    fn max(self, o: Self) -> Self;
-    /// Neither NaN nor infinite.
-    fn is_finite(self) -> bool;
+/// The float types the reference runs in: f32 (the backend) and f64 (gradient checks), with
+/// the matrix products each runs on.
+pub trait Float: Real {
     /// `out[n, dout] = x[n, din]·wᵀ` (the forward product; f32 uses the batch-invariant SIMD
     /// kernel of `cpu::kernel`, f64 the GEMM).
     fn matmul_nt(out: &mut [Self], x: &[Self], w: &[Self], n: usize, din: usize, dout: usize);
@@ -122,48 +84,6 @@ macro_rules! impl_float {
                 dout: usize,
             ) {
                 $nt(out, x, w, n, din, dout)
-            }
-            const ZERO: Self = 0.0;
-            const ONE: Self = 1.0;
-            #[inline]
-            fn from_f64(x: f64) -> Self {
-                x as $t
-            }
-            #[inline]
-            fn to_f64(self) -> f64 {
-                self as f64
-            }
-            #[inline]
-            fn exp(self) -> Self {
-                <$t>::exp(self)
-            }
-            #[inline]
-            fn ln(self) -> Self {
-                <$t>::ln(self)
-            }
-            #[inline]
-            fn sqrt(self) -> Self {
-                <$t>::sqrt(self)
-            }
-            #[inline]
-            fn powf(self, y: Self) -> Self {
-                <$t>::powf(self, y)
-            }
-            #[inline]
-            fn cos(self) -> Self {
-                <$t>::cos(self)
-            }
-            #[inline]
-            fn sin(self) -> Self {
-                <$t>::sin(self)
-            }
-            #[inline]
-            fn max(self, o: Self) -> Self {
-                <$t>::max(self, o)
-            }
-            #[inline]
-            fn is_finite(self) -> bool {
-                <$t>::is_finite(self)
             }
             unsafe fn gemm_raw(
                 m: usize,
@@ -540,42 +460,6 @@ pub fn matmul_bwd<T: Float>(
     );
 }
 
-/// Precomputed RoPE rotation tables `cos, sin : [max_pos, head_dim/2]`, computed in `T` the way
-/// transformers does in float32 (`inv_freq = 1/θ^(2i/hd)`, angle `pos·inv_freq`).
-#[derive(Debug, Clone)]
-pub struct RopeTable<T> {
-    /// cos of the angle, `[max_pos, half]`.
-    pub cos: Vec<T>,
-    /// sin of the angle, `[max_pos, half]`.
-    pub sin: Vec<T>,
-    /// `head_dim / 2`.
-    pub half: usize,
-}
-
-impl<T: Float> RopeTable<T> {
-    /// Tables for positions `0..max_pos`.
-    pub fn new(head_dim: usize, theta: f64, max_pos: usize) -> Self {
-        let half = head_dim / 2;
-        let inv: Vec<T> = (0..half)
-            .map(|i| {
-                T::ONE
-                    / T::from_f64(theta)
-                        .powf(T::from_f64((2 * i) as f64) / T::from_f64(head_dim as f64))
-            })
-            .collect();
-        let mut cos = Vec::with_capacity(max_pos * half);
-        let mut sin = Vec::with_capacity(max_pos * half);
-        for p in 0..max_pos {
-            for f in &inv {
-                let a = T::from_f64(p as f64) * *f;
-                cos.push(a.cos());
-                sin.push(a.sin());
-            }
-        }
-        Self { cos, sin, half }
-    }
-}
-
 /// Rotate-half RoPE in place: for each row `t` at position `pos[t]` and each of the `heads` heads
 /// of width `hd = 2·half`, pair `i` with `i + half`:
 /// `(x₁, x₂) ← (x₁·c − x₂·s, x₂·c + x₁·s)`. `x` is `[n, heads·hd]`.
@@ -632,6 +516,79 @@ pub fn attention_fwd<T: Float>(
     kvh: usize,
     hd: usize,
 ) {
+    let kd = kvh * hd;
+    let (k, v) = (Contiguous { x: k, kd }, Contiguous { x: v, kd });
+    attention_fwd_rows(out, att, q, &k, &v, nq, nk, h, kvh, hd);
+}
+
+/// Where the key (or value) row of each position lives: a contiguous `[nk, kv_dim]` slice
+/// ([`Contiguous`]) or rows of a paged KV pool ([`PagedRows`]).
+pub trait KvRows<T> {
+    /// Position `j`'s `kv_dim` values.
+    fn at(&self, j: usize) -> &[T];
+}
+
+/// Rows of `kd` values one after another.
+#[derive(Debug, Clone, Copy)]
+pub struct Contiguous<'a, T> {
+    /// The rows.
+    pub x: &'a [T],
+    /// Values per row.
+    pub kd: usize,
+}
+
+impl<T> KvRows<T> for Contiguous<'_, T> {
+    #[inline]
+    fn at(&self, j: usize) -> &[T] {
+        &self.x[j * self.kd..(j + 1) * self.kd]
+    }
+}
+
+/// A request's rows in a paged pool: position `j` is pool row
+/// `table[j / page_rows] * page_rows + j % page_rows`.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedRows<'a, T> {
+    /// The pool, `[rows, kd]`.
+    pub pool: &'a [T],
+    /// The request's page table.
+    pub table: &'a [u32],
+    /// Positions per page.
+    pub page_rows: usize,
+    /// Values per row.
+    pub kd: usize,
+}
+
+impl<T> PagedRows<'_, T> {
+    /// The pool row of position `j`.
+    #[inline]
+    pub fn row(&self, j: usize) -> usize {
+        self.table[j / self.page_rows] as usize * self.page_rows + j % self.page_rows
+    }
+}
+
+impl<T> KvRows<T> for PagedRows<'_, T> {
+    #[inline]
+    fn at(&self, j: usize) -> &[T] {
+        let r = self.row(j);
+        &self.pool[r * self.kd..(r + 1) * self.kd]
+    }
+}
+
+/// [`attention_fwd`] with the keys and values wherever `k` and `v` find them (a decode
+/// chunk against its request's pages); the same arithmetic, so the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd_rows<T: Float>(
+    out: &mut [T],
+    att: &mut [T],
+    q: &[T],
+    k: &impl KvRows<T>,
+    v: &impl KvRows<T>,
+    nq: usize,
+    nk: usize,
+    h: usize,
+    kvh: usize,
+    hd: usize,
+) {
     let qd = h * hd;
     out[..nq * qd].fill(T::ZERO);
     for hh in 0..h {
@@ -661,7 +618,8 @@ pub fn attention_fwd_lse<T: Float>(
     kvh: usize,
     hd: usize,
 ) {
-    let qd = h * hd;
+    let (qd, kd) = (h * hd, kvh * hd);
+    let (k, v) = (&Contiguous { x: k, kd }, &Contiguous { x: v, kd });
     out[..nq * qd].fill(T::ZERO);
     for hh in 0..h {
         for i in 0..nq {
@@ -680,8 +638,8 @@ fn attention_row<T: Float>(
     o: &mut [T],
     row: &mut [T],
     q: &[T],
-    k: &[T],
-    v: &[T],
+    k: &impl KvRows<T>,
+    v: &impl KvRows<T>,
     i: usize,
     hh: usize,
     nq: usize,
@@ -692,13 +650,13 @@ fn attention_row<T: Float>(
 ) -> T {
     let scale = T::from_f64(1.0 / (hd as f64).sqrt());
     let kh = hh / (h / kvh);
-    let (qd, kd) = (h * hd, kvh * hd);
+    let qd = h * hd;
     let qi = &q[i * qd + hh * hd..i * qd + (hh + 1) * hd];
     let last = nk - nq + i;
     let mut mx = T::from_f64(f64::NEG_INFINITY);
-    for j in 0..=last {
-        let s = dot(qi, &k[j * kd + kh * hd..j * kd + (kh + 1) * hd]) * scale;
-        row[j] = s;
+    for (j, r) in row[..=last].iter_mut().enumerate() {
+        let s = dot(qi, &k.at(j)[kh * hd..(kh + 1) * hd]) * scale;
+        *r = s;
         mx = mx.max(s);
     }
     let mut sum = T::ZERO;
@@ -711,9 +669,8 @@ fn attention_row<T: Float>(
         *r *= inv;
     }
     row[last + 1..nk].fill(T::ZERO);
-    for j in 0..=last {
-        let p = row[j];
-        let vj = &v[j * kd + kh * hd..j * kd + (kh + 1) * hd];
+    for (j, &p) in row[..=last].iter().enumerate() {
+        let vj = &v.at(j)[kh * hd..(kh + 1) * hd];
         for (oi, vi) in o.iter_mut().zip(vj) {
             *oi += p * *vi;
         }
@@ -1057,7 +1014,7 @@ pub fn adamw_step(
     weight_decay: f64,
     step: u64,
 ) {
-    let c = AdamConsts::new(grad_scale, lr, beta1, beta2, eps, weight_decay, step);
+    let c = AdamScalars::new(grad_scale, lr, beta1, beta2, eps, weight_decay, step);
     adamw_chunks::<false>(p, grad, m, v, &c);
 }
 
@@ -1080,8 +1037,25 @@ pub fn adamw_first_step(
     weight_decay: f64,
     step: u64,
 ) {
-    let c = AdamConsts::new(grad_scale, lr, beta1, beta2, eps, weight_decay, step);
+    let c = AdamScalars::new(grad_scale, lr, beta1, beta2, eps, weight_decay, step);
     adamw_chunks::<true>(p, grad, m, v, &c);
+}
+
+/// One AdamW step with precomputed scalars: [`adamw_step`], or [`adamw_first_step`] when
+/// `fresh`.
+pub fn adamw_apply(
+    p: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    s: &AdamScalars,
+    fresh: bool,
+) {
+    if fresh {
+        adamw_chunks::<true>(p, grad, m, v, s);
+    } else {
+        adamw_chunks::<false>(p, grad, m, v, s);
+    }
 }
 
 /// The elementwise update over chunks on the current thread pool (elementwise, so the
@@ -1091,7 +1065,7 @@ fn adamw_chunks<const FRESH: bool>(
     grad: &[f32],
     m: &mut [f32],
     v: &mut [f32],
-    c: &AdamConsts,
+    c: &AdamScalars,
 ) {
     use rayon::prelude::*;
     p.par_chunks_mut(PAR_CHUNK)
@@ -1103,55 +1077,6 @@ fn adamw_chunks<const FRESH: bool>(
                 (m[i], v[i]) = c.apply(grad[i], &mut p[i], m0, v0);
             }
         });
-}
-
-/// The scalars of one AdamW step.
-struct AdamConsts {
-    grad_scale: f32,
-    decay: f32,
-    step_size: f32,
-    w1: f32,
-    b2: f32,
-    w2: f32,
-    bc2_sqrt: f32,
-    eps: f32,
-}
-
-impl AdamConsts {
-    fn new(
-        grad_scale: f32,
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-        step: u64,
-    ) -> Self {
-        // torch computes the scalars in Python floats (f64) and applies them to f32 tensors.
-        let bc1 = 1.0 - beta1.powi(step as i32);
-        AdamConsts {
-            grad_scale,
-            decay: (1.0 - lr * weight_decay) as f32,
-            step_size: (lr / bc1) as f32,
-            w1: (1.0 - beta1) as f32,
-            b2: beta2 as f32,
-            w2: (1.0 - beta2) as f32,
-            bc2_sqrt: (1.0 - beta2.powi(step as i32)).sqrt() as f32,
-            eps: eps as f32,
-        }
-    }
-
-    /// One element: updates `p` and returns the new moments.
-    #[inline(always)]
-    fn apply(&self, grad: f32, p: &mut f32, m: f32, v: f32) -> (f32, f32) {
-        let g = grad * self.grad_scale;
-        *p *= self.decay;
-        let m = m + self.w1 * (g - m);
-        let v = v * self.b2 + self.w2 * g * g;
-        let denom = v.sqrt() / self.bc2_sqrt + self.eps;
-        *p -= self.step_size * (m / denom);
-        (m, v)
-    }
 }
 
 /// Sampling settings live in the neutral seam module; re-exported for the sampler below.

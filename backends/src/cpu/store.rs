@@ -11,9 +11,10 @@ use std::collections::HashMap;
 
 use half::{bf16, f16};
 
-use super::model::Layout;
 use super::ops::{Float, Mat};
 use crate::error::{BackendError, Result};
+use crate::model::Layout;
+use crate::seam::tensor::{round_to_bf16, round_to_f16};
 use crate::seam::{DType, TensorData};
 
 /// Flat parameters in one 16-bit dtype.
@@ -60,6 +61,14 @@ impl HalfData {
         match self {
             HalfData::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
             HalfData::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    /// Values `r` widened to f32 (a copy; exact).
+    pub fn range_f32(&self, r: std::ops::Range<usize>) -> Vec<f32> {
+        match self {
+            HalfData::Bf16(v) => v[r].iter().map(|x| x.to_f32()).collect(),
+            HalfData::F16(v) => v[r].iter().map(|x| x.to_f32()).collect(),
         }
     }
 
@@ -152,27 +161,4 @@ impl<T: Float> HalfStore<T> {
     pub fn bytes(&self) -> usize {
         self.data.len() * 2 + self.small.len() * std::mem::size_of::<T>()
     }
-}
-
-/// Rounds f32 values to bf16 (nearest-even), in parallel chunks.
-pub fn round_to_bf16(src: &[f32]) -> Vec<bf16> {
-    round_with(src, bf16::ZERO, bf16::from_f32)
-}
-
-/// Rounds f32 values to f16 (nearest-even; beyond ±65504 gives ±inf), in parallel chunks.
-pub fn round_to_f16(src: &[f32]) -> Vec<f16> {
-    round_with(src, f16::ZERO, f16::from_f32)
-}
-
-fn round_with<H: Copy + Send + Sync>(src: &[f32], zero: H, f: impl Fn(f32) -> H + Sync) -> Vec<H> {
-    use rayon::prelude::*;
-    let mut out = vec![zero; src.len()];
-    out.par_chunks_mut(1 << 16)
-        .zip(src.par_chunks(1 << 16))
-        .for_each(|(o, s)| {
-            for (o, x) in o.iter_mut().zip(s) {
-                *o = f(*x);
-            }
-        });
-    out
 }

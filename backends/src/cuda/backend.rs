@@ -1,19 +1,22 @@
 //! [`CudaBackend`]: the seam v2 engine and trainer roles on one CUDA context.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::decode::{CudaDecoder, CudaStep};
 use super::device::{Cuda, DBuf};
-use super::generate::Generator;
-use super::layout::Packed;
-use super::model::{self, Acts, DeviceModel, ensure_acts, upload_packed};
-use super::ops::{self, LossBufs};
+use super::model::DeviceModel;
+use super::model_ops::{CudaOps, Scratch};
+use super::ops;
 use super::plan::{self, AdamScalars};
 use crate::config::ModelConfig;
-use crate::cpu::model::{Layout, check_sequence, check_tokens, validate_train_batch};
+use crate::engine::host::EngineHost;
+use crate::engine::{Engine, Sampled, Slots};
 use crate::error::{BackendError, Result};
-use crate::loss_inputs::LossInputs;
-use crate::optim::AdamState;
+use crate::model::Layout;
+use crate::model::acts::Acts;
+use crate::model::check::{pairs, refuse_while_generating};
+use crate::model::train::Net;
+use crate::optim::{AdamState, Optimize, ParamGroup};
 use crate::seam::*;
 use crate::weights::Weights;
 
@@ -22,8 +25,10 @@ use crate::weights::Weights;
 pub struct CudaBackend {
     cuda: Arc<Cuda>,
     model: DeviceModel,
-    acts: Option<Acts>,
-    generator: Generator,
+    acts: Option<CudaActs>,
+    scratch: Option<Scratch>,
+    engine: Engine<Slots, Sampled>,
+    step: CudaStep,
     /// AdamW moments per tensor (allocated zeroed with the model) and the step count.
     opt_m: Vec<DBuf<f32>>,
     opt_v: Vec<DBuf<f32>>,
@@ -32,9 +37,6 @@ pub struct CudaBackend {
     norm_bases: Vec<usize>,
     partials: DBuf<f64>,
     norm_total: DBuf<f64>,
-    admitted: HashMap<RequestKey, usize>,
-    limits: EngineLimits,
-    stepped: Option<Result<Vec<GenOutput>>>,
 }
 
 /// A same-device weight snapshot: parameter buffers copied on the device.
@@ -75,16 +77,15 @@ impl CudaBackend {
             cuda,
             model,
             acts: None,
-            generator: Generator::default(),
+            scratch: None,
+            engine: Engine::new(cfg, Slots::new(cfg.max_position_embeddings)),
+            step: CudaStep::default(),
             opt_m,
             opt_v,
             opt_step: 0,
             norm_bases,
             partials,
             norm_total,
-            admitted: HashMap::new(),
-            limits: EngineLimits::default(),
-            stepped: None,
         })
     }
 
@@ -98,38 +99,22 @@ impl CudaBackend {
         self.opt_step
     }
 
-    /// Σ g² over every gradient tensor (f64 partials, one fixed-order reduction).
-    fn grad_sumsq(&self) -> Result<f64> {
-        let cu = &*self.cuda;
-        for ((e, g), &base) in self
-            .model
-            .layout
-            .entries
-            .iter()
-            .zip(&self.model.grads)
-            .zip(&self.norm_bases)
-        {
-            ops::grad_norm(cu, &self.partials, g, e.len, base)?;
-        }
-        ops::grad_norm_reduce(cu, &self.norm_total, &self.partials, self.partials.len())?;
-        Ok(self.norm_total.read(0, 1)?[0])
-    }
-
-    /// Packs and uploads `b` and runs the forward to the scored rows' hidden states.
-    fn forward(&mut self, b: &Packed) -> Result<()> {
-        let (n, m) = (b.ids.len(), b.rows.len());
-        ensure_acts(&self.cuda, &self.model.cfg, &mut self.acts, n, m)?;
-        let a = self.acts()?;
-        upload_packed(a, b)?;
-        model::forward(&self.model, a, n, m)
-    }
-
-    fn acts(&self) -> Result<&Acts> {
-        self.acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))
+    /// Runs `f` with the one model over this backend's ops and activations.
+    fn with_net<R>(
+        &mut self,
+        f: impl FnOnce(Net<'_>, &mut CudaOps<'_>, &mut Option<CudaActs>) -> R,
+    ) -> R {
+        let net = Net {
+            cfg: &self.model.cfg,
+            ids: &self.model.layout.ids,
+        };
+        let mut o = CudaOps::new(&self.cuda, &self.model, &mut self.scratch);
+        f(net, &mut o, &mut self.acts)
     }
 }
+
+/// The activations of a training or scoring pass on this backend.
+type CudaActs = Acts<DBuf<f32>, DBuf<u32>, DBuf<u32>>;
 
 impl BackendInfo for CudaBackend {
     fn name(&self) -> &'static str {
@@ -145,31 +130,34 @@ impl BackendInfo for CudaBackend {
     }
 }
 
-/// Checks requests before admission: valid, and no id already admitted or repeated.
-fn generate_check(
-    cfg: &ModelConfig,
-    reqs: &[GenRequest],
-    admitted: &HashMap<RequestKey, usize>,
-) -> Result<()> {
-    for (i, r) in reqs.iter().enumerate() {
-        crate::cpu::generate::validate_request(cfg, r)?;
-        if admitted.contains_key(&r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
-            return Err(BackendError::DuplicateRequest(r.id));
-        }
-    }
-    Ok(())
-}
+impl EngineHost for CudaBackend {
+    type Store = Slots;
+    type Run = Sampled;
+    type Dec<'a> = CudaDecoder<'a>;
 
-impl RolloutEngine for CudaBackend {
-    fn weight_dtype(&self) -> DType {
+    fn engine(&self) -> &Engine<Slots, Sampled> {
+        &self.engine
+    }
+
+    fn engine_mut(&mut self) -> &mut Engine<Slots, Sampled> {
+        &mut self.engine
+    }
+
+    fn engine_and_decoder(&mut self) -> (&mut Engine<Slots, Sampled>, CudaDecoder<'_>) {
+        let dec = CudaDecoder {
+            cuda: &self.cuda,
+            md: &self.model,
+            step: &mut self.step,
+            scratch: &mut self.scratch,
+        };
+        (&mut self.engine, dec)
+    }
+
+    fn stored_dtype(&self) -> DType {
         DType::F32
     }
 
-    fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
-        crate::cpu::refuse_while_generating(self.admitted.len())?;
-        if self.stepped.is_some() {
-            return Err(BackendError::StepInFlight("load_weights"));
-        }
+    fn load_snapshot(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
         snap.check_config(&self.model.cfg)?;
         if let SnapshotPayload::Device(d) = &snap.payload
             && let Some(src) = d.handle.downcast_ref::<CudaSnapshot>()
@@ -194,71 +182,42 @@ impl RolloutEngine for CudaBackend {
         self.model.write_params(&flat)?;
         Ok(SyncPath::Host)
     }
+}
 
-    fn limits(&self) -> EngineLimits {
-        self.limits
+impl Optimize for CudaBackend {
+    fn groups(&self, exclude_norms_from_decay: bool) -> Vec<ParamGroup> {
+        self.model.layout.param_groups(exclude_norms_from_decay)
     }
 
-    fn set_limits(&mut self, limits: EngineLimits) -> Result<()> {
-        self.limits = limits.validate()?;
-        Ok(())
-    }
-
-    fn load(&self) -> EngineLoad {
-        EngineLoad {
-            requests: self.admitted.len(),
-            kv_tokens: self.admitted.values().sum(),
+    /// Σ g² over every gradient tensor (f64 partials, one fixed-order reduction).
+    fn grad_sumsq(&mut self) -> Result<f64> {
+        let cu = &*self.cuda;
+        for ((e, g), &base) in self
+            .model
+            .layout
+            .entries
+            .iter()
+            .zip(&self.model.grads)
+            .zip(&self.norm_bases)
+        {
+            ops::grad_norm(cu, &self.partials, g, e.len, base)?;
         }
+        ops::grad_norm_reduce(cu, &self.norm_total, &self.partials, self.partials.len())?;
+        Ok(self.norm_total.read(0, 1)?[0])
     }
 
-    fn add_request(&mut self, req: GenRequest) -> Result<()> {
-        generate_check(&self.model.cfg, std::slice::from_ref(&req), &self.admitted)?;
-        let (id, kv) = (req.id, req.kv_tokens());
-        self.load()
-            .admit(&self.limits, 1, kv, || Rejected::Request(req.clone()))?;
-        self.generator.add(&self.cuda, &self.model.cfg, req)?;
-        self.admitted.insert(id, kv);
-        Ok(())
+    fn steps(&self) -> u64 {
+        self.opt_step
     }
 
-    fn add_group(&mut self, group: GroupRequest) -> Result<()> {
-        if group.samples.is_empty() {
-            return Err(BackendError::EmptyBatch("group with no samples".into()));
+    fn adamw(&mut self, t: u64, scalars: &[AdamScalars]) -> Result<()> {
+        self.opt_step = t;
+        let md = &self.model;
+        for (i, (e, s)) in md.layout.entries.iter().zip(scalars).enumerate() {
+            let (p, g) = (&md.params[i], &md.grads[i]);
+            ops::adamw_step(&self.cuda, p, g, &self.opt_m[i], &self.opt_v[i], e.len, *s)?;
         }
-        let reqs = group.clone().into_requests();
-        generate_check(&self.model.cfg, &reqs, &self.admitted)?;
-        // Each sample holds its own prompt rows (no shared-prefix KV pages yet).
-        let kv: usize = reqs.iter().map(GenRequest::kv_tokens).sum();
-        self.load()
-            .admit(&self.limits, reqs.len(), kv, || Rejected::Group(group))?;
-        for r in reqs {
-            let (id, kv) = (r.id, r.kv_tokens());
-            self.generator.add(&self.cuda, &self.model.cfg, r)?;
-            self.admitted.insert(id, kv);
-        }
-        Ok(())
-    }
-
-    fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
-        self.generator.cancel(id)?;
-        self.admitted.remove(&id);
-        Ok(())
-    }
-
-    fn submit_step(&mut self) -> Result<()> {
-        if self.stepped.is_some() {
-            return Err(BackendError::StepInFlight("submit_step"));
-        }
-        self.stepped = Some(self.generator.step(&self.model));
-        Ok(())
-    }
-
-    fn poll_step(&mut self, _wait: bool) -> Result<Option<Vec<GenOutput>>> {
-        let out = self.stepped.take().unwrap_or_else(|| Ok(Vec::new()))?;
-        for o in &out {
-            self.admitted.remove(&o.id);
-        }
-        Ok(Some(out))
+        self.cuda.sync()
     }
 }
 
@@ -269,7 +228,7 @@ impl Trainer for CudaBackend {
     }
 
     fn import_weights(&mut self, w: &Weights) -> Result<()> {
-        crate::cpu::refuse_while_generating(self.admitted.len())?;
+        refuse_while_generating(self.engine.active())?;
         w.validate(&self.model.cfg)?;
         let flat = self.model.layout.flatten::<f32>(w)?;
         self.model.write_params(&flat)
@@ -337,58 +296,12 @@ impl Trainer for CudaBackend {
     }
 
     fn logprobs(&mut self, seqs: &[Sequence], temperature: f32) -> Result<Vec<Vec<f32>>> {
-        if seqs.is_empty() {
-            return Err(BackendError::EmptyBatch("no sequences to score".into()));
-        }
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(BackendError::invalid(
-                "temperature",
-                format!("{temperature} must be positive"),
-            ));
-        }
-        for (i, s) in seqs.iter().enumerate() {
-            check_sequence(
-                &self.model.cfg,
-                &s.prompt,
-                &s.response,
-                &format!("sequence {i}"),
-            )?;
-        }
-        let pairs: Vec<(&[u32], &[u32])> = seqs
-            .iter()
-            .map(|s| (&s.prompt[..], &s.response[..]))
-            .collect();
-        let b = Packed::scored(&pairs);
-        self.forward(&b)?;
-        let a = self.acts()?;
-        let m = b.rows.len();
-        model::logprobs(&self.model, a, m, temperature as f64)?;
-        let lp = a.logp.read(0, m)?;
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut at = 0;
-        for s in seqs {
-            out.push(lp[at..at + s.response.len()].to_vec());
-            at += s.response.len();
-        }
-        Ok(out)
+        let pairs = pairs(seqs);
+        self.with_net(|net, o, acts| net.logprobs(o, acts, &pairs, temperature as f64))
     }
 
     fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let cfg = &self.model.cfg;
-        if ids.is_empty() {
-            return Err(BackendError::EmptyBatch("no token ids".into()));
-        }
-        check_tokens(cfg, ids, "ids")?;
-        if ids.len() > cfg.max_position_embeddings {
-            return Err(BackendError::shape(
-                "ids length",
-                cfg.max_position_embeddings,
-                ids.len(),
-            ));
-        }
-        let b = Packed::all_positions(ids);
-        self.forward(&b)?;
-        model::read_logits(&self.model, self.acts()?, ids.len())
+        self.with_net(|net, o, acts| net.logits(o, acts, ids))
     }
 
     fn zero_grad(&mut self) -> Result<()> {
@@ -399,61 +312,7 @@ impl Trainer for CudaBackend {
     }
 
     fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats> {
-        validate_train_batch(&self.model.cfg, batch, obj)?;
-        let (grpo, temperature) = match *obj {
-            Objective::Grpo {
-                eps_low,
-                eps_high,
-                beta,
-                temperature,
-            } => (Some((eps_low, eps_high, beta)), temperature),
-            Objective::Sft => (None, 1.0),
-        };
-        let pairs: Vec<(&[u32], &[u32])> = batch
-            .sequences
-            .iter()
-            .map(|s| (&s.prompt[..], &s.response[..]))
-            .collect();
-        let b = Packed::scored(&pairs);
-        let (n, m) = (b.ids.len(), b.rows.len());
-        let LossInputs {
-            old,
-            refp,
-            adv,
-            wts,
-            flags: fl,
-        } = LossInputs::from_batch(batch, m);
-        self.forward(&b)?;
-        let a = self.acts()?;
-        a.old.write(0, &old)?;
-        a.refp.write(0, &refp)?;
-        a.adv.write(0, &adv)?;
-        a.wts.write(0, &wts)?;
-        a.flags.write(0, &fl)?;
-        model::logprobs(&self.model, a, m, temperature)?;
-        let loss = LossBufs {
-            logp: &a.logp,
-            old: &a.old,
-            refp: &a.refp,
-            adv: &a.adv,
-            w: &a.wts,
-            flags: &a.flags,
-        };
-        ops::grpo_loss_fwd(&self.cuda, &a.loss_stats, loss, &a.entropy, m, grpo)?;
-        let st = a.loss_stats.read(0, 4)?;
-        let stats = AccumStats {
-            loss_sum: st[0] as f64,
-            tokens: m,
-            sequences: batch.sequences.len(),
-            kl_sum: st[1] as f64,
-            entropy_sum: st[3] as f64,
-            clipped: st[2].max(0.0) as usize,
-        };
-        // A non-finite loss is refused before the backward, leaving the sums untouched.
-        if !stats.loss_sum.is_finite() {
-            return Err(BackendError::non_finite("loss of the micro-batch"));
-        }
-        model::backward(&self.model, a, n, m, grpo, temperature)?;
+        let stats = self.with_net(|net, o, acts| net.accumulate(o, acts, batch, obj, true))?;
         if !self.grad_sumsq()?.is_finite() {
             return Err(BackendError::non_finite(
                 "gradient sums after this micro-batch (overflow); call zero_grad before reusing them",
@@ -463,52 +322,7 @@ impl Trainer for CudaBackend {
     }
 
     fn optimizer_step(&mut self, normalizer: f64, opt: &AdamW) -> Result<OptStats> {
-        opt.validate()?;
-        if !(normalizer.is_finite() && normalizer > 0.0) {
-            return Err(BackendError::invalid(
-                "normalizer",
-                format!("{normalizer} is not a positive finite number"),
-            ));
-        }
-        let norm = self.grad_sumsq()?.sqrt() / normalizer;
-        if !norm.is_finite() {
-            return Err(BackendError::non_finite("gradient (global norm)"));
-        }
-        let clip = match opt.max_grad_norm {
-            Some(c) => (c / (norm + 1e-6)).min(1.0),
-            None => 1.0,
-        };
-        self.opt_step += 1;
-        let scale = (clip / normalizer) as f32;
-        let groups = self.model.layout.param_groups(opt.exclude_norms_from_decay);
-        for (i, g) in groups.iter().enumerate() {
-            let wd = if g.decay { opt.weight_decay } else { 0.0 };
-            let s = AdamScalars::new(
-                scale,
-                opt.lr,
-                opt.beta1,
-                opt.beta2,
-                opt.eps,
-                wd,
-                self.opt_step,
-            );
-            let md = &self.model;
-            ops::adamw_step(
-                &self.cuda,
-                &md.params[i],
-                &md.grads[i],
-                &self.opt_m[i],
-                &self.opt_v[i],
-                g.len,
-                s,
-            )?;
-        }
-        self.cuda.sync()?;
-        Ok(OptStats {
-            grad_norm: norm,
-            clip_scale: clip,
-            step: self.opt_step,
-        })
+        crate::optim::step(self, normalizer, opt)
     }
 
     fn gradients(&self) -> Result<Weights> {

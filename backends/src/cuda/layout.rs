@@ -1,6 +1,5 @@
-//! Host-side layout of the CUDA backend's batches, planned without a device: the packed
-//! rows and attention windows the kernels read, and the element count of every activation
-//! buffer (the memory a batch needs before anything is allocated).
+//! Host-side layout of the CUDA backend's batches, planned without a device: the element
+//! count of every activation buffer (the memory a batch needs before anything is allocated).
 
 use crate::config::ModelConfig;
 
@@ -69,55 +68,6 @@ pub fn logits_len(m: usize, vocab: usize) -> usize {
     (m * vocab).min(LOGITS_BUDGET.max(8 * m))
 }
 
-/// A packed batch as the kernels see it (the CPU reference's `PackedBatch` plus each row's
-/// attention window, the layout of the wgpu backend's `Packed`).
-#[derive(Debug, Default, Clone, PartialEq)]
-pub struct Packed {
-    /// Token ids.
-    pub ids: Vec<u32>,
-    /// Position of each row in its sequence.
-    pub pos: Vec<u32>,
-    /// `(start, pos)` per row: it attends key rows `start ..= start + pos`.
-    pub qmeta: Vec<u32>,
-    /// Rows whose logits are computed.
-    pub rows: Vec<u32>,
-    /// The token each selected row predicts.
-    pub targets: Vec<u32>,
-}
-
-impl Packed {
-    /// Packs `(prompt, response)` pairs; the selected rows predict every response token.
-    pub fn scored(seqs: &[(&[u32], &[u32])]) -> Self {
-        let mut b = Self::default();
-        for (prompt, response) in seqs {
-            let start = b.ids.len();
-            b.ids.extend_from_slice(prompt);
-            b.ids.extend_from_slice(response);
-            for t in 0..prompt.len() + response.len() {
-                b.pos.push(t as u32);
-                b.qmeta.extend([start as u32, t as u32]);
-            }
-            for (t, tok) in response.iter().enumerate() {
-                b.rows.push((start + prompt.len() + t - 1) as u32);
-                b.targets.push(*tok);
-            }
-        }
-        b
-    }
-
-    /// One sequence with logits at every position (targets are unused zeros).
-    pub fn all_positions(ids: &[u32]) -> Self {
-        let n = ids.len();
-        Self {
-            ids: ids.to_vec(),
-            pos: (0..n as u32).collect(),
-            qmeta: (0..n as u32).flat_map(|t| [0, t]).collect(),
-            rows: (0..n as u32).collect(),
-            targets: vec![0; n],
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,22 +94,5 @@ mod tests {
         q.vocab_size = 151_936;
         assert_eq!(ActSizes::new(&q, 8192, 4096).logits, LOGITS_BUDGET);
         assert_eq!(logits_len(3, 11), 33);
-    }
-
-    #[test]
-    fn packing_matches_the_cpu_reference() {
-        let (p1, r1, p2, r2) = ([1u32, 2, 3], [4u32, 5], [6u32], [7u32, 8, 9]);
-        let seqs: [(&[u32], &[u32]); 2] = [(&p1, &r1), (&p2, &r2)];
-        let b = Packed::scored(&seqs);
-        let cpu = crate::cpu::model::PackedBatch::scored(&seqs);
-        assert_eq!(b.ids, cpu.ids);
-        assert_eq!(b.pos, cpu.pos);
-        assert_eq!(b.targets, cpu.targets);
-        let rows: Vec<u32> = cpu.rows.iter().map(|&r| r as u32).collect();
-        assert_eq!(b.rows, rows);
-        // Row 6 (the second sequence's second token) attends rows 5..=6.
-        assert_eq!(&b.qmeta[12..14], &[5, 1]);
-        let a = Packed::all_positions(&[3, 1, 2]);
-        assert_eq!(a.qmeta, vec![0, 0, 0, 1, 0, 2]);
     }
 }

@@ -7,9 +7,10 @@
 //!   host code, compiled and unit-tested without the `cuda` feature;
 //! - `device` (feature `cuda`): the context, its stream, modules loaded once from the PTX
 //!   strings, cached functions, buffers and the one checked launch path;
-//! - `ops`: one launcher per PTX entry; `model`: parameters, gradients, activations, the
-//!   forward, chunked lm_head and backward; `generate`: continuous batching with a slot KV
-//!   cache and on-device sampling.
+//! - `ops`: one launcher per PTX entry; `model`: parameters and gradients on the device;
+//!   `model_ops`: the model's operations (`crate::model::ops::Ops`) as launches, chunked
+//!   lm_head included; `decode`: the one engine's steps over a slot KV cache with on-device
+//!   sampling.
 //!
 //! Status: **compiled and unit-tested on the host, never executed on a GPU** (no device was
 //! available when it was written); `scripts/device/cuda.sh` runs the conformance suite
@@ -21,19 +22,21 @@
 //!
 //! Seam v2 on this backend: two backends opened on one [`Cuda`] context share its device,
 //! and weight sync between them is a device-to-device copy ([`SyncPath::SameDevice`]);
-//! groups run as independent requests (like wgpu); `submit_step` runs the step and
-//! `poll_step` returns it.
+//! groups run as independent requests (a slot cache shares no pages); `submit_step` runs the
+//! step and `poll_step` returns it.
 
 pub mod abi;
 pub mod layout;
 pub mod plan;
 
 #[cfg(feature = "cuda")]
+pub mod decode;
+#[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]
-pub mod generate;
-#[cfg(feature = "cuda")]
 pub mod model;
+#[cfg(feature = "cuda")]
+pub mod model_ops;
 #[cfg(feature = "cuda")]
 pub mod ops;
 

@@ -12,6 +12,7 @@ use super::abi::Arg;
 use super::device::{Cuda, DBuf};
 use super::plan::{self, AdamScalars, GemmF32, LaunchDims};
 use crate::error::Result;
+use crate::model::Loss;
 
 fn n32(n: usize, what: &str) -> Result<Arg> {
     Arg::count(n, what)
@@ -607,17 +608,16 @@ pub struct LossBufs<'a> {
     pub flags: &'a DBuf<u32>,
 }
 
-/// `stats[4] = [sum w*L, sum KL, #clipped, sum entropy]`; `grpo` = `(eps_low, eps_high,
-/// beta)`, `None` for SFT.
+/// `stats[4] = [sum w*L, sum KL, #clipped, sum entropy]` of `loss`.
 pub fn grpo_loss_fwd(
     c: &Cuda,
     stats: &DBuf<f32>,
     x: LossBufs,
     entropy: &DBuf<f32>,
     n: usize,
-    grpo: Option<(f64, f64, f64)>,
+    loss: Loss,
 ) -> Result<()> {
-    let (obj, lo, hi, beta) = plan::loss_scalars(grpo);
+    let (obj, lo, hi, beta) = plan::loss_scalars(loss);
     let args = [
         x.logp.arg(n, "loss logp")?,
         x.old.arg(n, "loss old")?,
@@ -638,17 +638,11 @@ pub fn grpo_loss_fwd(
 }
 
 /// `dlogp[n]` (written) of the weighted loss.
-pub fn grpo_loss_bwd(
-    c: &Cuda,
-    dlogp: &DBuf<f32>,
-    x: LossBufs,
-    n: usize,
-    grpo: Option<(f64, f64, f64)>,
-) -> Result<()> {
+pub fn grpo_loss_bwd(c: &Cuda, dlogp: &DBuf<f32>, x: LossBufs, n: usize, loss: Loss) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
-    let (obj, lo, hi, beta) = plan::loss_scalars(grpo);
+    let (obj, lo, hi, beta) = plan::loss_scalars(loss);
     let args = [
         dlogp.arg(n, "loss dlogp")?,
         x.logp.arg(n, "loss logp")?,
@@ -689,10 +683,10 @@ pub fn adamw_step(
         Arg::F32(s.grad_scale),
         Arg::F32(s.decay),
         Arg::F32(s.step_size),
-        Arg::F32(s.w1),
-        Arg::F32(s.b2),
-        Arg::F32(s.w2),
-        Arg::F32(s.bc2_sqrt),
+        Arg::F32(s.one_minus_beta1),
+        Arg::F32(s.beta2),
+        Arg::F32(s.one_minus_beta2),
+        Arg::F32(s.sqrt_bc2),
         Arg::F32(s.eps),
     ];
     let dims = LaunchDims::grid_stride(n, "adamw_step")?;

@@ -3,10 +3,11 @@
 //! strided f32 GEMM for the three products of a linear layer, the f64-derived scalars of
 //! AdamW and the loss, the sampling row, the grad-norm partial ranges and the vocabulary
 //! chunks of the fused lm_head. Every function here is what a launch would compute, so the
-//! unit tests below check it on the CPU (the strides against `cpu::ops::matmul_*` through a
-//! host emulation of the kernel's indexing).
+//! unit tests below check it on the CPU (the strides against the products written out,
+//! through a host emulation of the kernel's indexing).
 
 use crate::error::{BackendError, Result};
+use crate::model::Loss;
 
 /// Largest `gridDim.x` the driver accepts.
 pub const MAX_GRID_X: u64 = (1 << 31) - 1;
@@ -214,85 +215,27 @@ pub fn attention_scale(hd: usize) -> f32 {
     (1.0 / (hd as f64).sqrt()) as f32
 }
 
-/// The per-step AdamW scalars, computed in f64 and rounded to f32 exactly as
-/// `cpu::ops::adamw_step` does (so the kernel's f32 arithmetic matches it bit for bit).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamScalars {
-    /// Normaliser and clip factor folded into one gradient scale.
-    pub grad_scale: f32,
-    /// `1 - lr*wd`.
-    pub decay: f32,
-    /// `lr / (1 - beta1^t)`.
-    pub step_size: f32,
-    /// `1 - beta1`.
-    pub w1: f32,
-    /// `beta2`.
-    pub b2: f32,
-    /// `1 - beta2`.
-    pub w2: f32,
-    /// `sqrt(1 - beta2^t)`.
-    pub bc2_sqrt: f32,
-    /// `eps`.
-    pub eps: f32,
-}
-
-impl AdamScalars {
-    /// The scalars of step `t` (1-based) with weight decay `wd`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        grad_scale: f32,
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        wd: f64,
-        t: u64,
-    ) -> Self {
-        let ti = t.min(i32::MAX as u64) as i32;
-        Self {
-            grad_scale,
-            decay: (1.0 - lr * wd) as f32,
-            step_size: (lr / (1.0 - beta1.powi(ti))) as f32,
-            w1: (1.0 - beta1) as f32,
-            b2: beta2 as f32,
-            w2: (1.0 - beta2) as f32,
-            bc2_sqrt: (1.0 - beta2.powi(ti)).sqrt() as f32,
-            eps: eps as f32,
-        }
-    }
-}
-
+/// The AdamW scalars the `adamw_step` kernel reads.
+pub use crate::model::AdamScalars;
 /// Per-token flag bits of the loss kernels (shared by every device backend).
-pub use crate::loss_inputs::flags;
+pub use crate::model::loss::flags;
 
 /// The loss kernels' scalar arguments: `(objective, lo, hi, beta)`, objective 0 = GRPO,
 /// 1 = SFT; `lo = 1 - eps_low` and `hi = 1 + eps_high` in f64, rounded once.
-pub fn loss_scalars(grpo: Option<(f64, f64, f64)>) -> (u32, f32, f32, f32) {
-    match grpo {
-        Some((eps_low, eps_high, beta)) => (
+pub fn loss_scalars(loss: Loss) -> (u32, f32, f32, f32) {
+    match loss {
+        Loss::Grpo {
+            eps_low,
+            eps_high,
+            beta,
+        } => (
             0,
             (1.0 - eps_low) as f32,
             (1.0 + eps_high) as f32,
             beta as f32,
         ),
-        None => (1, 1.0, 1.0, 0.0),
+        Loss::Sft => (1, 1.0, 1.0, 0.0),
     }
-}
-
-/// The `sample` kernel's row: inverse temperature (0 = greedy), top-k (as bits), top-p and
-/// the uniform draw rounded down to f32 (so that it stays below 1).
-pub fn sample_row(temperature: f32, top_k: usize, top_p: f32, u: f64) -> [f32; 4] {
-    let inv = if temperature > 0.0 {
-        ((1.0 / temperature as f64) as f32).max(f32::MIN_POSITIVE)
-    } else {
-        0.0
-    };
-    let mut uf = u as f32;
-    if uf as f64 > u {
-        uf = f32::from_bits(uf.to_bits().saturating_sub(1));
-    }
-    let k = top_k.min(u32::MAX as usize) as u32;
-    [inv, f32::from_bits(k), top_p, uf]
 }
 
 /// Blocks (= partial sums) `grad_norm` uses for an `n`-value tensor: derived from `n` alone,
@@ -363,7 +306,6 @@ pub fn slot_plan(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::ops as cpu;
 
     /// The kernel's indexing, on the host: what `matmul_fwd_f32` computes for `g`.
     fn emulate(g: &GemmF32, c: &mut [f32], a: &[f32], b: &[f32]) {
@@ -393,8 +335,21 @@ mod tests {
             vals(dout * din, 2),
             vals(rows * dout, 3),
         );
+        // The products written out: y = x·wᵀ, dx += dy·w, dw += dyᵀ·x.
+        let dot = |a: &mut f32, terms: &mut dyn Iterator<Item = (f32, f32)>| {
+            for (p, q) in terms {
+                *a += p * q;
+            }
+        };
         let mut y = vec![0.0; rows * dout];
-        cpu::matmul_fwd(&mut y, &x, &w, rows, din, dout);
+        for i in 0..rows {
+            for j in 0..dout {
+                dot(
+                    &mut y[i * dout + j],
+                    &mut (0..din).map(|k| (x[i * din + k], w[j * din + k])),
+                );
+            }
+        }
         let mut gy = vec![9.0; rows * dout];
         let f = GemmF32::fwd(rows, din, dout);
         assert_eq!(f.extents(), (x.len(), w.len()));
@@ -404,7 +359,22 @@ mod tests {
         }
         let (dx0, dw0) = (vals(rows * din, 4), vals(dout * din, 5));
         let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
-        cpu::matmul_bwd(Some(&mut dx), &mut dw, &dy, &x, &w, rows, din, dout);
+        for i in 0..rows {
+            for k in 0..din {
+                dot(
+                    &mut dx[i * din + k],
+                    &mut (0..dout).map(|j| (dy[i * dout + j], w[j * din + k])),
+                );
+            }
+        }
+        for j in 0..dout {
+            for k in 0..din {
+                dot(
+                    &mut dw[j * din + k],
+                    &mut (0..rows).map(|i| (dy[i * dout + j], x[i * din + k])),
+                );
+            }
+        }
         let (mut gdx, mut gdw) = (dx0, dw0);
         let bx = GemmF32::bwd_dx(rows, din, dout);
         let bw = GemmF32::bwd_dw(rows, din, dout);
@@ -476,22 +446,23 @@ mod tests {
     }
 
     #[test]
-    fn adam_scalars_reproduce_the_cpu_step_bit_for_bit() {
-        // Apply the scalars with the kernel's per-element order and compare with the CPU.
+    fn adam_kernel_order_is_the_shared_update_bit_for_bit() {
+        // Apply the scalars with the kernel's per-element order and compare with the update
+        // every backend runs (`AdamScalars::apply`).
         let (lr, b1, b2, eps, wd, gs) = (3e-3, 0.9, 0.95, 1e-8, 0.1, 0.37f32);
         let p0 = vals(257, 9);
         let (mut p, mut m, mut v) = (p0.clone(), vec![0.0; 257], vec![0.0; 257]);
         let (mut kp, mut km, mut kv) = (p0, vec![0.0; 257], vec![0.0; 257]);
         for t in 1..=3 {
             let g = vals(257, 10 + t as u32);
-            cpu::adamw_step(&mut p, &g, &mut m, &mut v, gs, lr, b1, b2, eps, wd, t);
             let s = AdamScalars::new(gs, lr, b1, b2, eps, wd, t);
             for i in 0..257 {
+                (m[i], v[i]) = s.apply(g[i], &mut p[i], m[i], v[i]);
                 let gi = g[i] * s.grad_scale;
                 kp[i] *= s.decay;
-                km[i] += s.w1 * (gi - km[i]);
-                kv[i] = kv[i] * s.b2 + s.w2 * gi * gi;
-                kp[i] -= s.step_size * (km[i] / (kv[i].sqrt() / s.bc2_sqrt + s.eps));
+                km[i] += s.one_minus_beta1 * (gi - km[i]);
+                kv[i] = kv[i] * s.beta2 + s.one_minus_beta2 * gi * gi;
+                kp[i] -= s.step_size * (km[i] / (kv[i].sqrt() / s.sqrt_bc2 + s.eps));
             }
         }
         assert_eq!(kp, p);
@@ -500,18 +471,14 @@ mod tests {
     }
 
     #[test]
-    fn loss_and_sample_rows() {
-        assert_eq!(
-            loss_scalars(Some((0.2, 0.28, 0.05))),
-            (0, 0.8f32, 1.28f32, 0.05f32)
-        );
-        assert_eq!(loss_scalars(None).0, 1);
-        let r = sample_row(0.0, 5, 0.9, 0.25);
-        assert_eq!((r[0], r[1].to_bits(), r[2], r[3]), (0.0, 5, 0.9, 0.25));
-        // A draw just below 1 must stay below 1 in f32.
-        let u = 1.0 - 1e-12;
-        assert!(sample_row(1.0, 0, 1.0, u)[3] < 1.0);
-        assert_eq!(sample_row(0.5, 0, 1.0, 0.5)[0], 2.0);
+    fn loss_scalars_round_the_clip_range_once() {
+        let grpo = Loss::Grpo {
+            eps_low: 0.2,
+            eps_high: 0.28,
+            beta: 0.05,
+        };
+        assert_eq!(loss_scalars(grpo), (0, 0.8f32, 1.28f32, 0.05f32));
+        assert_eq!(loss_scalars(Loss::Sft).0, 1);
     }
 
     #[test]

@@ -179,6 +179,27 @@ pub trait RolloutEngine: BackendInfo {
     /// still running and `wait` is false. With no step in flight, `Some(vec![])`.
     fn poll_step(&mut self, wait: bool) -> Result<Option<Vec<GenOutput>>>;
 
+    /// Look-ahead decoding (off by default): each submission also queues the step after it,
+    /// so that the device never waits for the host between steps; a request added after a
+    /// submission then joins one step later, with the same outputs. Backends that run one
+    /// step at a time answer [`BackendError::Unsupported`] to turning it on.
+    fn set_lookahead(&mut self, on: bool) -> Result<()> {
+        if on {
+            return Err(BackendError::Unsupported {
+                what: "look-ahead decoding",
+                backend: self.name(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Steps by which a request added after a submission starts later than one added before
+    /// it: 1 while look-ahead queues the next step at each submission, else 0. A caller that
+    /// counts a request's decode steps from its admission adds this.
+    fn admission_lag(&self) -> u64 {
+        0
+    }
+
     /// One whole engine step: submit, then wait for it.
     fn decode_step(&mut self) -> Result<Vec<GenOutput>> {
         self.submit_step()?;

@@ -8,8 +8,9 @@ use half::{bf16, f16};
 
 use crate::error::{BackendError, Result};
 
-/// Storage type of a tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Storage type of a tensor (serde: `"f32"`, `"bf16"`, `"f16"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DType {
     /// IEEE binary32.
     F32,
@@ -60,8 +61,8 @@ impl TensorData {
     pub fn from_f32(data: &[f32], dtype: DType) -> Self {
         match dtype {
             DType::F32 => TensorData::F32(data.to_vec()),
-            DType::Bf16 => TensorData::Bf16(data.iter().map(|&x| bf16::from_f32(x)).collect()),
-            DType::F16 => TensorData::F16(data.iter().map(|&x| f16::from_f32(x)).collect()),
+            DType::Bf16 => TensorData::Bf16(round_to_bf16(data)),
+            DType::F16 => TensorData::F16(round_to_f16(data)),
         }
     }
 
@@ -117,6 +118,29 @@ impl TensorData {
             (d, t) => Self::from_f32(&d.to_f32(), t),
         }
     }
+}
+
+/// Rounds f32 values to bf16 (nearest-even), in parallel chunks.
+pub fn round_to_bf16(src: &[f32]) -> Vec<bf16> {
+    round_with(src, bf16::ZERO, bf16::from_f32)
+}
+
+/// Rounds f32 values to f16 (nearest-even; beyond ±65504 gives ±inf), in parallel chunks.
+pub fn round_to_f16(src: &[f32]) -> Vec<f16> {
+    round_with(src, f16::ZERO, f16::from_f32)
+}
+
+fn round_with<H: Copy + Send + Sync>(src: &[f32], zero: H, f: impl Fn(f32) -> H + Sync) -> Vec<H> {
+    use rayon::prelude::*;
+    let mut out = vec![zero; src.len()];
+    out.par_chunks_mut(1 << 16)
+        .zip(src.par_chunks(1 << 16))
+        .for_each(|(o, s)| {
+            for (o, x) in o.iter_mut().zip(s) {
+                *o = f(*x);
+            }
+        });
+    out
 }
 
 /// A dense row-major tensor with its storage type.

@@ -9,6 +9,18 @@ use crate::error::Result;
 use crate::optim::{AdamState, AdamW, OptStats};
 use crate::weights::Weights;
 
+/// Hands `w`'s tensors to `visit` in `cfg`'s parameter order.
+fn visit_in_order(
+    cfg: &crate::config::ModelConfig,
+    w: &Weights,
+    visit: &mut dyn FnMut(&str, &[f32]) -> Result<()>,
+) -> Result<()> {
+    for (name, _) in crate::weights::param_specs(cfg) {
+        visit(&name, &w.get(&name)?.data)?;
+    }
+    Ok(())
+}
+
 /// A trainer: a Qwen3 model with f32 master weights, gradient sums and f32 AdamW moments.
 ///
 /// `accumulate` adds unnormalised gradient sums until `optimizer_step` applies the
@@ -32,8 +44,20 @@ pub trait Trainer: BackendInfo {
     /// The raw gradient sums under the parameters' names (before normalising and clipping).
     fn gradients(&self) -> Result<Weights>;
 
+    /// Hands the raw gradient sums to `visit` one tensor at a time (name, values), in
+    /// [`param_specs`](crate::weights::param_specs) order, holding at most one tensor besides
+    /// the trainer's own (saving a large model's gradient).
+    fn visit_gradients(&self, visit: &mut dyn FnMut(&str, &[f32]) -> Result<()>) -> Result<()> {
+        visit_in_order(self.config(), &self.gradients()?, visit)
+    }
+
     /// The f32 master weights on the host (saving, checkpoints, parity tests).
     fn export_weights(&self) -> Result<Weights>;
+    /// Hands the f32 master weights to `visit` one tensor at a time, as
+    /// [`Trainer::visit_gradients`] does the gradients (saving a large model).
+    fn visit_weights(&self, visit: &mut dyn FnMut(&str, &[f32]) -> Result<()>) -> Result<()> {
+        visit_in_order(self.config(), &self.export_weights()?, visit)
+    }
     /// Replaces the master weights (restoring a checkpoint). The optimizer state and gradient
     /// sums are kept: restoring a checkpoint restores them too.
     fn import_weights(&mut self, w: &Weights) -> Result<()>;

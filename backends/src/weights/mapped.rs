@@ -19,8 +19,8 @@ use safetensors::{Dtype, SafeTensors};
 
 use super::{Tensor, Weights, param_specs};
 use crate::config::ModelConfig;
-use crate::cpu::model::Layout;
 use crate::error::{BackendError, Result};
+use crate::model::Layout;
 use crate::seam::DType;
 
 /// Values converted per parallel task.

@@ -1,35 +1,27 @@
-//! The paged KV pool of generation: per layer one key and one value buffer of fixed-size
-//! pages, a page allocator that is the engine's capacity, and the launchers of the
-//! `attention_decode` kernel (the in-place KV-append and the decode attention over pages).
+//! The paged KV memory of generation on the device: per layer one key and one value buffer
+//! of fixed-size pages (the engine's [`Paged`](crate::engine::Paged) store hands the pages
+//! out), and the launchers of the `attention_decode` kernel (the in-place KV-append and the
+//! decode attention over pages).
 //!
 //! A request's page table lists the pages of its positions in order: position `j` lives at
-//! pool row `table[j / PAGE] * PAGE + j % PAGE`. A group's samples begin their tables with the
-//! same pages (its prompt's shared prefix), so the prefix is stored once and read by all.
-//! Pages are handed out at admission (all of a request's positions up front, so a step never
-//! runs out), lowest ids first; the buffers grow to cover the highest page in use, copying
-//! the pool once per growth (never per step), up to the most rows one binding can hold.
+//! pool row `table[j / PAGE] * PAGE + j % PAGE`. The buffers grow to cover the highest page
+//! in use, copying the pool once per growth (never per step), up to the most rows one
+//! binding can hold.
 
 use wgpu::Buffer;
 
 use super::gpu::{Exec, Gpu, Params, groups, linear};
 use super::ops::attention_scale;
 use crate::config::ModelConfig;
+pub use crate::engine::kv::{PAGE, pages_for};
 use crate::error::{BackendError, Result};
 use rolloutpipe_kernels::Kernel;
 
-/// Positions per page.
-pub const PAGE: usize = 16;
 /// Most query heads per KV head `attention_decode` serves (its `GMAX`).
 pub const MAX_GQA_GROUP: usize = 8;
 
-/// Pages needed for `positions` positions.
-pub fn pages_for(positions: usize) -> usize {
-    positions.div_ceil(PAGE)
-}
-
-/// Pages of `cfg`'s keys (or values) of one layer that one storage binding of `gpu` holds;
-/// refuses a model whose GQA groups the decode attention cannot serve.
-fn device_pages(gpu: &Gpu, cfg: &ModelConfig) -> Result<usize> {
+/// Refuses a model whose GQA groups the decode attention cannot serve.
+pub fn check_gqa(cfg: &ModelConfig) -> Result<()> {
     let g = cfg.num_attention_heads / cfg.num_key_value_heads.max(1);
     if g > MAX_GQA_GROUP {
         return Err(BackendError::invalid(
@@ -37,22 +29,22 @@ fn device_pages(gpu: &Gpu, cfg: &ModelConfig) -> Result<usize> {
             format!("{g} exceeds the decode attention's {MAX_GQA_GROUP} heads per KV head"),
         ));
     }
+    Ok(())
+}
+
+/// Pages of `cfg`'s keys (or values) of one layer that one storage binding of `gpu` holds.
+pub fn device_pages(gpu: &Gpu, cfg: &ModelConfig) -> usize {
     let limits = gpu.device().limits();
     let bind = limits
         .max_storage_buffer_binding_size
         .min(limits.max_buffer_size);
     let page_bytes = (PAGE * cfg.kv_dim() * 4) as u64;
-    Ok((bind / page_bytes).min(u32::MAX as u64) as usize)
+    (bind / page_bytes).min(u32::MAX as u64) as usize
 }
 
-/// The pool: page allocator and buffers.
+/// The pool's buffers.
 #[derive(Debug, Default)]
 pub struct KvPool {
-    /// Pages the device can bind per layer (the engine's hard capacity).
-    max_pages: usize,
-    /// Pages never handed out yet are `next..max_pages`; freed ones are in `free`.
-    next: usize,
-    free: Vec<u32>,
     /// Pages the buffers hold now (grown on demand before a step).
     built: usize,
     /// Per layer `[built · PAGE, kv_dim]`.
@@ -61,74 +53,26 @@ pub struct KvPool {
 }
 
 impl KvPool {
-    /// An empty pool for `cfg` on `gpu`: capacity as many pages as one binding holds.
-    pub fn new(gpu: &Gpu, cfg: &ModelConfig) -> Result<Self> {
-        Ok(Self {
-            max_pages: device_pages(gpu, cfg)?,
-            ..Self::default()
-        })
-    }
-
-    /// Caps the pool at `pages` pages (at most what one binding holds). Refused below the
-    /// highest page handed out so far.
-    pub fn set_max_pages(&mut self, gpu: &Gpu, cfg: &ModelConfig, pages: usize) -> Result<()> {
-        let device = device_pages(gpu, cfg)?;
-        if pages == 0 || pages > device || pages < self.next {
-            return Err(BackendError::invalid(
-                "KV pool pages",
-                format!(
-                    "{pages} is not within {}..={device} (pages in use .. what one binding holds)",
-                    self.next.max(1)
-                ),
-            ));
-        }
-        self.max_pages = pages;
-        Ok(())
-    }
-
-    /// Most pages the pool hands out.
-    pub fn max_pages(&self) -> usize {
-        self.max_pages
-    }
-
-    /// Pages that can still be handed out.
-    pub fn free_pages(&self) -> usize {
-        self.free.len() + (self.max_pages - self.next)
-    }
-
-    /// Hands out `n` pages (lowest ids first), or `None` when fewer are free.
-    pub fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
-        if n > self.free_pages() {
-            return None;
-        }
-        // Freed pages first, lowest first (sorted on release).
-        let from_free = n.min(self.free.len());
-        let mut out: Vec<u32> = self.free.drain(..from_free).collect();
-        let fresh = n - from_free;
-        out.extend((self.next..self.next + fresh).map(|p| p as u32));
-        self.next += fresh;
-        Some(out)
-    }
-
-    /// Returns pages to the allocator.
-    pub fn release(&mut self, pages: &[u32]) {
-        self.free.extend_from_slice(pages);
-        self.free.sort_unstable();
-    }
-
     /// Rows each layer's buffers hold now.
     pub fn rows(&self) -> usize {
         self.built * PAGE
     }
 
-    /// Grows the buffers to hold every page handed out so far (doubling, within the
-    /// capacity), copying the pool's contents; a no-op when they already do. The caller
-    /// drops cached bind groups after a growth (`true`).
-    pub fn ensure_built(&mut self, gpu: &Gpu, ex: &mut Exec, cfg: &ModelConfig) -> bool {
-        if self.next <= self.built {
+    /// Grows the buffers to hold `pages` pages (doubling, within `max_pages`), copying the
+    /// pool's contents after the steps already queued; a no-op when they already do. The
+    /// caller drops cached bind groups after a growth (`true`).
+    pub fn ensure_built(
+        &mut self,
+        gpu: &Gpu,
+        ex: &mut Exec,
+        cfg: &ModelConfig,
+        pages: usize,
+        max_pages: usize,
+    ) -> bool {
+        if pages <= self.built {
             return false;
         }
-        let pages = self.next.max(self.built * 2).max(16).min(self.max_pages);
+        let pages = pages.max(self.built * 2).max(16).min(max_pages.max(pages));
         let len = pages * PAGE * cfg.kv_dim();
         let mk = |name: &str, l: usize| gpu.buffer(&format!("layer {l} {name} pool"), len);
         let k: Vec<Buffer> = (0..cfg.num_hidden_layers).map(|l| mk("k", l)).collect();
@@ -264,27 +208,5 @@ impl StepRows<'_> {
             self.launch(ex, pool, l, c, 0, k0, window)?;
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pages_are_handed_out_lowest_first_and_refused_past_capacity() {
-        let mut p = KvPool {
-            max_pages: 5,
-            ..KvPool::default()
-        };
-        assert_eq!(p.alloc(2), Some(vec![0, 1]));
-        assert_eq!(p.alloc(2), Some(vec![2, 3]));
-        assert_eq!(p.alloc(2), None);
-        p.release(&[3, 0]);
-        assert_eq!(p.free_pages(), 3);
-        assert_eq!(p.alloc(3), Some(vec![0, 3, 4]));
-        assert_eq!(p.free_pages(), 0);
-        assert_eq!(pages_for(16), 1);
-        assert_eq!(pages_for(17), 2);
     }
 }

@@ -17,11 +17,12 @@
 
 use wgpu::Buffer;
 
+use rolloutpipe_kernels::WeightFormat;
+
 use super::gpu::Exec;
-use super::model::{Acts, DeviceModel};
 use super::ops::{self, LogprobBufs, VocabChunk, Window};
-use crate::cpu::lm_head::VOCAB_CHUNK;
 use crate::error::Result;
+use crate::model::VOCAB_CHUNK;
 
 /// How the fused lm_head splits its work on a device: vocabulary chunks of `chunk` rows of
 /// `lm_head` (the CPU reference's [`VOCAB_CHUNK`], fewer where 64 rows of it would not fit
@@ -66,93 +67,123 @@ impl LmPlan {
     }
 }
 
-/// Records the fused forward of the `m` scored rows (`a.hsel`, targets `a.targets`):
-/// `a.logp`, `a.entropy` and `a.lse` at `temperature`.
-pub fn logprob_fwd(ex: &mut Exec, md: &DeviceModel, a: &Acts, m: usize, temperature: f64) {
-    let out = bufs(a);
-    for c in a.lm.tiles(m, md.cfg.vocab_size) {
-        chunk_logits(ex, md, a, c);
-        ops::logprob_fwd(
-            ex,
-            out,
-            &a.lm_scratch,
-            &a.targets,
-            c,
-            c.v0 == 0,
-            temperature,
-        );
-    }
-    ops::logprob_fwd_finish(ex, out, 0, m);
+/// The fused lm_head over the weight `w` (`[v, d]`, stored as `format`), split by `plan`;
+/// each call takes the chunk scratch of [`LmPlan::scratch_len`] values that holds one chunk's
+/// logits (and, in the backward, their gradient).
+#[derive(Debug, Clone, Copy)]
+pub struct LmHead<'a> {
+    /// `lm_head.weight` (the embedding when tied).
+    pub w: &'a Buffer,
+    /// How `w` is stored.
+    pub format: WeightFormat,
+    /// How the vocabulary and the rows are split.
+    pub plan: LmPlan,
+    /// Hidden width.
+    pub d: usize,
+    /// Vocabulary.
+    pub v: usize,
 }
 
-/// Records the fused backward given `a.dlogp` (and the forward's `a.lse`): writes `a.dhsel`
-/// and adds into `lm_head`'s gradient, chunk by chunk.
-pub fn logprob_bwd(ex: &mut Exec, md: &DeviceModel, a: &Acts, m: usize, temperature: f64) {
-    let (w, dw) = (&md.params[md.lm_head], &md.grads[md.lm_head]);
-    for c in a.lm.tiles(m, md.cfg.vocab_size) {
-        chunk_logits(ex, md, a, c);
-        ops::logprob_bwd(
-            ex,
-            &a.lm_scratch,
-            &a.dlogp,
-            &a.lse,
-            &a.targets,
-            c,
-            temperature,
-        );
+impl LmHead<'_> {
+    /// Records the fused forward of the `m` rows of `x` (targets `targets`): `out`'s log-probs,
+    /// entropies and log-sum-exps at `temperature`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn logprob_fwd(
+        &self,
+        ex: &mut Exec,
+        scratch: &Buffer,
+        out: LogprobBufs<'_>,
+        x: &Buffer,
+        targets: &Buffer,
+        m: usize,
+        temperature: f64,
+    ) {
+        for c in self.plan.tiles(m, self.v) {
+            self.chunk_logits(ex, scratch, x, c);
+            ops::logprob_fwd(ex, out, scratch, targets, c, c.v0 == 0, temperature);
+        }
+        ops::logprob_fwd_finish(ex, out, 0, m);
+    }
+
+    /// Records the fused backward given `dlogp` and the forward's `lse`: writes `dx` and adds
+    /// into `dw` (the lm_head's gradient), chunk by chunk.
+    #[allow(clippy::too_many_arguments)]
+    pub fn logprob_bwd(
+        &self,
+        ex: &mut Exec,
+        scratch: &Buffer,
+        dx: &Buffer,
+        dw: &Buffer,
+        dlogp: &Buffer,
+        lse: &Buffer,
+        x: &Buffer,
+        targets: &Buffer,
+        m: usize,
+        temperature: f64,
+    ) {
+        for c in self.plan.tiles(m, self.v) {
+            self.chunk_logits(ex, scratch, x, c);
+            ops::logprob_bwd(ex, scratch, dlogp, lse, targets, c, temperature);
+            let window = Window {
+                first: c.v0,
+                rows: c.cols,
+            };
+            let dy = (scratch, 0, 0);
+            let (xr, dxr) = (self.rows_of(x, c), self.rows_of(dx, c));
+            // A block's first chunk writes its dx, the later ones add to it.
+            let dx = Some((dxr, c.v0 > 0));
+            ops::matmul_bwd_window(ex, dx, dw, dy, xr, self.w, window, c.rows, self.d);
+        }
+    }
+
+    /// The full logits `[m, v]` of the rows of `x`, chunk by chunk through the scratch (one
+    /// submission each): for inspection and tests only, nothing else needs them all at once.
+    pub fn read_logits(
+        &self,
+        ex: &mut Exec,
+        scratch: &Buffer,
+        x: &Buffer,
+        m: usize,
+    ) -> Result<Vec<f32>> {
+        let v = self.v;
+        let mut out = vec![0.0f32; m * v];
+        for c in self.plan.tiles(m, v) {
+            self.chunk_logits(ex, scratch, x, c);
+            let t = ex.read_back(scratch, 0, c.rows * c.cols * 4);
+            let part = ex.submit()?.get::<f32>(t);
+            for (r, z) in part.chunks(c.cols).enumerate() {
+                let at = (c.row0 + r) * v + c.v0;
+                out[at..at + c.cols].copy_from_slice(z);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The logits of chunk `c`'s rows over its vocabulary columns into the scratch.
+    fn chunk_logits(&self, ex: &mut Exec, scratch: &Buffer, x: &Buffer, c: VocabChunk) {
         let window = Window {
             first: c.v0,
             rows: c.cols,
         };
-        let dy = (&a.lm_scratch, 0, 0);
-        let (x, dx) = (rows_of(md, &a.hsel, c), rows_of(md, &a.dhsel, c));
-        // A block's first chunk writes its dx, the later ones add to it.
-        let dx = Some((dx, c.v0 > 0));
-        ops::matmul_bwd_window(ex, dx, dw, dy, x, w, window, c.rows, md.cfg.hidden_size);
+        let xr = self.rows_of(x, c);
+        let y = (scratch, 0, 0);
+        ops::matmul_fwd_window(
+            ex,
+            y,
+            xr,
+            self.w,
+            self.format,
+            window,
+            c.rows,
+            self.d,
+            false,
+        );
     }
-}
 
-/// The full logits `[m, vocab]` of the scored rows, chunk by chunk through the scratch (one
-/// submission each): for inspection and tests only, nothing else needs them all at once.
-pub fn read_logits(ex: &mut Exec, md: &DeviceModel, a: &Acts, m: usize) -> Result<Vec<f32>> {
-    let v = md.cfg.vocab_size;
-    let mut out = vec![0.0f32; m * v];
-    for c in a.lm.tiles(m, v) {
-        chunk_logits(ex, md, a, c);
-        let t = ex.read_back(&a.lm_scratch, 0, c.rows * c.cols * 4);
-        let part = ex.submit()?.get::<f32>(t);
-        for (r, z) in part.chunks(c.cols).enumerate() {
-            let at = (c.row0 + r) * v + c.v0;
-            out[at..at + c.cols].copy_from_slice(z);
-        }
-    }
-    Ok(out)
-}
-
-/// The logits of chunk `c`'s rows over its vocabulary columns into the scratch.
-fn chunk_logits(ex: &mut Exec, md: &DeviceModel, a: &Acts, c: VocabChunk) {
-    let window = Window {
-        first: c.v0,
-        rows: c.cols,
-    };
-    let w = &md.params[md.lm_head];
-    let x = rows_of(md, &a.hsel, c);
-    let (y, d) = ((&a.lm_scratch, 0, 0), md.cfg.hidden_size);
-    ops::matmul_fwd_window(ex, y, x, w, md.weights, window, c.rows, d, false);
-}
-
-/// Chunk `c`'s rows of a `[rows, hidden]` buffer.
-fn rows_of<'a>(md: &DeviceModel, b: &'a Buffer, c: VocabChunk) -> ops::Part<'a> {
-    let row = md.cfg.hidden_size * 4;
-    (b, (c.row0 * row) as u64, (c.rows * row) as u64)
-}
-
-fn bufs(a: &Acts) -> LogprobBufs<'_> {
-    LogprobBufs {
-        state: &a.lm_state,
-        logp: &a.logp,
-        entropy: &a.entropy,
-        lse: &a.lse,
+    /// Chunk `c`'s rows of a `[rows, d]` buffer.
+    fn rows_of<'b>(&self, b: &'b Buffer, c: VocabChunk) -> ops::Part<'b> {
+        let row = self.d * 4;
+        (b, (c.row0 * row) as u64, (c.rows * row) as u64)
     }
 }
 

@@ -44,13 +44,13 @@
 //! ```
 
 pub mod coop;
-mod decode;
-pub mod generate;
+pub mod decode;
 pub mod gpu;
 pub mod inflight;
 pub mod kv;
 pub mod lm_head;
 pub mod model;
+pub mod model_ops;
 pub mod ops;
 
 use std::sync::Arc;
@@ -58,18 +58,20 @@ use std::sync::Arc;
 pub use gpu::{Exec, Gpu};
 
 use crate::config::ModelConfig;
-use crate::cpu::model::{Layout, ParamEntry, check_sequence, check_tokens, validate_train_batch};
+use crate::engine::host::EngineHost;
+use crate::engine::{Engine, Paged};
 use crate::error::{BackendError, Result};
-use crate::loss_inputs::LossInputs;
-use crate::optim::AdamState;
+use crate::model::acts::Acts;
+use crate::model::check::{pairs, refuse_while_generating};
+use crate::model::train::Net;
+use crate::model::{Layout, ParamEntry};
+use crate::optim::{AdamState, Optimize, ParamGroup};
 use crate::seam::*;
 use crate::weights::Weights;
-use generate::Generator;
-use model::{
-    Acts, DeviceModel, Packed, encode_backward, encode_forward, ensure_acts, f16_overflow,
-    half_stored, stored_words, upload_packed, weight_format,
-};
-use ops::{AdamScalars, Loss};
+use decode::{WgpuDecoder, WgpuRun, WgpuStep};
+use model::{DeviceModel, f16_overflow, half_stored, stored_words, weight_format};
+use model_ops::WgpuOps;
+use ops::AdamScalars;
 use rolloutpipe_kernels::{Kernel, WeightFormat};
 
 /// Largest `head_dim` the attention kernels support (each of 64 threads owns ≤ 4 dims).
@@ -82,15 +84,16 @@ pub struct WgpuBackend {
     gpu: Arc<Gpu>,
     ex: Exec,
     model: DeviceModel,
-    acts: Option<Acts>,
-    generator: Generator,
+    acts: Option<WgpuActs>,
+    scratch: Option<model_ops::Scratch>,
+    engine: Engine<Paged, WgpuRun>,
+    step: WgpuStep,
     /// AdamW moments per tensor (allocated zeroed with the model) and the step count.
     opt_m: Vec<wgpu::Buffer>,
     opt_v: Vec<wgpu::Buffer>,
     opt_step: u64,
     partials: wgpu::Buffer,
     norm_total: wgpu::Buffer,
-    limits: EngineLimits,
 }
 
 /// A same-device weight snapshot: parameter buffers copied on the device.
@@ -178,19 +181,21 @@ impl WgpuBackend {
             norm_partials(ex.binding_limit(), train_entries),
         );
         let norm_total = gpu.buffer("grad norm total", 1);
+        let pages = kv::device_pages(&gpu, cfg);
         gpu.check()?;
         Ok(Self {
             ex,
             gpu,
             model,
             acts: None,
-            generator: Generator::default(),
+            scratch: None,
+            engine: Engine::new(cfg, Paged::new(pages)),
+            step: WgpuStep::new(pages),
             opt_m,
             opt_v,
             opt_step: 0,
             partials,
             norm_total,
-            limits: EngineLimits::default(),
         })
     }
 
@@ -198,8 +203,13 @@ impl WgpuBackend {
     /// as many as one storage binding holds): a request or group whose positions do not fit
     /// in the free pages is handed back ([`BackendError::EngineFull`]).
     pub fn set_kv_pages(&mut self, pages: usize) -> Result<()> {
-        self.generator
-            .set_kv_pages(&self.gpu, &self.model.cfg, pages)
+        let device = kv::device_pages(&self.gpu, &self.model.cfg);
+        self.engine
+            .store_mut()
+            .set_max_pages(pages, device)
+            .map_err(|why| BackendError::invalid("KV pool pages", why))?;
+        self.step.max_pages = pages;
+        Ok(())
     }
 
     /// Splits every tensor the chunked ops bind (the embedding table and lm_head in the
@@ -276,22 +286,22 @@ impl WgpuBackend {
     /// `poll_step(true)` waits for its own step only. Each request's tokens and log-probs are
     /// the same bits as with it off (batch invariance; `tests/wgpu_lookahead.rs`).
     pub fn set_lookahead(&mut self, on: bool) {
-        self.generator.set_lookahead(on);
+        self.engine.set_lookahead(on);
     }
 
     /// Whether look-ahead decoding is on ([`WgpuBackend::set_lookahead`]).
     pub fn lookahead(&self) -> bool {
-        self.generator.lookahead()
+        self.engine.lookahead()
     }
 
     /// Whether a look-ahead step is queued on the device now.
     pub fn lookahead_queued(&self) -> bool {
-        self.generator.ahead_in_flight()
+        self.engine.ahead_in_flight()
     }
 
     /// The generation KV pool's capacity in pages of [`kv::PAGE`] positions.
     pub fn kv_pages(&mut self) -> Result<usize> {
-        self.generator.kv_pages(&self.gpu, &self.model.cfg)
+        Ok(self.engine.store().max_pages())
     }
 
     /// The device this backend runs on.
@@ -306,16 +316,7 @@ impl WgpuBackend {
 
     /// Refuses a training call on a 16-bit (engine-only) backend.
     fn trainable(&self, what: &str) -> Result<()> {
-        if self.model.weights != WeightFormat::F32 {
-            return Err(BackendError::invalid(
-                what,
-                format!(
-                    "this backend stores its weights in {} for generation only; train on an f32 backend",
-                    self.weight_dtype()
-                ),
-            ));
-        }
-        Ok(())
+        crate::model::check::trainable(self.weight_dtype(), what)
     }
 
     /// AdamW steps taken so far.
@@ -387,26 +388,22 @@ impl WgpuBackend {
         ops::grad_norm_reduce(&mut self.ex, &self.norm_total, &self.partials, base);
     }
 
-    /// Packs, uploads and records the forward of `seqs`; returns the packing.
-    fn forward(&mut self, b: &Packed) -> Result<()> {
-        let (n, m) = (b.ids.len(), b.rows.len());
-        ensure_acts(
-            &self.gpu,
-            &mut self.ex,
-            &self.model.cfg,
-            &mut self.acts,
-            n,
-            m,
-        );
-        let a = self
-            .acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        upload_packed(&self.gpu, a, b);
-        encode_forward(&mut self.ex, &self.model, a, n, m);
-        Ok(())
+    /// Runs `f` with the one model over this backend's ops and activations.
+    fn with_net<R>(
+        &mut self,
+        f: impl FnOnce(Net<'_>, &mut WgpuOps<'_>, &mut Option<WgpuActs>) -> R,
+    ) -> R {
+        let net = Net {
+            cfg: &self.model.cfg,
+            ids: &self.model.layout.ids,
+        };
+        let mut o = WgpuOps::new(&mut self.ex, &self.model, &mut self.scratch);
+        f(net, &mut o, &mut self.acts)
     }
 }
+
+/// The activations of a training or scoring pass on this backend.
+type WgpuActs = Acts<wgpu::Buffer, model_ops::Idx, model_ops::Seqs>;
 
 impl BackendInfo for WgpuBackend {
     fn name(&self) -> &'static str {
@@ -422,8 +419,39 @@ impl BackendInfo for WgpuBackend {
     }
 }
 
-impl RolloutEngine for WgpuBackend {
-    fn weight_dtype(&self) -> DType {
+impl EngineHost for WgpuBackend {
+    type Store = Paged;
+    type Run = WgpuRun;
+    type Dec<'a> = WgpuDecoder<'a>;
+
+    fn engine(&self) -> &Engine<Paged, WgpuRun> {
+        &self.engine
+    }
+
+    fn engine_mut(&mut self) -> &mut Engine<Paged, WgpuRun> {
+        &mut self.engine
+    }
+
+    fn engine_and_decoder(&mut self) -> (&mut Engine<Paged, WgpuRun>, WgpuDecoder<'_>) {
+        let dec = WgpuDecoder {
+            gpu: &self.gpu,
+            ex: &mut self.ex,
+            md: &self.model,
+            step: &mut self.step,
+            scratch: &mut self.scratch,
+        };
+        (&mut self.engine, dec)
+    }
+
+    fn can_look_ahead(&self) -> bool {
+        true
+    }
+
+    fn can_generate(&self) -> Result<()> {
+        kv::check_gqa(&self.model.cfg)
+    }
+
+    fn stored_dtype(&self) -> DType {
         match self.model.weights {
             WeightFormat::F32 => DType::F32,
             WeightFormat::Bf16 => DType::Bf16,
@@ -431,14 +459,7 @@ impl RolloutEngine for WgpuBackend {
         }
     }
 
-    fn load_weights(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
-        if self.generator.in_flight() {
-            return Err(BackendError::StepInFlight("load_weights"));
-        }
-        crate::cpu::refuse_while_generating(self.generator.active())?;
-        // A look-ahead step queued behind the last one holds only rows of finished requests;
-        // the new weights are written after it has run.
-        self.generator.drop_ahead();
+    fn load_snapshot(&mut self, snap: &WeightSnapshot) -> Result<SyncPath> {
         snap.check_config(&self.model.cfg)?;
         if let SnapshotPayload::Device(d) = &snap.payload
             && let Some(src) = d.handle.downcast_ref::<WgpuSnapshot>()
@@ -477,79 +498,6 @@ impl RolloutEngine for WgpuBackend {
         self.gpu.check()?;
         Ok(SyncPath::Host)
     }
-
-    fn limits(&self) -> EngineLimits {
-        self.limits
-    }
-
-    fn set_limits(&mut self, limits: EngineLimits) -> Result<()> {
-        self.limits = limits.validate()?;
-        Ok(())
-    }
-
-    fn load(&self) -> EngineLoad {
-        EngineLoad {
-            requests: self.generator.active(),
-            kv_tokens: self.generator.kv_positions(),
-        }
-    }
-
-    fn add_request(&mut self, req: GenRequest) -> Result<()> {
-        generate_check(&self.model.cfg, std::slice::from_ref(&req), &self.generator)?;
-        self.load().admit(&self.limits, 1, req.kv_tokens(), || {
-            Rejected::Request(req.clone())
-        })?;
-        self.generator
-            .add(&self.gpu, &self.model.cfg, vec![req], false, |mut back| {
-                Rejected::Request(back.swap_remove(0))
-            })
-    }
-
-    fn add_group(&mut self, group: GroupRequest) -> Result<()> {
-        if group.samples.is_empty() {
-            return Err(BackendError::EmptyBatch("group with no samples".into()));
-        }
-        let reqs = group.clone().into_requests();
-        generate_check(&self.model.cfg, &reqs, &self.generator)?;
-        // The shared prefix is reserved once, each sample's other positions on their own.
-        let shared = generate::shared_positions(&reqs, true);
-        let kv = shared + reqs.iter().map(|r| r.kv_tokens() - shared).sum::<usize>();
-        self.load().admit(&self.limits, reqs.len(), kv, || {
-            Rejected::Group(group.clone())
-        })?;
-        self.generator
-            .add(&self.gpu, &self.model.cfg, reqs, true, |_| {
-                Rejected::Group(group)
-            })
-    }
-
-    fn cancel_request(&mut self, id: RequestKey) -> Result<()> {
-        self.generator.cancel(id)
-    }
-
-    fn export_request(&mut self, id: RequestKey) -> Result<ResumeState> {
-        self.generator.export(id)
-    }
-
-    fn resume_request(&mut self, st: ResumeState) -> Result<()> {
-        crate::cpu::generate::validate_resume(&self.model.cfg, &st)?;
-        if self.generator.contains(st.request.id) {
-            return Err(BackendError::DuplicateRequest(st.request.id));
-        }
-        self.load()
-            .admit(&self.limits, 1, st.request.kv_tokens(), || {
-                Rejected::Resume(Box::new(st.clone()))
-            })?;
-        self.generator.resume(&self.gpu, &self.model.cfg, st)
-    }
-
-    fn submit_step(&mut self) -> Result<()> {
-        self.generator.submit(&self.gpu, &mut self.ex, &self.model)
-    }
-
-    fn poll_step(&mut self, wait: bool) -> Result<Option<Vec<GenOutput>>> {
-        self.generator.poll(&mut self.ex, wait)
-    }
 }
 
 /// Gradient-norm partials the trained `entries` need under a binding limit of `limit` bytes.
@@ -558,21 +506,6 @@ fn norm_partials(limit: usize, entries: &[ParamEntry]) -> usize {
         .iter()
         .map(|e| ops::grad_norm_partials(limit, e.len))
         .sum()
-}
-
-/// Checks requests before admission: valid, and no id already active or repeated.
-fn generate_check(
-    cfg: &ModelConfig,
-    reqs: &[GenRequest],
-    generator: &generate::Generator,
-) -> Result<()> {
-    for (i, r) in reqs.iter().enumerate() {
-        crate::cpu::generate::validate_request(cfg, r)?;
-        if generator.contains(r.id) || reqs[..i].iter().any(|o| o.id == r.id) {
-            return Err(BackendError::DuplicateRequest(r.id));
-        }
-    }
-    Ok(())
 }
 
 impl WgpuBackend {
@@ -627,6 +560,40 @@ impl WgpuBackend {
     }
 }
 
+impl Optimize for WgpuBackend {
+    fn groups(&self, exclude_norms_from_decay: bool) -> Vec<ParamGroup> {
+        self.model.layout.param_groups(exclude_norms_from_decay)
+    }
+
+    fn grad_sumsq(&mut self) -> Result<f64> {
+        self.encode_grad_sumsq();
+        let t = self.ex.read_back(&self.norm_total, 0, 4);
+        Ok(self.ex.submit()?.get::<f32>(t)[0] as f64)
+    }
+
+    fn steps(&self) -> u64 {
+        self.opt_step
+    }
+
+    fn adamw(&mut self, t: u64, scalars: &[AdamScalars]) -> Result<()> {
+        self.opt_step = t;
+        let md = &self.model;
+        for (i, (e, s)) in md.layout.entries.iter().zip(scalars).enumerate() {
+            let (p, g) = (&md.params[i], &md.grads[i]);
+            ops::adamw_step(
+                &mut self.ex,
+                p,
+                g,
+                &self.opt_m[i],
+                &self.opt_v[i],
+                e.len,
+                *s,
+            );
+        }
+        self.ex.submit().map(|_| ())
+    }
+}
+
 impl Trainer for WgpuBackend {
     fn export_weights(&self) -> Result<Weights> {
         let mut ex = Exec::new(Arc::clone(&self.gpu));
@@ -635,7 +602,7 @@ impl Trainer for WgpuBackend {
     }
 
     fn import_weights(&mut self, w: &Weights) -> Result<()> {
-        crate::cpu::refuse_while_generating(self.generator.active())?;
+        refuse_while_generating(self.engine.active())?;
         w.validate(&self.model.cfg)?;
         let flat = self.model.layout.flatten::<f32>(w)?;
         self.model.write_params(&self.gpu, &flat)?;
@@ -660,66 +627,12 @@ impl Trainer for WgpuBackend {
     }
 
     fn logprobs(&mut self, seqs: &[Sequence], temperature: f32) -> Result<Vec<Vec<f32>>> {
-        if seqs.is_empty() {
-            return Err(BackendError::EmptyBatch("no sequences to score".into()));
-        }
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(BackendError::invalid(
-                "temperature",
-                format!("{temperature} must be positive"),
-            ));
-        }
-        for (i, s) in seqs.iter().enumerate() {
-            check_sequence(
-                &self.model.cfg,
-                &s.prompt,
-                &s.response,
-                &format!("sequence {i}"),
-            )?;
-        }
-        let pairs: Vec<(&[u32], &[u32])> = seqs
-            .iter()
-            .map(|s| (&s.prompt[..], &s.response[..]))
-            .collect();
-        let b = Packed::scored(&pairs);
-        self.forward(&b)?;
-        let a = self
-            .acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        let m = b.rows.len();
-        lm_head::logprob_fwd(&mut self.ex, &self.model, a, m, temperature as f64);
-        let t = self.ex.read_back(&a.logp, 0, m * 4);
-        let lp = self.ex.submit()?.get::<f32>(t);
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut at = 0;
-        for s in seqs {
-            out.push(lp[at..at + s.response.len()].to_vec());
-            at += s.response.len();
-        }
-        Ok(out)
+        let pairs = pairs(seqs);
+        self.with_net(|net, o, acts| net.logprobs(o, acts, &pairs, temperature as f64))
     }
 
     fn logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let cfg = &self.model.cfg;
-        if ids.is_empty() {
-            return Err(BackendError::EmptyBatch("no token ids".into()));
-        }
-        check_tokens(cfg, ids, "ids")?;
-        if ids.len() > cfg.max_position_embeddings {
-            return Err(BackendError::shape(
-                "ids length",
-                cfg.max_position_embeddings,
-                ids.len(),
-            ));
-        }
-        let b = Packed::all_positions(ids);
-        self.forward(&b)?;
-        let a = self
-            .acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        lm_head::read_logits(&mut self.ex, &self.model, a, ids.len())
+        self.with_net(|net, o, acts| net.logits(o, acts, ids))
     }
 
     fn zero_grad(&mut self) -> Result<()> {
@@ -731,84 +644,8 @@ impl Trainer for WgpuBackend {
 
     fn accumulate(&mut self, batch: &TrainBatch, obj: &Objective) -> Result<AccumStats> {
         self.trainable("accumulate")?;
-        validate_train_batch(&self.model.cfg, batch, obj)?;
-        let (loss, temperature) = match *obj {
-            Objective::Grpo {
-                eps_low,
-                eps_high,
-                beta,
-                temperature,
-            } => (
-                Loss::Grpo {
-                    eps_low,
-                    eps_high,
-                    beta,
-                },
-                temperature,
-            ),
-            Objective::Sft => (Loss::Sft, 1.0),
-        };
-        let pairs: Vec<(&[u32], &[u32])> = batch
-            .sequences
-            .iter()
-            .map(|s| (&s.prompt[..], &s.response[..]))
-            .collect();
-        let b = Packed::scored(&pairs);
-        let m = b.rows.len();
-        let LossInputs {
-            old,
-            refp,
-            adv,
-            wts,
-            flags: fl,
-        } = LossInputs::from_batch(batch, m);
-        self.forward(&b)?;
-        let a = self
-            .acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        self.gpu.write(&a.old, &old);
-        self.gpu.write(&a.refp, &refp);
-        self.gpu.write(&a.adv, &adv);
-        self.gpu.write(&a.wts, &wts);
-        self.gpu.write(&a.flags, &fl);
-        lm_head::logprob_fwd(&mut self.ex, &self.model, a, m, temperature);
-        ops::grpo_loss_fwd(
-            &mut self.ex,
-            &a.loss_stats,
-            &a.logp,
-            &a.old,
-            &a.refp,
-            &a.adv,
-            &a.wts,
-            &a.entropy,
-            &a.flags,
-            m,
-            loss,
-        );
-        let t = self.ex.read_back(&a.loss_stats, 0, 16);
-        let st = self.ex.submit()?.get::<f32>(t);
-        let stats = AccumStats {
-            loss_sum: st[0] as f64,
-            tokens: m,
-            sequences: batch.sequences.len(),
-            kl_sum: st[1] as f64,
-            entropy_sum: st[3] as f64,
-            clipped: st[2].max(0.0) as usize,
-        };
-        // A non-finite loss is refused before the backward, leaving the sums untouched.
-        if !stats.loss_sum.is_finite() {
-            return Err(BackendError::non_finite("loss of the micro-batch"));
-        }
-        let a = self
-            .acts
-            .as_ref()
-            .ok_or_else(|| BackendError::Device("activations missing".into()))?;
-        encode_backward(&mut self.ex, &self.model, a, &b, loss, temperature);
-        self.encode_grad_sumsq();
-        let t = self.ex.read_back(&self.norm_total, 0, 4);
-        let ss = self.ex.submit()?.get::<f32>(t)[0];
-        if !ss.is_finite() {
+        let stats = self.with_net(|net, o, acts| net.accumulate(o, acts, batch, obj, true))?;
+        if !self.grad_sumsq()?.is_finite() {
             return Err(BackendError::non_finite(
                 "gradient sums after this micro-batch (overflow); call zero_grad before reusing them",
             ));
@@ -818,55 +655,7 @@ impl Trainer for WgpuBackend {
 
     fn optimizer_step(&mut self, normalizer: f64, opt: &AdamW) -> Result<OptStats> {
         self.trainable("optimizer_step")?;
-        opt.validate()?;
-        if !(normalizer.is_finite() && normalizer > 0.0) {
-            return Err(BackendError::invalid(
-                "normalizer",
-                format!("{normalizer} is not a positive finite number"),
-            ));
-        }
-        self.encode_grad_sumsq();
-        let t = self.ex.read_back(&self.norm_total, 0, 4);
-        let ss = self.ex.submit()?.get::<f32>(t)[0] as f64;
-        let norm = ss.sqrt() / normalizer;
-        if !norm.is_finite() {
-            return Err(BackendError::non_finite("gradient (global norm)"));
-        }
-        let clip = match opt.max_grad_norm {
-            Some(c) => (c / (norm + 1e-6)).min(1.0),
-            None => 1.0,
-        };
-        self.opt_step += 1;
-        let scale = (clip / normalizer) as f32;
-        let groups = self.model.layout.param_groups(opt.exclude_norms_from_decay);
-        for (i, g) in groups.iter().enumerate() {
-            let wd = if g.decay { opt.weight_decay } else { 0.0 };
-            let s = AdamScalars::new(
-                scale,
-                opt.lr,
-                opt.beta1,
-                opt.beta2,
-                opt.eps,
-                wd,
-                self.opt_step,
-            );
-            let md = &self.model;
-            ops::adamw_step(
-                &mut self.ex,
-                &md.params[i],
-                &md.grads[i],
-                &self.opt_m[i],
-                &self.opt_v[i],
-                g.len,
-                s,
-            );
-        }
-        self.ex.submit()?;
-        Ok(OptStats {
-            grad_norm: norm,
-            clip_scale: clip,
-            step: self.opt_step,
-        })
+        crate::optim::step(self, normalizer, opt)
     }
 
     fn gradients(&self) -> Result<Weights> {

@@ -1187,39 +1187,23 @@ pub fn logprob_bwd(
 }
 
 /// Per-token flag bits of the loss kernels (shared by every device backend).
-pub use crate::loss_inputs::flags;
+pub use crate::model::loss::flags;
+pub use crate::model::{AdamScalars, Loss};
 
-/// The objective of the loss kernels.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Loss {
-    /// Clipped GRPO surrogate with k3 KL.
-    Grpo {
-        /// Lower clip range.
-        eps_low: f64,
-        /// Upper clip range.
-        eps_high: f64,
-        /// KL weight.
-        beta: f64,
-    },
-    /// `−logp`.
-    Sft,
-}
-
-impl Loss {
-    fn params(self, n: usize) -> Params {
-        match self {
-            Loss::Grpo {
-                eps_low,
-                eps_high,
-                beta,
-            } => Params::new()
-                .u(n)
-                .u(0)
-                .f(eps_low as f32)
-                .f(eps_high as f32)
-                .f(beta as f32),
-            Loss::Sft => Params::new().u(n).u(1).f(0.0).f(0.0).f(0.0),
-        }
+/// The loss kernels' parameters for `n` tokens.
+fn loss_params(loss: Loss, n: usize) -> Params {
+    match loss {
+        Loss::Grpo {
+            eps_low,
+            eps_high,
+            beta,
+        } => Params::new()
+            .u(n)
+            .u(0)
+            .f(eps_low as f32)
+            .f(eps_high as f32)
+            .f(beta as f32),
+        Loss::Sft => Params::new().u(n).u(1).f(0.0).f(0.0).f(0.0),
     }
 }
 
@@ -1239,7 +1223,7 @@ pub fn grpo_loss_fwd(
     loss: Loss,
 ) {
     let b = [logp, old, refp, adv, w, entropy, stats, tok_flags];
-    ex.dispatch(Kernel::GrpoLossFwd, 0, &b, loss.params(n), [1, 1]);
+    ex.dispatch(Kernel::GrpoLossFwd, 0, &b, loss_params(loss, n), [1, 1]);
 }
 
 /// `dlogp = w·∂loss/∂logp` (written).
@@ -1257,54 +1241,13 @@ pub fn grpo_loss_bwd(
     loss: Loss,
 ) {
     let b = [logp, old, refp, adv, w, dlogp, tok_flags];
-    ex.dispatch(Kernel::GrpoLossBwd, 0, &b, loss.params(n), linear(n, 256));
-}
-
-/// The f64-derived scalars of one AdamW step, computed as the CPU reference does.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamScalars {
-    /// Normaliser and clip factor folded into one gradient scale.
-    pub grad_scale: f32,
-    /// `1 − lr·wd`.
-    pub decay: f32,
-    /// `lr / (1 − β1^t)`.
-    pub step_size: f32,
-    /// `1 − β1`.
-    pub one_minus_beta1: f32,
-    /// `β2`.
-    pub beta2: f32,
-    /// `1 − β2`.
-    pub one_minus_beta2: f32,
-    /// `√(1 − β2^t)`.
-    pub sqrt_bc2: f32,
-    /// `eps`.
-    pub eps: f32,
-}
-
-impl AdamScalars {
-    /// The scalars of step `t` (1-based) with decay `wd` for this tensor.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        grad_scale: f32,
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        wd: f64,
-        t: u64,
-    ) -> Self {
-        let ti = t.min(i32::MAX as u64) as i32;
-        Self {
-            grad_scale,
-            decay: (1.0 - lr * wd) as f32,
-            step_size: (lr / (1.0 - beta1.powi(ti))) as f32,
-            one_minus_beta1: (1.0 - beta1) as f32,
-            beta2: beta2 as f32,
-            one_minus_beta2: (1.0 - beta2) as f32,
-            sqrt_bc2: (1.0 - beta2.powi(ti)).sqrt() as f32,
-            eps: eps as f32,
-        }
-    }
+    ex.dispatch(
+        Kernel::GrpoLossBwd,
+        0,
+        &b,
+        loss_params(loss, n),
+        linear(n, 256),
+    );
 }
 
 /// One AdamW step of an `n`-value tensor in place. A tensor above the binding limit runs in
@@ -1417,22 +1360,6 @@ pub fn sample(
         p,
         groups(rows),
     );
-}
-
-/// The `rowp` entry of one request: inverse temperature (0 = greedy), top-k (as bits),
-/// top-p and the uniform draw (rounded down to f32 so that it stays below 1).
-pub fn sample_row(temperature: f32, top_k: usize, top_p: f32, u: f64) -> [f32; 4] {
-    let inv = if temperature > 0.0 {
-        ((1.0 / temperature as f64) as f32).max(f32::MIN_POSITIVE)
-    } else {
-        0.0
-    };
-    let mut uf = u as f32;
-    if uf as f64 > u {
-        uf = f32::from_bits(uf.to_bits().saturating_sub(1));
-    }
-    let k = top_k.min(u32::MAX as usize) as u32;
-    [inv, f32::from_bits(k), top_p, uf]
 }
 
 #[cfg(test)]

@@ -2,6 +2,8 @@
 //! per-backend implementations, and the op tests written once against it.
 
 pub mod check;
+#[cfg(feature = "cuda")]
+pub mod cuda_device;
 #[cfg(feature = "wgpu")]
 pub mod device;
 pub mod op_shapes;

@@ -391,7 +391,14 @@ impl OpRunner for WgpuOps {
         let rows = us.len();
         let flat: Vec<f32> = us
             .iter()
-            .flat_map(|&u| gpu::sample_row(p.temperature, p.top_k, p.top_p, u))
+            .flat_map(|&u| {
+                rolloutpipe_backends::model::sampling::sample_row(
+                    p.temperature,
+                    p.top_k,
+                    p.top_p,
+                    u,
+                )
+            })
             .collect();
         let (zb, rb, tb, lb) = (
             self.up(z),

@@ -1,42 +1,45 @@
 //! What the model-facing subcommands share: choosing and opening a policy backend, finding a
 //! model directory's tokenizer, batched generation over many prompts, and writing JSON.
 //!
-//! Other modules (the trainer, the wgpu backend's commands) reuse [`open_backend`]: a new
-//! backend kind is one [`BackendKind`] variant and one match arm there.
+//! Every command names its backend by a [`BackendSpec`] ([`BackendArgs::spec`]) and opens it
+//! with [`open_backend`].
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use clap::ValueEnum;
 use rolloutpipe_backends::{
-    CpuBackend, GenOutput, GenRequest, ModelConfig, Policy, RequestKey, RolloutEngine,
-    SamplingParams, Weights, load_model_dir,
+    BackendKind, BackendSpec, GenOutput, GenRequest, ModelConfig, Policy, RequestKey,
+    RolloutEngine, SamplingParams, Weights,
 };
 
 use crate::tasks::{CharTokenizer, HfTokenizer, Tokenizer};
 
-/// Which policy backend runs the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BackendKind {
-    /// The f32 CPU reference.
-    Cpu,
-    /// The portable GPU backend (WGSL on any wgpu adapter: Vulkan, Metal, DX12, GL, lavapipe).
-    #[cfg(feature = "wgpu")]
-    Wgpu,
-    /// The CUDA backend (PTX kernels through cudarc; device 0). Needs a build with the
-    /// `cuda` feature and an NVIDIA driver; otherwise it fails with a one-line error.
-    Cuda,
-}
-
-/// Backend selection flags shared by the model subcommands.
+/// Backend selection flags shared by the model subcommands: the [`BackendSpec`] they build.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BackendArgs {
     /// Policy backend.
-    #[arg(long, value_enum, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", value_parser = backend_kind())]
     pub backend: BackendKind,
     /// Worker threads of the CPU backend (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+}
+
+impl BackendArgs {
+    /// The backend these flags name.
+    pub fn spec(&self) -> BackendSpec {
+        BackendSpec {
+            threads: self.threads,
+            ..BackendSpec::of(self.backend)
+        }
+    }
+}
+
+/// `--backend`'s values: the backends' own names.
+fn backend_kind() -> impl clap::builder::TypedValueParser<Value = BackendKind> {
+    use clap::builder::TypedValueParser;
+    let names = BackendKind::ALL.map(BackendKind::name);
+    clap::builder::PossibleValuesParser::new(names).try_map(|s| s.parse::<BackendKind>())
 }
 
 /// Where a backend's model comes from.
@@ -60,53 +63,54 @@ pub enum ModelSource {
     },
 }
 
-/// Opens a backend of `kind` on a model, in both seam roles (engine and trainer).
+/// Opens the backend `spec` names on a model, in both seam roles (engine and trainer). A model
+/// directory is read the way `spec`'s backend holds it in the least memory
+/// ([`BackendSpec::open_dir`]: the CPU backend converts the memory-mapped tensors straight
+/// into its own storage).
 ///
 /// ```no_run
-/// use rolloutpipe_harness::cmd::common::{open_backend, BackendKind, ModelSource};
-/// let be = open_backend(BackendKind::Cpu, &ModelSource::Dir("model".into()), 0).unwrap();
+/// use rolloutpipe_backends::BackendSpec;
+/// use rolloutpipe_harness::cmd::common::{open_backend, ModelSource};
+/// let be = open_backend(&BackendSpec::cpu(0), &ModelSource::Dir("model".into())).unwrap();
 /// println!("{} layers", be.config().num_hidden_layers);
 /// ```
-pub fn open_backend(
-    kind: BackendKind,
-    source: &ModelSource,
-    threads: usize,
-) -> anyhow::Result<Box<dyn Policy>> {
-    let (config, weights) = match source {
-        ModelSource::Dir(dir) => load_model_dir(dir)
-            .with_context(|| format!("loading model directory {}", dir.display()))?,
-        ModelSource::Random { config, seed } => (
-            config.clone(),
-            Weights::random(config, *seed).context("initialising random weights")?,
-        ),
-        ModelSource::Weights { config, weights } => (config.clone(), weights.clone()),
+pub fn open_backend(spec: &BackendSpec, source: &ModelSource) -> anyhow::Result<Box<dyn Policy>> {
+    if let Some(why) = spec.kind.unavailable() {
+        bail!("--backend {}: {why}", spec.kind);
+    }
+    let what = match spec.kind {
+        BackendKind::Cpu => "creating the CPU backend",
+        BackendKind::Wgpu => "creating the wgpu backend",
+        BackendKind::Cuda => "creating the CUDA backend",
     };
     // Weights, gradients and two optimizer moments: refuse absurd shapes before allocating.
-    crate::limits::check_model_fits(&config, 4, "the model's size")?;
-    if kind == BackendKind::Cuda
-        && let Some(why) = rolloutpipe_backends::cuda::availability()
-    {
-        bail!("--backend cuda: {why}");
-    }
-    match kind {
-        BackendKind::Cpu => Ok(Box::new(
-            CpuBackend::new(&config, &weights, threads).context("creating the CPU backend")?,
-        )),
-        #[cfg(feature = "wgpu")]
-        BackendKind::Wgpu => Ok(Box::new(
-            rolloutpipe_backends::wgpu::WgpuBackend::new(&config, &weights)
-                .context("creating the wgpu backend")?,
-        )),
-        #[cfg(feature = "cuda")]
-        BackendKind::Cuda => Ok(Box::new(
-            rolloutpipe_backends::cuda::CudaBackend::new(&config, &weights, 0)
-                .context("creating the CUDA backend")?,
-        )),
-        #[cfg(not(feature = "cuda"))]
-        BackendKind::Cuda => bail!(
-            "--backend cuda: {}",
-            rolloutpipe_backends::cuda::availability().unwrap_or_default()
-        ),
+    let fits = |c: &ModelConfig| crate::limits::check_model_fits(c, 4, "the model's size");
+    match source {
+        ModelSource::Dir(dir) => {
+            let path = dir.join("config.json");
+            let text = std::fs::read_to_string(&path).with_context(|| {
+                format!(
+                    "loading model directory {}: reading {}",
+                    dir.display(),
+                    path.display()
+                )
+            })?;
+            let config = ModelConfig::from_json_str(&text)
+                .with_context(|| format!("loading model directory {}", dir.display()))?;
+            fits(&config)?;
+            spec.open_dir(dir)
+                .with_context(|| format!("loading model directory {}", dir.display()))
+                .context(what)
+        }
+        ModelSource::Random { config, seed } => {
+            fits(config)?;
+            let weights = Weights::random(config, *seed).context("initialising random weights")?;
+            spec.open(config, &weights).context(what)
+        }
+        ModelSource::Weights { config, weights } => {
+            fits(config)?;
+            spec.open(config, weights).context(what)
+        }
     }
 }
 

@@ -318,11 +318,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 )
             })?;
     }
-    let mut be = open_backend(
-        args.backend.backend,
-        &ModelSource::Dir(args.model.clone()),
-        args.backend.threads,
-    )?;
+    let mut be = open_backend(&args.backend.spec(), &ModelSource::Dir(args.model.clone()))?;
     let tok = tokenizer_for(Some(&args.model), be.config())?;
     let params = SamplingParams {
         temperature: args.temperature,

@@ -1,16 +1,19 @@
 //! `rolloutpipe grpo-step --model DIR --batch FILE --out DIR2`: one GRPO optimizer step on a
 //! JSON batch of groups (format: `docs/batch-format.md`). Writes `DIR2/result.json` (loss, grad
 //! norm before clipping, ...), the updated model directory in `DIR2`, and with `--save-grads`
-//! the normalized gradient before clipping as `DIR2/grads.safetensors`. Every objective and
+//! the normalized gradient before clipping as `DIR2/grads.safetensors`. The model is loaded
+//! straight into the trainer's storage and both files are written tensor by tensor from it,
+//! so the step holds one copy of the weights, gradients and moments, as a training run does. Every objective and
 //! optimizer setting of SPEC §6 is a flag, so parity checks against other trainers can pin them.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use clap::ValueEnum;
+use rolloutpipe_backends::weights::param_specs;
 use rolloutpipe_backends::{
     AdamW, Aggregation, ModelConfig, Objective, Policy, StdMode, TrainBatch, TrainSequence,
-    Weights, advantages, normalizer,
+    advantages, normalizer, write_model_dir, write_safetensors,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -271,18 +274,17 @@ fn probe(be: &mut dyn Policy, file: &BatchFile) -> anyhow::Result<bool> {
 }
 
 /// Refuses to save a step that broke the model: non-finite weights, or logits that were
-/// informative before the step and are non-finite or constant after it (a huge `--lr`).
-fn check_usable(
-    be: &mut dyn Policy,
-    w: &Weights,
-    file: &BatchFile,
-    before: bool,
-) -> anyhow::Result<()> {
-    if let Some((name, _)) = w
-        .tensors
-        .iter()
-        .find(|(_, t)| t.data.iter().any(|x| !x.is_finite()))
-    {
+/// informative before the step and are non-finite or constant after it (a huge `--lr`). The
+/// weights are checked tensor by tensor where the trainer keeps them (no copy of the model).
+fn check_usable(be: &mut dyn Policy, file: &BatchFile, before: bool) -> anyhow::Result<()> {
+    let mut broken = None;
+    be.visit_weights(&mut |name, values| {
+        if broken.is_none() && values.iter().any(|x| !x.is_finite()) {
+            broken = Some(name.to_string());
+        }
+        Ok(())
+    })?;
+    if let Some(name) = broken {
         bail!("the step made weight {name} non-finite (is --lr too large?); nothing was saved");
     }
     if before && !probe(be, file)? {
@@ -302,11 +304,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let agg: Aggregation = args.agg.into();
     let file = BatchFile::load(&args.batch)?;
     let batch = file.to_train_batch(agg, args.std.into())?;
-    let mut be = open_backend(
-        args.backend.backend,
-        &ModelSource::Dir(args.model.clone()),
-        args.backend.threads,
-    )?;
+    let mut be = open_backend(&args.backend.spec(), &ModelSource::Dir(args.model.clone()))?;
     file.check_model(be.config())?;
     let before = probe(be.as_mut(), &file)?;
     let obj = Objective::Grpo {
@@ -332,27 +330,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .context("GRPO forward/backward")?;
     let norm = normalizer(agg, std::slice::from_ref(&batch));
     if args.save_grads {
-        let raw = be.gradients()?;
-        let scaled = Weights {
-            tensors: raw
-                .tensors
-                .into_iter()
-                .map(|(name, mut t)| {
-                    t.data
-                        .iter_mut()
-                        .for_each(|g| *g = (f64::from(*g) / norm) as f32);
-                    (name, t)
-                })
-                .collect(),
-        };
+        // Written one normalized tensor at a time from the trainer's own sums.
         std::fs::create_dir_all(&args.out)
             .with_context(|| format!("creating {}", args.out.display()))?;
-        scaled.save_safetensors(&args.out.join("grads.safetensors"))?;
+        let path = args.out.join("grads.safetensors");
+        write_safetensors(&path, &param_specs(be.config()), |put| {
+            be.visit_gradients(&mut |name, g| {
+                let scaled: Vec<f32> = g.iter().map(|x| (f64::from(*x) / norm) as f32).collect();
+                put(name, &scaled)
+            })
+        })
+        .with_context(|| format!("writing {}", path.display()))?;
     }
     let opt_stats = be.optimizer_step(norm, &opt).context("optimizer step")?;
-    let weights = be.export_weights()?;
-    check_usable(be.as_mut(), &weights, &file, before)?;
-    crate::rundir::save_model(&args.out, be.config(), &weights, Some(&args.model))?;
+    check_usable(be.as_mut(), &file, before)?;
+    // The updated model, one tensor at a time from the trainer's own weights.
+    write_model_dir(&args.out, be.config(), |put| be.visit_weights(put))
+        .with_context(|| format!("saving the model to {}", args.out.display()))?;
+    crate::rundir::copy_tokenizer(Some(&args.model), &args.out)?;
 
     let tokens = stats.tokens.max(1) as f64;
     let result = json!({

@@ -31,11 +31,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.ids.is_empty() {
         bail!("--ids needs at least one token id");
     }
-    let mut be = open_backend(
-        args.backend.backend,
-        &ModelSource::Dir(args.model.clone()),
-        args.backend.threads,
-    )?;
+    let mut be = open_backend(&args.backend.spec(), &ModelSource::Dir(args.model.clone()))?;
     let vocab = be.config().vocab_size;
     let flat = be.logits(&args.ids).context("computing logits")?;
     let rows: Vec<&[f32]> = flat.chunks(vocab).collect();

@@ -117,7 +117,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     };
-    let mut be = open_backend(args.backend.backend, &source, args.backend.threads)?;
+    let mut be = open_backend(&args.backend.spec(), &source)?;
     let tok = tokenizer_for(args.model.as_deref(), be.config())?;
     let eos = tok
         .eos_id()
