@@ -1,8 +1,9 @@
-//! What the model-facing subcommands share: choosing and opening a policy backend, finding a
-//! model directory's tokenizer, batched generation over many prompts, and writing JSON.
+//! What the model-facing subcommands share: choosing and opening a backend in both roles,
+//! finding a model directory's tokenizer, batched generation over many prompts, and writing
+//! JSON.
 //!
-//! Other modules (the trainer, the wgpu backend's commands) reuse [`open_backend`]: a new
-//! backend kind is one [`BackendKind`] variant and one match arm there.
+//! [`open_backend`] serves these commands (`sft`, `eval`, `logits`, `grpo-step`); `train`
+//! builds its engines and trainer from `run.backend` in `train::workers` instead.
 
 use std::path::{Path, PathBuf};
 

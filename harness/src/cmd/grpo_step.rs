@@ -2,7 +2,7 @@
 //! JSON batch of groups (format: `docs/batch-format.md`). Writes `DIR2/result.json` (loss, grad
 //! norm before clipping, ...), the updated model directory in `DIR2`, and with `--save-grads`
 //! the normalized gradient before clipping as `DIR2/grads.safetensors`. Every objective and
-//! optimizer setting of SPEC §6 is a flag, so parity checks against other trainers can pin them.
+//! optimizer setting of the trainer's is a flag, so parity checks against other trainers can pin them.
 
 use std::path::{Path, PathBuf};
 
@@ -332,22 +332,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .context("GRPO forward/backward")?;
     let norm = normalizer(agg, std::slice::from_ref(&batch));
     if args.save_grads {
-        let raw = be.gradients()?;
-        let scaled = Weights {
-            tensors: raw
-                .tensors
-                .into_iter()
-                .map(|(name, mut t)| {
-                    t.data
-                        .iter_mut()
-                        .for_each(|g| *g = (f64::from(*g) / norm) as f32);
-                    (name, t)
-                })
-                .collect(),
-        };
-        std::fs::create_dir_all(&args.out)
-            .with_context(|| format!("creating {}", args.out.display()))?;
-        scaled.save_safetensors(&args.out.join("grads.safetensors"))?;
+        save_grads(&args.out, be.gradients()?, norm)?;
     }
     let opt_stats = be.optimizer_step(norm, &opt).context("optimizer step")?;
     let weights = be.export_weights()?;
@@ -376,6 +361,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     });
     write_json(&args.out.join("result.json"), &result)?;
     println!("{}", serde_json::to_string(&result)?);
+    Ok(())
+}
+
+/// `grads.safetensors`: the raw gradient sums divided by the normaliser (what the optimizer
+/// step applies, before clipping).
+fn save_grads(out: &Path, raw: Weights, norm: f64) -> anyhow::Result<()> {
+    let scaled = Weights {
+        tensors: raw
+            .tensors
+            .into_iter()
+            .map(|(name, mut t)| {
+                t.data
+                    .iter_mut()
+                    .for_each(|g| *g = (f64::from(*g) / norm) as f32);
+                (name, t)
+            })
+            .collect(),
+    };
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    scaled.save_safetensors(&out.join("grads.safetensors"))?;
     Ok(())
 }
 

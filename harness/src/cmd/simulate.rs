@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 
 use crate::plot::{self, Series};
-use crate::sim::config::{Mode, SimConfig, SubmitOrderConfig};
+use crate::sim::config::{Mode, QueueOrder, Schedule, SimConfig};
 use crate::sim::report;
 use crate::sim::{RunResult, Simulated, simulate};
 
@@ -68,7 +68,7 @@ pub struct Args {
 struct Job {
     profile: String,
     setting: String,
-    mode: Mode,
+    mode: Schedule,
     record: bool,
 }
 
@@ -109,7 +109,7 @@ fn jobs_of(cfg: &SimConfig, focus: Option<(&str, &str)>) -> Vec<Job> {
     let mut modes = cfg.run.modes.clone();
     // The reductions and the ideal bound are against sync: always run it, first.
     modes.retain(|m| *m != Mode::Sync);
-    modes.insert(0, Mode::Sync);
+    modes.insert(0, Mode::Sync.into());
     let mut out = Vec::new();
     for p in &cfg.run.profiles {
         for s in &cfg.run.settings {
@@ -172,17 +172,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !cfg.profile.contains_key(fp) || !cfg.setting.contains_key(fs) {
         bail!("--focus {}: unknown profile or setting", args.focus);
     }
-    let mut work = jobs_of(&cfg, None);
-    // Record the focus setting even when it is outside the selected table.
-    for j in &mut work {
-        j.record = j.profile == fp && j.setting == fs;
-    }
-    if !work.iter().any(|j| j.record) {
-        let mut extra = jobs_of(&cfg, Some((fp, fs)));
-        extra.retain(|j| j.profile == fp && j.setting == fs);
-        extra.iter_mut().for_each(|j| j.record = true);
-        work.extend(extra);
-    }
+    let work = focus_jobs(&cfg, (fp, fs));
     let t0 = Instant::now();
     let sims = run_all(&cfg, &work, threads)?;
     let elapsed = t0.elapsed();
@@ -205,17 +195,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     let rows = report::rows(&in_table);
-    print!("{}", report::table_text(&rows));
-    println!();
-    for (mode, lo, hi, wlo, whi) in report::headline(&rows) {
-        println!(
-            "{mode:>13}: rollout-to-train-end {:+.1}% .. {:+.1}%, trainer waiting {:+.1}% .. {:+.1}% vs sync",
-            -100.0 * hi,
-            -100.0 * lo,
-            -100.0 * whi,
-            -100.0 * wlo
-        );
-    }
+    print_table(&rows);
     println!(
         "simulated {} runs in {:.2} s on {threads} threads",
         sims.len(),
@@ -224,35 +204,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     report::write_tables(&args.out, &rows, &in_table, &cfg)?;
     if !args.no_plots {
         report::plot_bars(&args.out, &rows)?;
-        let focus: Vec<&Simulated> = sims
-            .iter()
-            .filter(|s| s.result.profile == fp && s.result.setting == fs)
-            .collect();
-        let results: Vec<&RunResult> = focus.iter().map(|s| &s.result).collect();
-        report::plot_cdf(
-            &args.out,
-            &results,
-            &format!("Group completion times, {fp}/{fs} (all steps)"),
-        )?;
-        let step = u64::from(cfg.run.trace_step);
-        let engines = cfg.rollout.engines as usize;
-        for s in &focus {
-            let name = s.result.mode.name();
-            report::plot_gantt(
-                &args.out.join(format!("gantt_{name}.svg")),
-                &s.result,
-                &s.recording,
-                step,
-                engines,
-            )?;
-            report::write_trace(
-                &args.out.join(format!("trace_{name}.json")),
-                &s.result,
-                &s.recording,
-                step,
-                engines,
-            )?;
-        }
+        plot_focus(&cfg, &args.out, &sims, (fp, fs))?;
     }
     if args.sweep {
         sweeps(&cfg, &args.out, threads, &in_table)?;
@@ -261,17 +213,79 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Every job of the table, the focus setting's recorded (run as extra jobs when it is outside
+/// the selected table).
+fn focus_jobs(cfg: &SimConfig, (fp, fs): (&str, &str)) -> Vec<Job> {
+    let mut work = jobs_of(cfg, None);
+    for j in &mut work {
+        j.record = j.profile == fp && j.setting == fs;
+    }
+    if !work.iter().any(|j| j.record) {
+        let mut extra = jobs_of(cfg, Some((fp, fs)));
+        extra.retain(|j| j.profile == fp && j.setting == fs);
+        extra.iter_mut().for_each(|j| j.record = true);
+        work.extend(extra);
+    }
+    work
+}
+
+/// The table on stdout, then each mode's range of cuts against sync.
+fn print_table(rows: &[report::Row]) {
+    print!("{}", report::table_text(rows));
+    println!();
+    for (mode, lo, hi, wlo, whi) in report::headline(rows) {
+        println!(
+            "{mode:>13}: rollout-to-train-end {:+.1}% .. {:+.1}%, trainer waiting {:+.1}% .. {:+.1}% vs sync",
+            -100.0 * hi,
+            -100.0 * lo,
+            -100.0 * whi,
+            -100.0 * wlo
+        );
+    }
+}
+
+/// The focus setting's completion CDF, and per mode its Gantt plot and Chrome trace.
+fn plot_focus(
+    cfg: &SimConfig,
+    out: &Path,
+    sims: &[Simulated],
+    (fp, fs): (&str, &str),
+) -> anyhow::Result<()> {
+    let focus: Vec<&Simulated> = sims
+        .iter()
+        .filter(|s| s.result.profile == fp && s.result.setting == fs)
+        .collect();
+    let results: Vec<&RunResult> = focus.iter().map(|s| &s.result).collect();
+    report::plot_cdf(
+        out,
+        &results,
+        &format!("Group completion times, {fp}/{fs} (all steps)"),
+    )?;
+    let step = u64::from(cfg.run.trace_step);
+    let engines = cfg.rollout.engines as usize;
+    for s in &focus {
+        let name = s.result.mode.name();
+        report::plot_gantt(
+            &out.join(format!("gantt_{name}.svg")),
+            &s.result,
+            &s.recording,
+            step,
+            engines,
+        )?;
+        report::write_trace(
+            &out.join(format!("trace_{name}.json")),
+            &s.result,
+            &s.recording,
+            step,
+            engines,
+        )?;
+    }
+    Ok(())
+}
+
 fn bench(cfg: &SimConfig, threads: usize) -> anyhow::Result<()> {
     let mut c = cfg.clone();
-    c.run.modes = vec![
-        Mode::Sync,
-        Mode::Cgp,
-        Mode::Rolloutpipe,
-        Mode::OneStepOff,
-        Mode::CgpMux,
-        Mode::CgpMigrate,
-        Mode::CgpMuxMigrate,
-    ];
+    c.run.modes = Schedule::NAMED.to_vec();
     let work = jobs_of(&c, None);
     for t in [1, threads] {
         let t0 = Instant::now();
@@ -311,23 +325,17 @@ fn mean_cut(results: &[RunResult], sync: &[RunResult], mode: Mode) -> f64 {
 /// A point of the swept axes: (over-sampling draw factor, concurrency).
 type SweepPoint = (u32, u32);
 /// One mode's r2t cuts over the settings.
-type ModeCuts = (Mode, Vec<f64>);
+type ModeCuts = (Schedule, Vec<f64>);
 
 /// The swept axes: the baseline's over-sampling chunk (`draw_batch` B or 2B) and the per-engine
 /// concurrency (`sglang_server_concurrency`), for every setting and the on-policy modes. Writes
 /// `sweep_axes.csv` (one line per run) and `sweep_axes.txt` (per mode: the range of the r2t cut
 /// over all settings at each axis point, and over everything).
 fn sweep_axes(cfg: &SimConfig, out: &Path, threads: usize) -> anyhow::Result<()> {
-    let modes: Vec<Mode> = [
-        Mode::Cgp,
-        Mode::Rolloutpipe,
-        Mode::CgpMux,
-        Mode::CgpMigrate,
-        Mode::CgpMuxMigrate,
-    ]
-    .into_iter()
-    .filter(|m| cfg.run.modes.contains(m))
-    .collect();
+    // The on-policy overlapping modes: CGP and RolloutPipe, and CGP with its tail policies.
+    let modes: Vec<Schedule> = (Schedule::NAMED.into_iter())
+        .filter(|m| m.mode.pipelined() && cfg.run.modes.contains(m))
+        .collect();
     let mut csv = String::from(
         "draw_factor,concurrency,profile,setting,mode,r2t_s,r2t_cut,bound_cut,wait_ratio,slime_wait\n",
     );
@@ -340,14 +348,14 @@ fn sweep_axes(cfg: &SimConfig, out: &Path, threads: usize) -> anyhow::Result<()>
                 s.max_running = None;
                 s.draw_batch = s.batch * draw;
             }
-            c.run.modes = std::iter::once(Mode::Sync)
+            c.run.modes = std::iter::once(Mode::Sync.into())
                 .chain(modes.iter().copied())
                 .collect();
             let results: Vec<RunResult> = run_all(&c, &jobs_of(&c, None), threads)?
                 .into_iter()
                 .map(|s| s.result)
                 .collect();
-            let mut per_mode: Vec<(Mode, Vec<f64>)> = modes.iter().map(|&m| (m, vec![])).collect();
+            let mut per_mode: Vec<ModeCuts> = modes.iter().map(|&m| (m, vec![])).collect();
             for r in results.iter().filter(|r| r.mode != Mode::Sync) {
                 let Some(s) = results.iter().find(|s| {
                     s.mode == Mode::Sync && s.profile == r.profile && s.setting == r.setting
@@ -375,6 +383,19 @@ fn sweep_axes(cfg: &SimConfig, out: &Path, threads: usize) -> anyhow::Result<()>
         }
     }
     std::fs::write(out.join("sweep_axes.csv"), csv).context("writing sweep_axes.csv")?;
+    let txt = axes_summary(cfg, &modes, &summary);
+    std::fs::write(out.join("sweep_axes.txt"), &txt).context("writing sweep_axes.txt")?;
+    print!("{txt}");
+    Ok(())
+}
+
+/// `sweep_axes.txt`: per mode, the range of the r2t cut over the settings at each axis point
+/// and over all of them, after which axis point the main table ran at.
+fn axes_summary(
+    cfg: &SimConfig,
+    modes: &[Schedule],
+    summary: &[(SweepPoint, Vec<ModeCuts>)],
+) -> String {
     let range = |v: &[f64]| {
         let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
         let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -406,10 +427,10 @@ fn sweep_axes(cfg: &SimConfig, out: &Path, threads: usize) -> anyhow::Result<()>
         )),
         _ => txt.push_str("default (table.txt): not an axis point of this sweep\n"),
     }
-    for &m in &modes {
+    for &m in modes {
         txt.push_str(&format!("\n{m}\n"));
         let mut all = Vec::new();
-        for ((draw, conc), per_mode) in &summary {
+        for ((draw, conc), per_mode) in summary {
             if let Some((_, v)) = per_mode.iter().find(|(x, _)| *x == m) {
                 txt.push_str(&format!(
                     "  draw_batch {draw}B, {conc:>3} per engine: {}\n",
@@ -420,9 +441,7 @@ fn sweep_axes(cfg: &SimConfig, out: &Path, threads: usize) -> anyhow::Result<()>
         }
         txt.push_str(&format!("  over all axis points: {}\n", range(&all)));
     }
-    std::fs::write(out.join("sweep_axes.txt"), &txt).context("writing sweep_axes.txt")?;
-    print!("{txt}");
-    Ok(())
+    txt
 }
 
 fn sweeps(cfg: &SimConfig, out: &Path, threads: usize, base: &[RunResult]) -> anyhow::Result<()> {
@@ -432,81 +451,33 @@ fn sweeps(cfg: &SimConfig, out: &Path, threads: usize, base: &[RunResult]) -> an
         .filter(|r| r.mode == Mode::Sync)
         .cloned()
         .collect();
-    // Frontier width: RolloutPipe only (the other modes do not use it), per setting. Under a
-    // group-major baseline order FIFO already admits the frontier first, so the sweep also runs
-    // with the interleaved order, where admission order matters.
-    let widths = [0u32, 1, 2, 4, 8, 16, 64];
+    sweep_frontier(cfg, out, threads, &sync)?;
+    sweep_trainer(cfg, out, threads)
+}
+
+/// The frontier widths swept.
+const WIDTHS: [u32; 7] = [0, 1, 2, 4, 8, 16, 64];
+
+/// Frontier width: RolloutPipe only (the other modes do not use it), per setting. Under a
+/// group-major baseline order FIFO already admits the frontier first, so the sweep also runs
+/// with the interleaved order, where admission order matters.
+fn sweep_frontier(
+    cfg: &SimConfig,
+    out: &Path,
+    threads: usize,
+    sync: &[RunResult],
+) -> anyhow::Result<()> {
     let mut csv =
         String::from("submit_order,width,profile,setting,mode,r2t_s,r2t_cut,wait_ratio\n");
     let mut lines_fw: Vec<Series<(f64, f64)>> = Vec::new();
     let mut orders = vec![cfg.scheduler.submit_order];
-    if cfg.scheduler.submit_order != SubmitOrderConfig::Interleaved {
-        orders.push(SubmitOrderConfig::Interleaved);
+    if cfg.scheduler.submit_order != QueueOrder::Interleaved {
+        orders.push(QueueOrder::Interleaved);
     }
     for order in orders {
-        let oname = format!("{order:?}").to_lowercase();
-        let mut c = cfg.clone();
-        c.scheduler.submit_order = order;
-        c.run.modes = vec![Mode::Cgp];
-        let mut work = jobs_of(&c, None);
-        work.retain(|j| j.mode == Mode::Cgp);
-        let cgp: Vec<RunResult> = run_all(&c, &work, threads)?
-            .into_iter()
-            .map(|s| s.result)
-            .collect();
-        let mut rp_lines: Vec<Series<(f64, f64)>> = cfg
-            .run
-            .settings
-            .iter()
-            .map(|s| Series::new(format!("rolloutpipe {s} {oname}"), Vec::new()))
-            .collect();
-        let mut cgp_lines: Vec<Series<(f64, f64)>> = cfg
-            .run
-            .settings
-            .iter()
-            .map(|s| Series::new(format!("cgp {s} {oname}"), Vec::new()))
-            .collect();
-        for &w in &widths {
-            c.scheduler.frontier_width = w;
-            c.run.modes = vec![Mode::Rolloutpipe];
-            let mut work = jobs_of(&c, None);
-            work.retain(|j| j.mode == Mode::Rolloutpipe);
-            let res: Vec<RunResult> = run_all(&c, &work, threads)?
-                .into_iter()
-                .map(|s| s.result)
-                .collect();
-            for r in res
-                .iter()
-                .chain(if w == 0 { cgp.iter() } else { [].iter() })
-            {
-                let s = sync
-                    .iter()
-                    .find(|s| s.profile == r.profile && s.setting == r.setting);
-                let cut = s.map_or(f64::NAN, |s| (s.mean_r2t() - r.mean_r2t()) / s.mean_r2t());
-                csv.push_str(&format!(
-                    "{oname},{w},{},{},{},{:.4},{:.5},{:.5}\n",
-                    r.profile,
-                    r.setting,
-                    r.mode,
-                    r.mean_r2t(),
-                    cut,
-                    r.mean_wait_ratio()
-                ));
-            }
-            for (i, s) in cfg.run.settings.iter().enumerate() {
-                let sel: Vec<RunResult> = res.iter().filter(|r| &r.setting == s).cloned().collect();
-                rp_lines[i].values.push((
-                    f64::from(w),
-                    100.0 * mean_cut(&sel, &sync, Mode::Rolloutpipe),
-                ));
-                let sel: Vec<RunResult> = cgp.iter().filter(|r| &r.setting == s).cloned().collect();
-                cgp_lines[i]
-                    .values
-                    .push((f64::from(w), 100.0 * mean_cut(&sel, &sync, Mode::Cgp)));
-            }
-        }
+        let (rp_lines, cgp_lines) = frontier_order(cfg, threads, sync, order, &mut csv)?;
         lines_fw.extend(rp_lines);
-        if order == SubmitOrderConfig::Interleaved {
+        if order == QueueOrder::Interleaved {
             lines_fw.extend(cgp_lines);
         }
     }
@@ -517,9 +488,80 @@ fn sweeps(cfg: &SimConfig, out: &Path, threads: usize, base: &[RunResult]) -> an
         "frontier width (extra groups)",
         "cut, percent",
         &lines_fw,
-    )?;
+    )
+}
 
-    // Trainer pool: the training share of a sync step bounds any overlap.
+/// Per-setting lines of the cut against sync over the frontier widths.
+type CutLines = Vec<Series<(f64, f64)>>;
+
+/// The frontier sweep under one baseline order: its CSV lines, and per setting the
+/// RolloutPipe and CGP lines of the cut against sync.
+fn frontier_order(
+    cfg: &SimConfig,
+    threads: usize,
+    sync: &[RunResult],
+    order: QueueOrder,
+    csv: &mut String,
+) -> anyhow::Result<(CutLines, CutLines)> {
+    let oname = format!("{order:?}").to_lowercase();
+    let mut c = cfg.clone();
+    c.scheduler.submit_order = order;
+    let cgp = run_mode(&mut c, Mode::Cgp, threads)?;
+    let lines = |m: Mode| -> CutLines {
+        (cfg.run.settings.iter())
+            .map(|s| Series::new(format!("{m} {s} {oname}"), Vec::new()))
+            .collect()
+    };
+    let (mut rp_lines, mut cgp_lines) = (lines(Mode::Rolloutpipe), lines(Mode::Cgp));
+    for w in WIDTHS {
+        c.scheduler.frontier_width = w;
+        let res = run_mode(&mut c, Mode::Rolloutpipe, threads)?;
+        for r in res
+            .iter()
+            .chain(if w == 0 { cgp.iter() } else { [].iter() })
+        {
+            let s = sync
+                .iter()
+                .find(|s| s.profile == r.profile && s.setting == r.setting);
+            let cut = s.map_or(f64::NAN, |s| (s.mean_r2t() - r.mean_r2t()) / s.mean_r2t());
+            csv.push_str(&format!(
+                "{oname},{w},{},{},{},{:.4},{:.5},{:.5}\n",
+                r.profile,
+                r.setting,
+                r.mode,
+                r.mean_r2t(),
+                cut,
+                r.mean_wait_ratio()
+            ));
+        }
+        for (i, s) in cfg.run.settings.iter().enumerate() {
+            let sel: Vec<RunResult> = res.iter().filter(|r| &r.setting == s).cloned().collect();
+            rp_lines[i].values.push((
+                f64::from(w),
+                100.0 * mean_cut(&sel, sync, Mode::Rolloutpipe),
+            ));
+            let sel: Vec<RunResult> = cgp.iter().filter(|r| &r.setting == s).cloned().collect();
+            cgp_lines[i]
+                .values
+                .push((f64::from(w), 100.0 * mean_cut(&sel, sync, Mode::Cgp)));
+        }
+    }
+    Ok((rp_lines, cgp_lines))
+}
+
+/// `c`'s table in `mode` only.
+fn run_mode(c: &mut SimConfig, mode: Mode, threads: usize) -> anyhow::Result<Vec<RunResult>> {
+    c.run.modes = vec![mode.into()];
+    let mut work = jobs_of(c, None);
+    work.retain(|j| j.mode == mode);
+    Ok(run_all(c, &work, threads)?
+        .into_iter()
+        .map(|s| s.result)
+        .collect())
+}
+
+/// Trainer pool: the training share of a sync step bounds any overlap.
+fn sweep_trainer(cfg: &SimConfig, out: &Path, threads: usize) -> anyhow::Result<()> {
     let gpus = [1u32, 2, 3, 4, 6, 8];
     let mut csv = String::from(
         "trainer_gpus,profile,setting,mode,r2t_s,r2t_cut,wait_ratio,rollout_s,train_s\n",
@@ -534,7 +576,9 @@ fn sweeps(cfg: &SimConfig, out: &Path, threads: usize, base: &[RunResult]) -> an
     for &g in &gpus {
         let mut c = cfg.clone();
         c.trainer.gpus = g;
-        c.run.modes = vec![Mode::Sync, Mode::Cgp, Mode::Rolloutpipe];
+        c.run.modes = [Mode::Sync, Mode::Cgp, Mode::Rolloutpipe]
+            .map(Schedule::of)
+            .to_vec();
         let res: Vec<RunResult> = run_all(&c, &jobs_of(&c, None), threads)?
             .into_iter()
             .map(|s| s.result)

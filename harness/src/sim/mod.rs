@@ -17,4 +17,4 @@ pub mod workload;
 
 pub use config::{Mode, SimConfig};
 pub use driver::{Simulated, simulate};
-pub use metrics::{RunResult, StepMetrics};
+pub use metrics::{RunResult, StepRecord};
