@@ -280,7 +280,7 @@ impl<'a, 'c> Steps<'a, 'c> {
             k,
             is_last,
             stop,
-            checkpoint: is_last || stop || (every > 0 && (k + 1) % every == 0),
+            checkpoint: is_last || stop || (every > 0 && (k + 1).is_multiple_of(every)),
         }
     }
 
