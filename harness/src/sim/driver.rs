@@ -11,157 +11,26 @@
 //! is done plus the weight sync. `one-step-off` instead rolls out step k+1 with the weights of
 //! step k-1 while the trainer trains step k; both sides meet at a barrier, sync, and go on.
 mod policies;
+mod state;
 mod workers;
 
 use std::collections::{HashMap, VecDeque};
 
 use anyhow::{Context, ensure};
-use rolloutpipe_core::{
-    GroupId, GroupSlot, Plan, PolicyVersion, RequestId, RequestSlot, Scheduler, StepSummary, Tick,
-};
+use rolloutpipe_core::{Plan, PolicyVersion, RequestId, Scheduler, StepSummary, Tick};
+
+pub use super::recording::{Recording, RequestSpan, Simulated};
 
 use super::config::{MigrateVia, Mode, Routing, Schedule, SimConfig};
 use super::engine::{Engine, Ns, Waiting, secs_to_ns};
 use super::metrics::{RunResult, StepRecord, secs};
 use super::queue::EventQueue;
 use super::trainer::TrainerModel;
-use super::workload::{GroupDraw, Workload, name_hash};
+use super::workload::{Workload, name_hash};
 use crate::driver::Report;
 use crate::driver::metrics::{self, Occupancy};
 use crate::driver::plan::{FilterEstimate, PlanSpec};
-
-/// What happened, for the trace and the Gantt plot (recorded only when asked).
-#[derive(Debug, Default, Clone)]
-pub struct Recording {
-    /// Requests: (step, engine, group, sample, start, end, tokens, finished normally).
-    pub requests: Vec<RequestSpan>,
-    /// Trainer work: (step, label, start, end).
-    pub trainer: Vec<(u64, String, Ns, Ns)>,
-    /// Weight syncs: (start, end).
-    pub syncs: Vec<(Ns, Ns)>,
-    /// Group materializations of trained groups: (step, group, time).
-    pub completions: Vec<(u64, u32, Ns)>,
-    /// Requests held per engine after each change: (time, engine, held).
-    pub held: Vec<(Ns, u16, u32)>,
-    /// Multiplexed log-prob work on rollout engines: (step, engine, group, start, end).
-    pub mux: Vec<(u64, u16, u32, Ns, Ns)>,
-    /// Migrations: (step, group, sample, from, to, time, tokens moved).
-    pub migrations: Vec<(u64, u32, u16, u16, u16, Ns, u32)>,
-}
-
-/// One request's life on an engine.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RequestSpan {
-    /// Step.
-    pub step: u64,
-    /// Engine index.
-    pub engine: u16,
-    /// Group (draw order).
-    pub group: u32,
-    /// Sample index.
-    pub sample: u16,
-    /// Admission time.
-    pub start: Ns,
-    /// Generation end or abort.
-    pub end: Ns,
-    /// Tokens generated.
-    pub tokens: u32,
-    /// False when aborted.
-    pub finished: bool,
-}
-
-/// The result of one run plus, if asked, its recording.
-#[derive(Debug, Clone)]
-pub struct Simulated {
-    /// Metrics.
-    pub result: RunResult,
-    /// Recording (empty unless asked).
-    pub recording: Recording,
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Ev {
-    Boundary {
-        engine: usize,
-        epoch: u64,
-    },
-    /// A multiplexed log-prob pass ended on an engine: wake the loop to reuse the engine.
-    MuxDone,
-    Reward {
-        key: usize,
-    },
-    MicroBatchDone {
-        step: u64,
-    },
-    OptimizerDone {
-        step: u64,
-    },
-    StartRollout {
-        step: u64,
-    },
-    StartTrain {
-        step: u64,
-    },
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ReqStatus {
-    Running,
-    Generated,
-    Done,
-    Aborted,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct ReqInfo {
-    id: RequestId,
-    version: PolicyVersion,
-    engine: u16,
-    start: Ns,
-    tokens: u32,
-    reward: f32,
-    status: ReqStatus,
-}
-
-/// Per-step bookkeeping on the simulator's side (the core holds the protocol state).
-#[derive(Debug)]
-struct StepCtx {
-    version: u64,
-    workload: Workload,
-    groups: Vec<GroupDraw>,
-    completed: Vec<bool>,
-    dispatched: Vec<GroupId>,
-    start: Ns,
-    rollout_end: Option<Ns>,
-    train_end: Option<Ns>,
-    trainer_busy: Ns,
-    last_mb: Ns,
-    last_opt: Ns,
-    tokens_generated: u64,
-    /// Requests the engines held over the rollout (slot occupancy).
-    occupancy: Occupancy,
-    retractions_at_start: u64,
-    retractions: u64,
-    completions: Vec<Ns>,
-    /// Per group: when its data has reached the trainer.
-    data_ready: Vec<Ns>,
-    /// Per group: when an engine finished its log-prob pass (tail multiplexing).
-    logprob_ready: Vec<Option<Ns>>,
-    /// Per group: its micro-batch has started (no engine may take its log-prob pass).
-    mb_started: Vec<bool>,
-    /// Engines' busy time when the step started (for its rollout idle time).
-    engine_busy_at_start: Ns,
-    mux_ns: Ns,
-    mux_groups: u32,
-    migrations: u32,
-    /// Samples of the groups dispatched to the trainer.
-    trained_samples: u64,
-    /// Groups the allocation policy extended.
-    extended: u32,
-    metrics: Option<StepRecord>,
-    /// One-step-off: the barrier after this step's rollout has fired.
-    barrier_passed: bool,
-}
+use state::{CoreStorage, Ev, ReqInfo, ReqStatus, StepCtx};
 
 struct Sim<'c> {
     cfg: &'c SimConfig,
@@ -204,23 +73,6 @@ struct Sim<'c> {
     generated_keys: VecDeque<usize>,
 }
 
-/// Storage for the core: two schedulers, so one-step-off can train step k while rolling out k+1.
-struct CoreStorage {
-    groups: [Vec<GroupSlot>; 2],
-    requests: [Vec<RequestSlot>; 2],
-}
-
-impl CoreStorage {
-    fn new(max_groups: u32, requests: usize) -> Self {
-        let g = max_groups as usize;
-        let r = requests;
-        Self {
-            groups: [vec![GroupSlot::EMPTY; g], vec![GroupSlot::EMPTY; g]],
-            requests: [vec![RequestSlot::EMPTY; r], vec![RequestSlot::EMPTY; r]],
-        }
-    }
-}
-
 /// Simulates `profile` x `setting` in `schedule` (a [`Mode`] or a mode with tail policies);
 /// `record` keeps every span for traces and plots.
 pub fn simulate(
@@ -231,15 +83,13 @@ pub fn simulate(
     record: bool,
 ) -> anyhow::Result<Simulated> {
     let schedule = schedule.into();
-    let p = cfg
-        .profile
+    cfg.profile
         .get(profile)
         .with_context(|| format!("unknown profile `{profile}`"))?;
     let s = cfg
         .setting
         .get(setting)
         .with_context(|| format!("unknown setting `{setting}`"))?;
-    let max_running = s.max_running(&cfg.rollout);
     let max_groups = crate::driver::plan::max_groups(s.batch, cfg.scheduler.max_groups_factor);
     let allocator = cfg.alloc.allocator(s.batch, s.group as u16)?;
     let mut alloc_plan = Plan::new(s.batch, s.group as u16);
@@ -253,41 +103,8 @@ pub fn simulate(
     let [g0, g1] = &mut storage.groups;
     let [r0, r1] = &mut storage.requests;
     let mut scheds = [Scheduler::new(g0, r0), Scheduler::new(g1, r1)];
-    let mut sim = Sim {
-        cfg,
-        schedule,
-        setting_name: setting,
-        profile_name: profile,
-        steps: u64::from(cfg.run.steps),
-        slots: cfg.rollout.engines * max_running,
-        prompt_tokens: p.prompt_tokens,
-        verifier_ns: super::engine::secs_to_ns(cfg.rollout.verifier_latency_s),
-        trainer_model: TrainerModel::from_config(&cfg.trainer),
-        now: 0,
-        queue: EventQueue::default(),
-        engines: (0..cfg.rollout.engines)
-            .map(|_| Engine::new(&cfg.rollout, max_running, s.cap))
-            .collect(),
-        dirty: vec![false; cfg.rollout.engines as usize],
-        reqs: Vec::new(),
-        inflight: HashMap::new(),
-        ctxs: Vec::new(),
-        rolling: None,
-        training: None,
-        trainer_busy: false,
-        held_total: 0,
-        filter: FilterEstimate::prior(cfg.scheduler.expected_filter),
-        link_free: 0,
-        prefix_home: HashMap::new(),
-        last_train_end: 0,
-        events: 0,
-        conserved: true,
-        record,
-        rec: Recording::default(),
-        allocator,
-        max_samples,
-        generated_keys: VecDeque::new(),
-    };
+    let mut sim = Sim::new(cfg, (profile, setting), schedule, allocator, record)?;
+    sim.max_samples = max_samples;
     sim.queue.push(0, Ev::StartRollout { step: 0 });
     crate::driver::drive(&mut scheds, &mut sim)?;
     let steps: Vec<StepRecord> = sim.ctxs.iter().filter_map(|c| c.metrics.clone()).collect();
@@ -311,6 +128,59 @@ pub fn simulate(
         },
         recording: sim.rec,
     })
+}
+
+impl<'c> Sim<'c> {
+    /// A simulation of `profile` x `setting` in `schedule` at time 0, nothing run yet.
+    fn new(
+        cfg: &'c SimConfig,
+        (profile, setting): (&'c str, &'c str),
+        schedule: Schedule,
+        allocator: crate::alloc::Allocator,
+        record: bool,
+    ) -> anyhow::Result<Self> {
+        let p = cfg
+            .profile
+            .get(profile)
+            .with_context(|| format!("unknown profile `{profile}`"))?;
+        let s = &cfg.setting[setting];
+        let max_running = s.max_running(&cfg.rollout);
+        Ok(Sim {
+            cfg,
+            schedule,
+            setting_name: setting,
+            profile_name: profile,
+            steps: u64::from(cfg.run.steps),
+            slots: cfg.rollout.engines * max_running,
+            prompt_tokens: p.prompt_tokens,
+            verifier_ns: secs_to_ns(cfg.rollout.verifier_latency_s),
+            trainer_model: TrainerModel::from_config(&cfg.trainer),
+            now: 0,
+            queue: EventQueue::default(),
+            engines: (0..cfg.rollout.engines)
+                .map(|_| Engine::new(&cfg.rollout, max_running, s.cap))
+                .collect(),
+            dirty: vec![false; cfg.rollout.engines as usize],
+            reqs: Vec::new(),
+            inflight: HashMap::new(),
+            ctxs: Vec::new(),
+            rolling: None,
+            training: None,
+            trainer_busy: false,
+            held_total: 0,
+            filter: FilterEstimate::prior(cfg.scheduler.expected_filter),
+            link_free: 0,
+            prefix_home: HashMap::new(),
+            last_train_end: 0,
+            events: 0,
+            conserved: true,
+            record,
+            rec: Recording::default(),
+            allocator,
+            max_samples: 0,
+            generated_keys: VecDeque::new(),
+        })
+    }
 }
 
 fn tick(ns: Ns) -> Tick {

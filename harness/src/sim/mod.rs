@@ -11,6 +11,7 @@ pub mod driver;
 pub mod engine;
 pub mod metrics;
 pub mod queue;
+pub mod recording;
 pub mod report;
 pub mod trainer;
 pub mod workload;
