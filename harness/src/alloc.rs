@@ -13,21 +13,33 @@ use rolloutpipe_core::{
 };
 use serde::{Deserialize, Serialize};
 
-/// `[alloc]`: the allocation policy and its parameters. Every key has a default, so configs
-/// written before the section existed still load.
+crate::named! {
+    /// Which allocation policy decides the samples per prompt (`alloc.policy`).
+    pub enum AllocPolicy {
+        /// GRPO: every prompt gets G samples.
+        Fixed = "fixed",
+        /// VIGOR: n0 each, then extra rounds for the highest-variance groups.
+        Vigor = "vigor",
+        /// Pilot-Commit: a pilot, then a commit, a skip or a deferral per prompt.
+        PilotCommit = "pilot_commit",
+    }
+}
+
+/// `[alloc]`: the allocation policy and its parameters. Every key has a default, so a config
+/// without the section (or some of its keys) loads, as fixed G.
 ///
 /// ```
-/// use rolloutpipe_harness::alloc::AllocSection;
-/// let s = AllocSection { policy: "vigor".into(), ..AllocSection::default() };
-/// assert!(s.policy(16, 8).is_ok());
-/// let bad = AllocSection { policy: "vigor".into(), n0: 1, ..AllocSection::default() };
-/// assert_eq!(bad.policy(16, 8).unwrap_err().to_string(), "alloc.n0 is 1, must be at least 2");
+/// use rolloutpipe_harness::alloc::{AllocPolicy, AllocSection};
+/// let s = AllocSection { policy: AllocPolicy::Vigor, ..AllocSection::default() };
+/// assert!(s.allocator(16, 8).is_ok());
+/// let bad = AllocSection { policy: AllocPolicy::Vigor, n0: 1, ..AllocSection::default() };
+/// assert_eq!(bad.allocator(16, 8).unwrap_err().to_string(), "alloc.n0 is 1, must be at least 2");
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AllocSection {
-    /// `"fixed"` (GRPO: every prompt gets G samples), `"vigor"` or `"pilot_commit"`.
-    pub policy: String,
+    /// The policy.
+    pub policy: AllocPolicy,
     /// Samples one step may generate, drawn groups' and extensions' together; 0 = B × G, the
     /// fixed-G step's budget (so policies compare at the same rollout budget). VIGOR and
     /// Pilot-Commit only; fixed G keeps its over-sampling limit (`max_groups × G`).
@@ -53,7 +65,7 @@ pub struct AllocSection {
 impl Default for AllocSection {
     fn default() -> Self {
         AllocSection {
-            policy: "fixed".into(),
+            policy: AllocPolicy::Fixed,
             budget: 0,
             n0: 4,
             rounds: 2,
@@ -69,7 +81,7 @@ impl Default for AllocSection {
 
 /// A configured allocation policy: what `poll_allocation_with` asks.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Policy {
+pub enum Allocator {
     /// GRPO's fixed G.
     Fixed,
     /// VIGOR.
@@ -78,12 +90,12 @@ pub enum Policy {
     PilotCommit(PilotCommit),
 }
 
-impl Allocate for Policy {
+impl Allocate for Allocator {
     fn decide(&self, view: &View<'_, '_>, group: GroupId) -> Allocation {
         match self {
-            Policy::Fixed => FixedG.decide(view, group),
-            Policy::Vigor(v) => v.decide(view, group),
-            Policy::PilotCommit(p) => p.decide(view, group),
+            Allocator::Fixed => FixedG.decide(view, group),
+            Allocator::Vigor(v) => v.decide(view, group),
+            Allocator::PilotCommit(p) => p.decide(view, group),
         }
     }
 }
@@ -107,41 +119,35 @@ impl AllocSection {
     /// selected policy only. Fixed G refuses a non-zero `budget`: its step spends
     /// `max_groups × G` samples (`rollout.max_groups_factor`), so a budget would be silently
     /// ignored and the run would not be the comparison its config claims.
-    pub fn policy(&self, batch_groups: u32, group_size: u16) -> anyhow::Result<Policy> {
+    pub fn allocator(&self, batch_groups: u32, group_size: u16) -> anyhow::Result<Allocator> {
         let named = |e: AllocParamError| anyhow::anyhow!("alloc.{e}");
-        if !matches!(self.policy.as_str(), "fixed" | "vigor" | "pilot_commit") {
-            bail!(
-                "alloc.policy {:?} is not one of fixed, vigor, pilot_commit",
-                self.policy
-            );
-        }
         // VIGOR's own parameters: a batch of 0 groups makes the budget check vacuous.
         Vigor::new(self.n0, self.rounds, self.increment, self.budget, 0).map_err(named)?;
         let pilot =
             PilotCommit::new(self.n_pilot, self.n_commit, self.lower, self.upper).map_err(named)?;
         let budget = self.budget_for(batch_groups, group_size);
-        Ok(match self.policy.as_str() {
-            "vigor" => Policy::Vigor(
+        Ok(match self.policy {
+            AllocPolicy::Vigor => Allocator::Vigor(
                 Vigor::new(self.n0, self.rounds, self.increment, budget, batch_groups)
                     .map_err(named)?,
             ),
-            "pilot_commit" => {
+            AllocPolicy::PilotCommit => {
                 if budget < u32::from(self.n_pilot) {
                     bail!(
                         "alloc.budget {budget} is below one pilot of alloc.n_pilot = {} samples",
                         self.n_pilot
                     );
                 }
-                Policy::PilotCommit(pilot)
+                Allocator::PilotCommit(pilot)
             }
-            _ => {
+            AllocPolicy::Fixed => {
                 if self.budget != 0 {
                     bail!(
                         "alloc.budget is {}, but alloc.policy = \"fixed\" has no step budget (it spends up to max_groups × G samples; over-sample with rollout.max_groups_factor): set alloc.budget = 0 or choose vigor or pilot_commit",
                         self.budget
                     );
                 }
-                Policy::Fixed
+                Allocator::Fixed
             }
         })
     }
@@ -151,15 +157,15 @@ impl AllocSection {
     /// replacements (`max_groups = B`), as in its paper: with over-sampling, replacement draws
     /// of `draw_batch` prompts would spend the budget that the extra rounds are for, and a
     /// group still without variance after its rounds just shortens the batch.
-    pub fn configure(&self, policy: &Policy, plan: &mut Plan) {
+    pub fn configure(&self, allocator: &Allocator, plan: &mut Plan) {
         let budget = self.budget_for(plan.batch_groups, plan.group_size);
-        match policy {
-            Policy::Fixed => {}
-            Policy::Vigor(v) => {
+        match allocator {
+            Allocator::Fixed => {}
+            Allocator::Vigor(v) => {
                 v.configure(plan);
                 plan.max_groups = plan.batch_groups;
             }
-            Policy::PilotCommit(p) => {
+            Allocator::PilotCommit(p) => {
                 p.configure(plan);
                 plan.sample_budget = budget;
             }
@@ -167,22 +173,22 @@ impl AllocSection {
     }
 
     /// Most samples one group can end with under `policy` (sizes the per-group buffers).
-    pub fn max_group_samples(&self, policy: &Policy, plan: &Plan) -> u16 {
-        match policy {
-            Policy::Fixed => plan.group_size,
-            Policy::Vigor(_) => plan
+    pub fn max_group_samples(&self, allocator: &Allocator, plan: &Plan) -> u16 {
+        match allocator {
+            Allocator::Fixed => plan.group_size,
+            Allocator::Vigor(_) => plan
                 .group_size
                 .saturating_add(self.rounds.saturating_mul(self.increment)),
-            Policy::PilotCommit(_) => self.n_pilot.saturating_add(self.n_commit),
+            Allocator::PilotCommit(_) => self.n_pilot.saturating_add(self.n_commit),
         }
     }
 
     /// Request slots the core needs for `plan` under `policy`: every prompt it may draw at its
     /// initial size, plus the extensions the sample budget allows.
-    pub fn request_capacity(&self, policy: &Policy, plan: &Plan) -> usize {
+    pub fn request_capacity(&self, allocator: &Allocator, plan: &Plan) -> usize {
         let draws = plan.max_groups as usize * plan.group_size as usize;
-        match policy {
-            Policy::Fixed => draws,
+        match allocator {
+            Allocator::Fixed => draws,
             _ => draws + plan.sample_budget as usize,
         }
     }
@@ -194,7 +200,7 @@ mod tests {
 
     fn sec(policy: &str) -> AllocSection {
         AllocSection {
-            policy: policy.into(),
+            policy: AllocPolicy::parse(policy).unwrap(),
             ..AllocSection::default()
         }
     }
@@ -202,17 +208,18 @@ mod tests {
     #[test]
     fn defaults_build_every_policy() {
         for p in ["fixed", "vigor", "pilot_commit"] {
-            sec(p).policy(16, 8).unwrap();
+            sec(p).allocator(16, 8).unwrap();
         }
-        assert_eq!(sec("fixed").policy(16, 8).unwrap(), Policy::Fixed);
+        assert_eq!(sec("fixed").allocator(16, 8).unwrap(), Allocator::Fixed);
     }
 
     #[test]
     fn bad_parameters_are_named() {
-        let err = |s: AllocSection| s.policy(16, 8).unwrap_err().to_string();
+        let err = |s: AllocSection| s.allocator(16, 8).unwrap_err().to_string();
+        // Read from TOML, the key comes first (`alloc.policy "greedy" is not one of ...`).
         assert_eq!(
-            err(sec("greedy")),
-            "alloc.policy \"greedy\" is not one of fixed, vigor, pilot_commit"
+            AllocPolicy::parse("greedy").unwrap_err(),
+            "\"greedy\" is not one of fixed, vigor, pilot_commit"
         );
         assert_eq!(
             err(AllocSection {
@@ -261,7 +268,7 @@ mod tests {
 
     #[test]
     fn every_policys_parameters_are_checked_whatever_the_selected_policy() {
-        let err = |s: AllocSection| s.policy(16, 8).unwrap_err().to_string();
+        let err = |s: AllocSection| s.allocator(16, 8).unwrap_err().to_string();
         // A bad key of a policy that is not selected is still refused, naming it.
         for (bad, msg) in [
             (
@@ -306,7 +313,7 @@ mod tests {
         }
         // The batch-dependent checks are the selected policy's only: fixed G with G = 2 (a
         // B × G of 32, below VIGOR's n0 × B = 64) is fine.
-        assert_eq!(sec("fixed").policy(16, 2).unwrap(), Policy::Fixed);
+        assert_eq!(sec("fixed").allocator(16, 2).unwrap(), Allocator::Fixed);
         assert!(
             err(AllocSection {
                 budget: 63,
@@ -322,7 +329,7 @@ mod tests {
             budget: 256,
             ..sec("fixed")
         }
-        .policy(16, 8)
+        .allocator(16, 8)
         .unwrap_err()
         .to_string();
         assert!(
@@ -336,7 +343,7 @@ mod tests {
                 budget: 256,
                 ..sec(p)
             }
-            .policy(16, 8)
+            .allocator(16, 8)
             .unwrap();
         }
     }
@@ -344,7 +351,7 @@ mod tests {
     #[test]
     fn configure_sets_the_plan_the_policy_needs() {
         let s = sec("vigor");
-        let p = s.policy(16, 8).unwrap();
+        let p = s.allocator(16, 8).unwrap();
         let mut plan = Plan::new(16, 8);
         s.configure(&p, &mut plan);
         assert_eq!(
@@ -355,7 +362,7 @@ mod tests {
         assert_eq!(plan.max_groups, 16);
         assert_eq!(s.request_capacity(&p, &plan), 16 * 4 + 128);
         let s = sec("pilot_commit");
-        let p = s.policy(16, 8).unwrap();
+        let p = s.allocator(16, 8).unwrap();
         let mut plan = Plan::new(16, 8);
         s.configure(&p, &mut plan);
         assert_eq!(
@@ -364,7 +371,7 @@ mod tests {
         );
         assert_eq!(s.max_group_samples(&p, &plan), 8);
         let mut plan = Plan::new(16, 8);
-        sec("fixed").configure(&Policy::Fixed, &mut plan);
+        sec("fixed").configure(&Allocator::Fixed, &mut plan);
         assert_eq!(plan, Plan::new(16, 8));
     }
 }

@@ -14,5 +14,6 @@ pub mod plot;
 pub mod rundir;
 pub mod sim;
 pub mod tasks;
+pub mod toml_config;
 pub mod trace;
 pub mod train;

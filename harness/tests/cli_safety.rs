@@ -7,42 +7,22 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use rolloutpipe_harness::train::TrainConfig;
 use support::cli::{bin, run_err, run_ok, tempdir};
-use support::train::TINY_MODEL;
 
-/// A tiny run (1-layer model, 1-digit addition, short SFT), a checkpoint every step.
+/// A tiny run ([`TrainConfig::tiny`]: 1-layer model, 1-digit addition, short SFT) in sync
+/// mode, a checkpoint every step, as the TOML file the CLI reads.
 fn tiny() -> String {
-    format!(
-        r#"
-[run]
-seed = 3
-steps = 4
-mode = "sync"
-eval_every = 0
-eval_problems = 16
-checkpoint_every = 1
-progress = false
-[task]
-name = "add"
-digits = 1
-{TINY_MODEL}[sft]
-steps = 20
-batch = 16
-lr = 1e-2
-# The default's carry-dropping teacher is for the main job; these tests check mechanics.
-carry_drop = 0.0
-[rl]
-batch_groups = 4
-group_size = 4
-micro_batch = 4
-max_new_tokens = 4
-lr = 1e-3
-[rollout]
-engines = 2
-slots = 4
-max_groups_factor = 4.0
-"#
-    )
+    let sets = [
+        "run.steps=4",
+        "run.mode=sync",
+        "run.eval_problems=16",
+        "run.test_problems=1000",
+        "run.checkpoint_every=1",
+        "sft.steps=20",
+        "rl.micro_batch=4",
+    ];
+    TrainConfig::tiny().set(&sets).unwrap().to_toml().unwrap()
 }
 
 fn tiny_config(dir: &Path) -> PathBuf {

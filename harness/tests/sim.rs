@@ -1,6 +1,6 @@
 //! Simulator integration tests: determinism, conservation, the closed-form sync step, and the
 //! orderings the modes must respect on identical samples.
-use rolloutpipe_harness::sim::config::{Mode, SimConfig};
+use rolloutpipe_harness::sim::config::{Mode, Schedule, SimConfig};
 use rolloutpipe_harness::sim::simulate;
 
 /// A trivial workload: constant lengths (sigma 0, no runaways), rewards 1,0,1,0 so no group is
@@ -255,7 +255,7 @@ fn tail_multiplexing_moves_the_bound_and_stays_on_policy() {
     let cgp = simulate(&cfg, "flat", "T", Mode::Cgp, false)
         .unwrap()
         .result;
-    let mux = simulate(&cfg, "flat", "T", Mode::CgpMux, true).unwrap();
+    let mux = simulate(&cfg, "flat", "T", Schedule::CGP_MUX, true).unwrap();
     for (c, m) in cgp.steps.iter().zip(&mux.result.steps) {
         assert!((c.rollout() - m.rollout()).abs() < 1e-6, "rollouts differ");
         assert_eq!(m.staleness, 0);
@@ -283,7 +283,7 @@ fn migration_moves_tail_requests_without_failing_them() {
     let cgp = simulate(&cfg, "math", "R2", Mode::Cgp, false)
         .unwrap()
         .result;
-    let mig = simulate(&cfg, "math", "R2", Mode::CgpMigrate, true).unwrap();
+    let mig = simulate(&cfg, "math", "R2", Schedule::CGP_MIGRATE, true).unwrap();
     let moved: u32 = mig.result.steps.iter().map(|s| s.migrations).sum();
     assert!(moved > 0, "no request migrated");
     assert_eq!(mig.recording.migrations.len() as u32, moved);

@@ -2,45 +2,23 @@
 //! Pilot-Commit's verdicts run through the real engines and trainer, stay within the step's
 //! sample budget, and are counted in metrics.jsonl.
 mod support;
-use support::train::TINY_MODEL;
 
 use rolloutpipe_harness::train::{RunOutcome, TrainConfig, read_metrics};
 
-/// About a second: a 1-layer model warm-started on 1-digit addition (mixed rewards), 4 groups
-/// of G = 8 per step, 2 engines of 4 slots.
+/// About a second ([`TrainConfig::tiny`], seed 5, the default's carry-dropping SFT teacher):
+/// a 1-layer model warm-started on 1-digit addition (mixed rewards), 4 groups of G = 8 per
+/// step, 2 engines of 4 slots.
 fn tiny(steps: u32, sets: &[&str]) -> TrainConfig {
-    let base = format!(
-        r#"
-[run]
-seed = 5
-steps = {steps}
-eval_every = 0
-eval_problems = 24
-test_problems = 0
-checkpoint_every = 0
-progress = false
-[task]
-name = "add"
-digits = 1
-{TINY_MODEL}[sft]
-steps = 40
-batch = 16
-lr = 1e-2
-[rl]
-batch_groups = 4
-group_size = 8
-micro_batch = 1
-max_new_tokens = 4
-lr = 1e-3
-[rollout]
-engines = 2
-slots = 4
-max_groups_factor = 4.0
-"#
-    );
-    let cfg = TrainConfig::from_partial_toml(&base).unwrap();
-    let sets: Vec<String> = sets.iter().map(|s| (*s).to_owned()).collect();
-    let cfg = cfg.with_overrides(&sets).unwrap();
+    let steps = format!("run.steps={steps}");
+    let cfg = TrainConfig::tiny()
+        .set(&[
+            "run.seed=5",
+            &steps,
+            "sft.carry_drop=0.6",
+            "rl.group_size=8",
+        ])
+        .and_then(|c| c.set(sets))
+        .unwrap();
     cfg.validate().unwrap();
     cfg
 }

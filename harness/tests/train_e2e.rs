@@ -2,49 +2,27 @@
 //! property, on-policy versions, an injected engine failure, and resume.
 mod support;
 use std::path::PathBuf;
-use support::train::TINY_MODEL;
 
 use rolloutpipe_backends::Weights;
 use rolloutpipe_harness::train::{Mode, RunOutcome, TrainConfig, run};
 
-/// A run that takes about a second: a 1-layer model warm-started on 1-digit addition so that
-/// groups have mixed rewards, 4 groups of 4 per step, 2 engines of 4 slots (fewer slots than
-/// requests, so admission order matters).
+/// A run that takes about a second ([`TrainConfig::tiny`], seeds 3): a 1-layer model
+/// warm-started on 1-digit addition so that groups have mixed rewards, 4 groups of 4 per step,
+/// 2 engines of 4 slots (fewer slots than requests, so admission order matters), a checkpoint
+/// every step; `extra` holds `;`-separated overrides.
 fn tiny(mode: Mode, steps: u32, extra: &str) -> TrainConfig {
-    let base = format!(
-        r#"
-[run]
-seed = 3
-steps = {steps}
-mode = "{}"
-eval_every = 0
-eval_problems = 24
-test_problems = 24
-checkpoint_every = 1
-progress = false
-[task]
-name = "add"
-digits = 1
-{TINY_MODEL}[sft]
-steps = 40
-batch = 16
-lr = 1e-2
-# The default's carry-dropping teacher is for the main job; these tests check mechanics.
-carry_drop = 0.0
-[rl]
-batch_groups = 4
-group_size = 4
-micro_batch = 1
-max_new_tokens = 4
-lr = 1e-3
-[rollout]
-engines = 2
-slots = 4
-max_groups_factor = 4.0
-"#,
-        mode.name()
+    let (steps, mode_set) = (
+        format!("run.steps={steps}"),
+        format!("run.mode={}", mode.name()),
     );
-    let mut cfg = TrainConfig::from_partial_toml(&base).unwrap();
+    let mut cfg = TrainConfig::tiny()
+        .set(&[
+            &steps,
+            &mode_set,
+            "run.test_problems=24",
+            "run.checkpoint_every=1",
+        ])
+        .unwrap();
     if !extra.is_empty() {
         let sets: Vec<String> = extra.split(';').map(str::to_owned).collect();
         cfg = cfg.with_overrides(&sets).unwrap();
@@ -115,32 +93,41 @@ fn every_mode_runs_end_to_end_and_stays_on_policy() {
             "{mode}: 4 samples per trained group"
         );
         for m in &o.metrics {
-            assert!(m.rollout_to_train_end_s > 0.0 && m.rollout_to_train_end_s >= m.rollout_s);
-            assert!((0.0..=1.0).contains(&m.trainer_wait_ratio));
+            assert!(
+                m.timing.rollout_to_train_end_s > 0.0
+                    && m.timing.rollout_to_train_end_s >= m.rollout_s
+            );
+            assert!((0.0..=1.0).contains(&m.timing.trainer_wait_ratio));
             assert!(m.loss.is_finite() && m.grad_norm.is_finite());
             // The metrics shared with `simulate` (driver::metrics), by hand.
-            let bound = m.ideal_s.max(m.first_micro_batch_ready_s + m.train_busy_s);
-            assert!((m.bound_s - bound).abs() < 1e-9, "{mode}: {m:?}");
+            let bound = m
+                .timing
+                .ideal_s
+                .max(m.timing.first_micro_batch_ready_s + m.train_busy_s);
+            assert!((m.timing.bound_s - bound).abs() < 1e-9, "{mode}: {m:?}");
             // Group times are read from an Instant, the rollout from the core's ticks: 1 ms slack.
-            assert!(m.first_micro_batch_ready_s > 0.0);
+            assert!(m.timing.first_micro_batch_ready_s > 0.0);
             assert!(
-                m.first_micro_batch_ready_s <= m.rollout_s + 1e-3,
+                m.timing.first_micro_batch_ready_s <= m.rollout_s + 1e-3,
                 "{mode}: {m:?}"
             );
-            assert!((0.0..1.0).contains(&m.slime_wait_ratio), "{mode}: {m:?}");
+            assert!(
+                (0.0..1.0).contains(&m.timing.slime_wait_ratio),
+                "{mode}: {m:?}"
+            );
             if mode != Mode::OneStepOff {
-                // Slime's window (from the previous train end) holds SPEC's and the same work.
+                // Slime's window (from the previous train end) holds the in-window one's work.
                 assert!(
-                    m.slime_wait_ratio >= m.trainer_wait_ratio - 1e-9,
+                    m.timing.slime_wait_ratio >= m.timing.trainer_wait_ratio - 1e-9,
                     "{mode}: {m:?}"
                 );
             }
             assert!(
-                m.slot_occupancy > 0.0 && m.slot_occupancy <= 1.0,
+                m.timing.slot_occupancy > 0.0 && m.timing.slot_occupancy <= 1.0,
                 "{mode}: {m:?}"
             );
             assert!(
-                (0.0..=m.rollout_to_train_end_s).contains(&m.rollout_idle_s),
+                (0.0..=m.timing.rollout_to_train_end_s).contains(&m.timing.rollout_idle_s),
                 "{mode}: {m:?}"
             );
             assert!(m.rollouts > 0);

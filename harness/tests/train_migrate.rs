@@ -11,16 +11,13 @@ use support::train::{bits, kl_loss_bits, tiny_cfg, trace_count};
 /// depends only on its samples. A short warm start and 16-token answers make lengths vary,
 /// so that one engine is left with the tail while the other idles.
 fn cfg(mode: Mode, extra: &[&str]) -> TrainConfig {
-    let c = tiny_cfg(
-        mode,
-        "micro_batch = 4\nmax_new_tokens = 16",
-        "engines = 2\nslots = 16",
-        &["sft.steps=25"],
-    );
-    let sets: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-    let c = c.with_overrides(&sets).unwrap();
-    c.validate().unwrap();
-    c
+    let sets = [
+        &["rl.micro_batch=4", "rl.max_new_tokens=16"][..],
+        &["rollout.engines=2", "rollout.slots=16", "sft.steps=25"],
+        extra,
+    ]
+    .concat();
+    tiny_cfg(mode, &sets)
 }
 
 fn go(c: &TrainConfig, name: &str) -> RunOutcome {

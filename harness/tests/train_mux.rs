@@ -11,12 +11,13 @@ use support::train::{bits, kl_loss_bits, tiny_cfg, trace_count};
 /// groups complete and are dispatched in, does not depend on timing) and no over-sampling
 /// (nothing is drawn while the rollout runs).
 fn cfg(mode: Mode, extra: &[&str]) -> TrainConfig {
-    tiny_cfg(
-        mode,
-        "micro_batch = 1\nmax_new_tokens = 6",
-        "engines = 1\nslots = 32",
+    let sets = [
+        &["rl.micro_batch=1", "rl.max_new_tokens=6"][..],
+        &["rollout.engines=1", "rollout.slots=32"],
         extra,
-    )
+    ]
+    .concat();
+    tiny_cfg(mode, &sets)
 }
 
 fn go(c: &TrainConfig, name: &str) -> RunOutcome {

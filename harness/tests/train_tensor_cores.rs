@@ -9,10 +9,14 @@ mod support;
 
 use std::path::{Path, PathBuf};
 
-use rolloutpipe_backends::{ModelConfig, Weights};
+use rolloutpipe_backends::{DType, ModelConfig, Weights};
 use rolloutpipe_harness::train::TrainConfig;
+use rolloutpipe_harness::train::msg::{EngineOptions, TrainCmd};
+use rolloutpipe_harness::train::remote::protocol::{
+    EngineInit, EngineMsg, EngineReply, TrainerAnswer, TrainerInit, TrainerMsg,
+};
+use rolloutpipe_harness::train::remote::wire;
 use rolloutpipe_harness::train::remote::{EngineHost, TrainerHost};
-use rolloutpipe_harness::train::wire::{self, EngineMsg, EngineReply, TrainerAnswer, TrainerMsg};
 use support::cli::{bin, run_err, tempdir};
 use support::train::TINY_MODEL;
 
@@ -200,19 +204,19 @@ fn a_remote_trainer_host_honours_tensor_cores_from_its_init() {
         let mut config = TrainConfig::default_config().unwrap();
         config.run.backend = backend.into();
         config.trainer.tensor_cores = true;
-        let msg = TrainerMsg::Init {
-            config: Box::new(config),
+        let msg = TrainerMsg::Init(Box::new(TrainerInit {
+            config,
             model: mc.to_json(),
             adam_step: None,
             reference: false,
-        };
+        }));
         let mut host = TrainerHost::new();
         let reply = host
             .handle(&wire::encode(&msg, &[blob.as_slice()]))
             .unwrap();
         (host, wire::decode::<TrainerAnswer>(&reply).unwrap().0)
     };
-    let batch = wire::encode(&TrainerMsg::MicroBatch(vec![]), &[]);
+    let batch = wire::encode(&TrainerMsg::Cmd(TrainCmd::MicroBatch(vec![])), &[]);
 
     let (mut host, reply) = init("cpu");
     assert_eq!(
@@ -261,18 +265,20 @@ fn a_remote_engine_host_honours_tensor_cores_from_its_init() {
     let w = Weights::random(&mc, 11).unwrap();
     let blob = wire::weights_blob(&w).unwrap();
     let init = |backend: &str, tensor_cores: bool| {
-        let msg = EngineMsg::Init {
+        let msg = EngineMsg::Init(Box::new(EngineInit {
             engine: 0,
             backend: backend.into(),
-            threads: 1,
-            dtype: "f32".into(),
+            options: EngineOptions {
+                threads: 1,
+                dtype: DType::F32,
+                tensor_cores,
+                lookahead: false,
+            },
             model: mc.to_json(),
             fail_at_request: None,
             reference: false,
             perturb_mux: false,
-            tensor_cores,
-            lookahead: false,
-        };
+        }));
         let mut host = EngineHost::new();
         let reply = host.handle(&wire::encode(&msg, &[]), Some(&blob)).unwrap();
         (host, wire::decode::<EngineReply>(&reply).unwrap().0)
@@ -331,10 +337,9 @@ fn a_remote_engine_host_honours_tensor_cores_from_its_init() {
 mod with_tensor_cores {
     use std::path::PathBuf;
 
-    use rolloutpipe_harness::train::remote::Loopback;
+    use crate::support::loopback::Loopback;
     use rolloutpipe_harness::train::{Local, TrainConfig, run_with_transport};
 
-    use super::TINY_MODEL;
     use crate::support::train::{FRESH, bits, scratch, trained};
 
     fn dir(name: &str) -> PathBuf {
@@ -361,43 +366,23 @@ mod with_tensor_cores {
     /// the rollout (so the engines' numerics reach the update), tensor cores for the engines
     /// and the trainer as `engines` and `trainer` say.
     fn tiny(engines: bool, trainer: bool) -> TrainConfig {
-        let base = format!(
-            r#"
-[run]
-seed = 3
-steps = 1
-mode = "sync"
-backend = "wgpu"
-eval_every = 0
-eval_problems = 8
-test_problems = 0
-checkpoint_every = 0
-progress = false
-[task]
-name = "add"
-digits = 1
-{TINY_MODEL}[sft]
-steps = 24
-batch = 16
-lr = 1e-2
-carry_drop = 0.0
-[rl]
-batch_groups = 4
-group_size = 4
-micro_batch = 4
-max_new_tokens = 4
-lr = 1e-3
-old_logprobs = "rollout"
-[rollout]
-engines = 2
-slots = 4
-max_groups_factor = 4.0
-tensor_cores = {engines}
-[trainer]
-tensor_cores = {trainer}
-"#
+        let (e, t) = (
+            format!("rollout.tensor_cores={engines}"),
+            format!("trainer.tensor_cores={trainer}"),
         );
-        let cfg = TrainConfig::from_partial_toml(&base).unwrap();
+        let cfg = TrainConfig::tiny()
+            .set(&[
+                "run.steps=1",
+                "run.mode=sync",
+                "run.backend=wgpu",
+                "run.eval_problems=8",
+                "sft.steps=24",
+                "rl.micro_batch=4",
+                "rl.old_logprobs=rollout",
+                &e,
+                &t,
+            ])
+            .unwrap();
         cfg.validate().unwrap();
         cfg
     }

@@ -1,5 +1,5 @@
 //! `train` through the transport seam: the same run with its workers behind the wire
-//! (`remote::Loopback`, every message encoded and decoded as a Ray deployment's are) trains
+//! (`support::loopback::Loopback`, every message encoded and decoded as a Ray deployment's are) trains
 //! what the in-process run trains, and a rollout engine lost mid-step has its requests
 //! re-admitted on the others.
 mod support;
@@ -7,49 +7,27 @@ mod support;
 use std::path::PathBuf;
 
 use rolloutpipe_backends::Weights;
-use rolloutpipe_harness::train::remote::Loopback;
-use support::train::{FRESH, TINY_MODEL, scratch, trained};
+use support::loopback::Loopback;
+use support::train::{FRESH, scratch, trained};
 
 use rolloutpipe_harness::train::{Local, Mode, RunOutcome, TrainConfig, run_with_transport};
 
-/// The tiny job of `train_e2e` (1-layer model warm-started on 1-digit addition, 4 groups of 4
-/// per step, 2 engines of 4 slots), with two verifiers so the verifier route is exercised
-/// concurrently.
+/// The tiny job of `train_e2e` ([`TrainConfig::tiny`]: a 1-layer model warm-started on 1-digit
+/// addition, 4 groups of 4 per step, 2 engines of 4 slots), one micro-batch per step, with two
+/// verifiers so the verifier route is exercised concurrently.
 fn tiny(mode: Mode, steps: u32) -> TrainConfig {
-    let base = format!(
-        r#"
-[run]
-seed = 3
-steps = {steps}
-mode = "{}"
-eval_every = 0
-eval_problems = 24
-test_problems = 0
-checkpoint_every = 1
-progress = false
-[task]
-name = "add"
-digits = 1
-{TINY_MODEL}[sft]
-steps = 40
-batch = 16
-lr = 1e-2
-carry_drop = 0.0
-[rl]
-batch_groups = 4
-group_size = 4
-micro_batch = 4
-max_new_tokens = 4
-lr = 1e-3
-[rollout]
-engines = 2
-verifiers = 2
-slots = 4
-max_groups_factor = 4.0
-"#,
-        mode.name()
+    let (steps, mode) = (
+        format!("run.steps={steps}"),
+        format!("run.mode={}", mode.name()),
     );
-    let cfg = TrainConfig::from_partial_toml(&base).unwrap();
+    let sets = [
+        &steps,
+        &mode,
+        "run.checkpoint_every=1",
+        "rl.micro_batch=4",
+        "rollout.verifiers=2",
+    ];
+    let cfg = TrainConfig::tiny().set(&sets).unwrap();
     cfg.validate().unwrap();
     cfg
 }

@@ -1,5 +1,6 @@
-//! What the model-facing subcommands share: choosing and opening a policy backend, finding a
-//! model directory's tokenizer, batched generation over many prompts, and writing JSON.
+//! What the model-facing subcommands share: choosing and opening a backend in both roles,
+//! finding a model directory's tokenizer, batched generation over many prompts, and writing
+//! JSON.
 //!
 //! Every command names its backend by a [`BackendSpec`] ([`BackendArgs::spec`]) and opens it
 //! with [`open_backend`].

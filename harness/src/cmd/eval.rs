@@ -2,7 +2,7 @@
 //! with `--data FILE.jsonl`, on the user's own problems, checked by the task's verifier), as
 //! JSON. Greedy decoding by default, so the number is reproducible.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use rolloutpipe_backends::{RolloutEngine, SamplingParams};
@@ -13,7 +13,7 @@ use super::common::{
     write_json,
 };
 use crate::tasks::{
-    JsonlKeys, Problem, Split, TaskOptions, Tokenizer, Verdict, Verifier, generate,
+    JsonlKeys, Problem, Split, Task, TaskOptions, Tokenizer, Verdict, Verifier, generate,
     load_jsonl_with, task_by_name, uniform_test_set,
 };
 
@@ -236,87 +236,11 @@ pub fn evaluate(
 
 /// Runs `eval`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if let Some(path) = &args.out {
-        crate::rundir::ensure_new_file(path, args.force, "--out")?;
-    }
-    anyhow::ensure!(
-        args.data.is_some() || args.n >= 1,
-        "--n must be at least 1 (an accuracy over no problems means nothing)"
-    );
-    anyhow::ensure!(args.concurrency >= 1, "--concurrency must be at least 1");
-    anyhow::ensure!(args.max_tokens >= 1, "--max-tokens must be at least 1");
-    anyhow::ensure!(args.samples >= 1, "--samples must be at least 1");
-    anyhow::ensure!(
-        args.samples == 1 || args.temperature > 0.0,
-        "--samples {} with --temperature 0: greedy responses are all the same; give a temperature",
-        args.samples
-    );
-    crate::limits::finite_nonneg("--temperature", f64::from(args.temperature))?;
-    // A generated problem, its prompt ids and its report entry: well under 1 KiB each.
-    crate::limits::check_fits("--n", args.n as u128, 1024)?;
-    crate::limits::check_fits(
-        "--n x --samples",
-        args.n as u128 * args.samples as u128,
-        1024,
-    )?;
-    args.task.check()?;
+    check(&args)?;
     let task = task_by_name(&args.task.task, &args.task.options())?;
-    // Every report names the distribution its accuracy was measured on.
-    let (problems, distribution) = match &args.data {
-        Some(path) => {
-            let keys = JsonlKeys {
-                input: args.input_key.clone(),
-                label: args.label_key.clone(),
-            };
-            (
-                load_jsonl_with(path, task.as_ref(), &keys)?,
-                format!("data: the problems of {}", path.display()),
-            )
-        }
-        None if args.uniform => {
-            let digits = args
-                .task
-                .digits
-                .unwrap_or(if task.name() == "mul" { 2 } else { 3 });
-            uniform_test_set(task.name(), digits, args.task.reverse, args.seed, args.n)?
-                .with_context(|| {
-                    format!(
-                        "--uniform: task {} has no uniform test distribution (add, mul)",
-                        task.name()
-                    )
-                })?
-        }
-        None => (
-            generate(task.as_ref(), args.seed, Split::HeldOut, args.n)?,
-            format!(
-                "held-out: {} problems of the {} generator's held-out split (training distribution), seed {}",
-                args.n,
-                task.name(),
-                args.seed
-            ),
-        ),
-    };
+    let (problems, distribution) = problems(&args, task.as_ref())?;
     if let Some(path) = &args.write_problems {
-        let mut text = String::new();
-        for p in &problems {
-            text.push_str(&serde_json::to_string(
-                &json!({"prompt": p.prompt, "answer": p.answer}),
-            )?);
-            text.push('\n');
-        }
-        // create_new: an existing file is the user's and is never overwritten.
-        use std::io::Write;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .and_then(|mut f| f.write_all(text.as_bytes()))
-            .with_context(|| {
-                format!(
-                    "--write-problems {} (it must not exist yet)",
-                    path.display()
-                )
-            })?;
+        write_problems(path, &problems)?;
     }
     let mut be = open_backend(&args.backend.spec(), &ModelSource::Dir(args.model.clone()))?;
     let tok = tokenizer_for(Some(&args.model), be.config())?;
@@ -368,6 +292,96 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     println!("{}", serde_json::to_string_pretty(&value)?);
     Ok(())
+}
+
+/// Refuses arguments that cannot work, before anything is read or written.
+fn check(args: &Args) -> anyhow::Result<()> {
+    if let Some(path) = &args.out {
+        crate::rundir::ensure_new_file(path, args.force, "--out")?;
+    }
+    anyhow::ensure!(
+        args.data.is_some() || args.n >= 1,
+        "--n must be at least 1 (an accuracy over no problems means nothing)"
+    );
+    anyhow::ensure!(args.concurrency >= 1, "--concurrency must be at least 1");
+    anyhow::ensure!(args.max_tokens >= 1, "--max-tokens must be at least 1");
+    anyhow::ensure!(args.samples >= 1, "--samples must be at least 1");
+    anyhow::ensure!(
+        args.samples == 1 || args.temperature > 0.0,
+        "--samples {} with --temperature 0: greedy responses are all the same; give a temperature",
+        args.samples
+    );
+    crate::limits::finite_nonneg("--temperature", f64::from(args.temperature))?;
+    // A generated problem, its prompt ids and its report entry: well under 1 KiB each.
+    crate::limits::check_fits("--n", args.n as u128, 1024)?;
+    crate::limits::check_fits(
+        "--n x --samples",
+        args.n as u128 * args.samples as u128,
+        1024,
+    )?;
+    args.task.check()
+}
+
+/// The problems to evaluate, and the distribution they are from (every report names it).
+fn problems(args: &Args, task: &dyn Task) -> anyhow::Result<(Vec<Problem>, String)> {
+    Ok(match &args.data {
+        Some(path) => {
+            let keys = JsonlKeys {
+                input: args.input_key.clone(),
+                label: args.label_key.clone(),
+            };
+            (
+                load_jsonl_with(path, task, &keys)?,
+                format!("data: the problems of {}", path.display()),
+            )
+        }
+        None if args.uniform => {
+            let digits = args
+                .task
+                .digits
+                .unwrap_or(if task.name() == "mul" { 2 } else { 3 });
+            uniform_test_set(task.name(), digits, args.task.reverse, args.seed, args.n)?
+                .with_context(|| {
+                    format!(
+                        "--uniform: task {} has no uniform test distribution (add, mul)",
+                        task.name()
+                    )
+                })?
+        }
+        None => (
+            generate(task, args.seed, Split::HeldOut, args.n)?,
+            format!(
+                "held-out: {} problems of the {} generator's held-out split (training distribution), seed {}",
+                args.n,
+                task.name(),
+                args.seed
+            ),
+        ),
+    })
+}
+
+/// `--write-problems`: the evaluated problems as JSONL, into a file that must not exist yet
+/// (an existing file is the user's and is never overwritten).
+fn write_problems(path: &Path, problems: &[Problem]) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut text = String::new();
+    for p in problems {
+        text.push_str(&serde_json::to_string(
+            &json!({"prompt": p.prompt, "answer": p.answer}),
+        )?);
+        text.push('\n');
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .with_context(|| {
+            format!(
+                "--write-problems {} (it must not exist yet)",
+                path.display()
+            )
+        })
 }
 
 /// Fraction of problems with at least one correct response, `correct` holding `k` verdicts per

@@ -4,7 +4,7 @@
 //! the normalized gradient before clipping as `DIR2/grads.safetensors`. The model is loaded
 //! straight into the trainer's storage and both files are written tensor by tensor from it,
 //! so the step holds one copy of the weights, gradients and moments, as a training run does. Every objective and
-//! optimizer setting of SPEC §6 is a flag, so parity checks against other trainers can pin them.
+//! optimizer setting of the trainer's is a flag, so parity checks against other trainers can pin them.
 
 use std::path::{Path, PathBuf};
 

@@ -1,5 +1,4 @@
-//! `rolloutpipe sft --task add --steps N --out DIR`: the SFT warm start (SPEC §7, issue 3 item
-//! 6). Cross-entropy on correct solutions (prompt → answer + `<eos>`) of the task's training
+//! `rolloutpipe sft --task add --steps N --out DIR`: the SFT warm start. Cross-entropy on correct solutions (prompt → answer + `<eos>`) of the task's training
 //! split, AdamW with linear warm-up and cosine decay, then a greedy evaluation on the held-out
 //! split. Writes the model directory and `DIR/sft.json` (loss curve, timing, held-out accuracy),
 //! so that RL starts from a model with a non-trivial accuracy, i.e. with reward variance.
@@ -9,13 +8,13 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::ValueEnum;
 use rolloutpipe_backends::{
-    AdamW, Aggregation, ModelConfig, Objective, SamplingParams, TrainBatch, TrainSequence,
+    AdamW, Aggregation, ModelConfig, Objective, SamplingParams, TrainBatch, TrainSequence, Trainer,
 };
 use serde_json::json;
 
 use super::common::{BackendArgs, ModelSource, open_backend, progress, tokenizer_for, write_json};
 use super::eval::{TaskArgs, evaluate};
-use crate::tasks::{CharTokenizer, Split, Tokenizer, generate, task_by_name};
+use crate::tasks::{CharTokenizer, Split, Task, Tokenizer, generate, task_by_name};
 
 /// Model size of a fresh model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -85,6 +84,63 @@ fn lr_at(step: usize, steps: usize, warmup: usize, peak: f64) -> f64 {
 
 /// Runs `sft`.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    check(&args)?;
+    crate::rundir::ensure_empty_dir(&args.out, args.force, "--out")?;
+    let task = task_by_name(&args.task.task, &args.task.options())?;
+    let source = model_source(&args);
+    let mut be = open_backend(&args.backend.spec(), &source)?;
+    let tok = tokenizer_for(args.model.as_deref(), be.config())?;
+    let eos = tok
+        .eos_id()
+        .context("SFT needs a tokenizer with an end-of-sequence token")?;
+    let examples = examples(&args, task.as_ref(), tok.as_ref(), eos)?;
+    let start = std::time::Instant::now();
+    let (curve, tokens_total) = train(&args, be.as_mut(), &examples)?;
+    let train_seconds = start.elapsed().as_secs_f64();
+
+    let weights = be.export_weights()?;
+    crate::rundir::save_model(&args.out, be.config(), &weights, args.model.as_deref())?;
+
+    let mut eval = serde_json::Value::Null;
+    if args.eval_n > 0 {
+        let held = generate(task.as_ref(), args.seed, Split::HeldOut, args.eval_n)?;
+        let params = SamplingParams {
+            temperature: 0.0,
+            max_new_tokens: 48,
+            stop_tokens: vec![eos],
+            ..SamplingParams::default()
+        };
+        let r = evaluate(
+            be.as_mut(),
+            tok.as_ref(),
+            task.as_ref(),
+            &held,
+            &params,
+            64,
+            true,
+        )?;
+        eval = json!({ "n": r.n, "correct": r.correct, "accuracy": r.accuracy(), "malformed": r.malformed, "examples": r.examples });
+    }
+    let value = json!({
+        "task": task.name(),
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "parameters": be.config().num_parameters(),
+        "final_loss": curve.last().and_then(|v| v.get(1)).cloned(),
+        "loss_curve": curve,
+        "train_seconds": train_seconds,
+        "train_tokens_per_second": tokens_total as f64 / train_seconds.max(1e-9),
+        "heldout_eval": eval,
+    });
+    write_json(&args.out.join("sft.json"), &value)?;
+    println!("{}", serde_json::to_string_pretty(&value)?);
+    Ok(())
+}
+
+/// Refuses arguments that cannot work, before anything is written.
+fn check(args: &Args) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.steps > 0 && args.batch_size > 0,
         "--steps and --batch-size must be positive"
@@ -96,17 +152,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // Every step's problems are generated and tokenized up front: a few hundred bytes each.
     let problems_n = (args.steps as u128).saturating_mul(args.batch_size as u128);
     crate::limits::check_fits("--steps x --batch-size", problems_n, 512)?;
-    crate::limits::check_fits("--eval-n", args.eval_n as u128, 1024)?;
-    crate::rundir::ensure_empty_dir(&args.out, args.force, "--out")?;
-    let task = task_by_name(&args.task.task, &args.task.options())?;
-    let source = match &args.model {
+    crate::limits::check_fits("--eval-n", args.eval_n as u128, 1024)
+}
+
+/// The model to start from: `--model`'s directory, or a fresh model of `--preset`'s shape
+/// that speaks the built-in character vocabulary.
+fn model_source(args: &Args) -> ModelSource {
+    match &args.model {
         Some(dir) => ModelSource::Dir(dir.clone()),
         None => {
             let mut config = match args.preset {
                 Preset::Small => ModelConfig::small(),
                 Preset::Tiny => ModelConfig::tiny(),
             };
-            // A fresh model speaks the built-in character vocabulary.
             let tok = CharTokenizer;
             config.vocab_size = config.vocab_size.max(tok.vocab_size());
             config.bos_token_id = tok.bos_id();
@@ -116,19 +174,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 seed: args.seed,
             }
         }
-    };
-    let mut be = open_backend(&args.backend.spec(), &source)?;
-    let tok = tokenizer_for(args.model.as_deref(), be.config())?;
-    let eos = tok
-        .eos_id()
-        .context("SFT needs a tokenizer with an end-of-sequence token")?;
+    }
+}
 
-    let problems = generate(
-        task.as_ref(),
-        args.seed,
-        Split::Train,
-        args.steps * args.batch_size,
-    )?;
+/// Every step's (prompt, answer + eos) token ids, in step order.
+fn examples(
+    args: &Args,
+    task: &dyn Task,
+    tok: &dyn Tokenizer,
+    eos: u32,
+) -> anyhow::Result<Vec<(Vec<u32>, Vec<u32>)>> {
+    let problems = generate(task, args.seed, Split::Train, args.steps * args.batch_size)?;
     let mut examples = Vec::with_capacity(problems.len());
     for (i, p) in problems.iter().enumerate() {
         let prompt = tok
@@ -140,9 +196,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         response.push(eos);
         examples.push((prompt, response));
     }
+    Ok(examples)
+}
 
+/// The SFT steps over `examples`; returns the loss curve (about 50 points) and the tokens
+/// trained on.
+fn train(
+    args: &Args,
+    be: &mut dyn Trainer,
+    examples: &[(Vec<u32>, Vec<u32>)],
+) -> anyhow::Result<(Vec<serde_json::Value>, usize)> {
     let bar = progress(args.steps as u64, "sft");
-    let start = std::time::Instant::now();
     let mut curve = Vec::new();
     let mut tokens_total = 0usize;
     let log_every = (args.steps / 50).max(1);
@@ -185,47 +249,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let train_seconds = start.elapsed().as_secs_f64();
-
-    let weights = be.export_weights()?;
-    crate::rundir::save_model(&args.out, be.config(), &weights, args.model.as_deref())?;
-
-    let mut eval = serde_json::Value::Null;
-    if args.eval_n > 0 {
-        let held = generate(task.as_ref(), args.seed, Split::HeldOut, args.eval_n)?;
-        let params = SamplingParams {
-            temperature: 0.0,
-            max_new_tokens: 48,
-            stop_tokens: vec![eos],
-            ..SamplingParams::default()
-        };
-        let r = evaluate(
-            be.as_mut(),
-            tok.as_ref(),
-            task.as_ref(),
-            &held,
-            &params,
-            64,
-            true,
-        )?;
-        eval = json!({ "n": r.n, "correct": r.correct, "accuracy": r.accuracy(), "malformed": r.malformed, "examples": r.examples });
-    }
-    let value = json!({
-        "task": task.name(),
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "seed": args.seed,
-        "parameters": be.config().num_parameters(),
-        "final_loss": curve.last().and_then(|v| v.get(1)).cloned(),
-        "loss_curve": curve,
-        "train_seconds": train_seconds,
-        "train_tokens_per_second": tokens_total as f64 / train_seconds.max(1e-9),
-        "heldout_eval": eval,
-    });
-    write_json(&args.out.join("sft.json"), &value)?;
-    println!("{}", serde_json::to_string_pretty(&value)?);
-    Ok(())
+    Ok((curve, tokens_total))
 }
 
 #[cfg(test)]

@@ -15,15 +15,16 @@ use std::path::Path;
 
 use anyhow::{Context, bail, ensure};
 
+use crate::alloc::AllocPolicy;
 use crate::sim::config::{Mode, SimConfig};
 use crate::sim::{RunResult, simulate};
 
 /// The four rows of each setting: (row name, `alloc.policy`, with over-sampling).
-pub const POLICIES: [(&str, &str, bool); 4] = [
-    ("grpo", "fixed", false),
-    ("dapo", "fixed", true),
-    ("vigor", "vigor", true),
-    ("pilot_commit", "pilot_commit", true),
+pub const POLICIES: [(&str, AllocPolicy, bool); 4] = [
+    ("grpo", AllocPolicy::Fixed, false),
+    ("dapo", AllocPolicy::Fixed, true),
+    ("vigor", AllocPolicy::Vigor, true),
+    ("pilot_commit", AllocPolicy::PilotCommit, true),
 ];
 
 /// One (profile, setting, policy) result.
@@ -89,8 +90,8 @@ pub fn run_policies(cfg: &SimConfig, threads: usize, scale: bool) -> anyhow::Res
                 // Only this setting: `validate` checks [alloc] against every setting's B and G.
                 c.setting.retain(|k, _| k == s);
                 c.run.settings = vec![s.clone()];
-                c.alloc.policy = policy.to_owned();
-                if policy == "fixed" {
+                c.alloc.policy = policy;
+                if policy == AllocPolicy::Fixed {
                     // Fixed G has no step budget (`[alloc]` refuses one): its rows spend
                     // max_groups × G, whatever `alloc.budget` the other rows use.
                     c.alloc.budget = 0;

@@ -116,8 +116,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         o.accuracy_start,
         o.accuracy_end,
         last.map(|m| m.reward).unwrap_or(f64::NAN),
-        last.map(|m| m.rollout_to_train_end_s).unwrap_or(f64::NAN),
-        last.map(|m| m.trainer_wait_ratio).unwrap_or(f64::NAN),
+        last.map(|m| m.timing.rollout_to_train_end_s)
+            .unwrap_or(f64::NAN),
+        last.map(|m| m.timing.trainer_wait_ratio)
+            .unwrap_or(f64::NAN),
     );
     if let [initial, Some(start), Some(end)] = o.test_accuracy {
         println!(

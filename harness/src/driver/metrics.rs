@@ -1,8 +1,89 @@
-//! Per-step metrics, defined once for `simulate` (`sim::metrics::StepMetrics`) and `train`
-//! (`metrics.jsonl`). Times are seconds; each function says which window it measures.
+//! Per-step metrics, defined once for `simulate` (its table, from `sim::StepRecord`) and
+//! `train` (`metrics.jsonl`): [`Timing`] holds a step's timing metrics, [`Timing::of`] derives
+//! them from the [`StepTimes`] either driver measured, and the functions below are their
+//! formulae. Times are seconds; each function says which window it measures.
+//!
+//! A new timing metric is a field of [`Timing`] and its line in [`Timing::of`]: `train` writes
+//! it into every `metrics.jsonl` line (and so to TensorBoard), `simulate` shows it once its
+//! table has a column for it (`sim::report`).
 use rolloutpipe_core::Counters;
+use serde::{Deserialize, Serialize};
 
-/// SPEC's in-window trainer waiting ratio: the trainer's idle share of the rollout-to-train-end
+/// What a step's timing metrics are derived from, measured by its driver.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    /// Rollout start to batch final.
+    pub rollout_s: f64,
+    /// Rollout start to train end (the rollout-to-train-end window).
+    pub window_s: f64,
+    /// The trainer's busy time inside that window.
+    pub busy_in_window_s: f64,
+    /// The step's own trainer work (micro-batches and optimizer steps).
+    pub train_busy_s: f64,
+    /// The last micro-batch plus the optimizer step after it.
+    pub last_tail_s: f64,
+    /// When the first micro-batch's worth of trainable groups had materialized, after the
+    /// rollout start ([`first_micro_batch_ready`]).
+    pub first_micro_batch_ready_s: f64,
+    /// The previous step's train end to this one's (Slime's window).
+    pub since_prev_train_end_s: f64,
+    /// Engines' idle time in the window, per engine ([`rollout_idle`], in the driver's clock).
+    pub rollout_idle_s: f64,
+    /// Slot occupancy over the rollout ([`slot_occupancy`], from the driver's [`Occupancy`]).
+    pub slot_occupancy: f64,
+}
+
+/// One step's timing metrics (a `metrics.jsonl` line's, flattened into it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Timing {
+    /// Rollout start to train end, s (headline metric 1).
+    pub rollout_to_train_end_s: f64,
+    /// The trainer's idle share of that window ([`wait_ratio`]; headline metric 2).
+    pub trainer_wait_ratio: f64,
+    /// The untightened bound `T_rollout + T_train(last micro-batch)` (the optimizer step
+    /// after it included), s; `bound_s` is the tightened one.
+    pub ideal_s: f64,
+    /// The bound given this rollout ([`bound`]), s after the rollout start.
+    #[serde(default)]
+    pub bound_s: f64,
+    /// When the first micro-batch's worth of trainable groups had materialized, s after the
+    /// rollout start.
+    #[serde(default)]
+    pub first_micro_batch_ready_s: f64,
+    /// Slime's `perf/wait_time_ratio` ([`slime_wait_ratio`]): the trainer's idle share of
+    /// the time since the previous step's train end, weight sync included.
+    #[serde(default)]
+    pub slime_wait_ratio: f64,
+    /// Time-average of the requests the engines held over the rollout, divided by the slots.
+    #[serde(default)]
+    pub slot_occupancy: f64,
+    /// Rollout engines' idle time inside the rollout-to-train-end window, s per engine.
+    #[serde(default)]
+    pub rollout_idle_s: f64,
+}
+
+impl Timing {
+    /// The timing metrics of a step that measured `t`.
+    pub fn of(t: &StepTimes) -> Self {
+        Timing {
+            rollout_to_train_end_s: t.window_s,
+            trainer_wait_ratio: wait_ratio(t.busy_in_window_s, t.window_s),
+            ideal_s: t.rollout_s + t.last_tail_s,
+            bound_s: bound(
+                t.rollout_s,
+                t.last_tail_s,
+                t.first_micro_batch_ready_s,
+                t.train_busy_s,
+            ),
+            first_micro_batch_ready_s: t.first_micro_batch_ready_s,
+            slime_wait_ratio: wait_ratio(t.train_busy_s, t.since_prev_train_end_s),
+            slot_occupancy: t.slot_occupancy,
+            rollout_idle_s: t.rollout_idle_s,
+        }
+    }
+}
+
+/// The in-window trainer waiting ratio: the trainer's idle share of the rollout-to-train-end
 /// window, `1 - busy / window`. `busy` is micro-batches plus optimizer steps inside the window.
 /// 0 for an empty window.
 pub fn wait_ratio(busy: f64, window: f64) -> f64 {
@@ -22,7 +103,7 @@ pub fn slime_wait_ratio(busy: f64, train_end: f64, prev_train_end: f64) -> f64 {
     wait_ratio(busy, train_end - prev_train_end)
 }
 
-/// The bound given this rollout: SPEC §3's `T_rollout + T_train(last micro-batch) + T_opt`
+/// The bound given this rollout: `T_rollout + T_train(last micro-batch) + T_opt`
 /// (`last_tail` is the last micro-batch plus the optimizer step after it), tightened by
 /// `t(first micro-batch ready) + T_train(all)`, since no trainer finishes its own work sooner.
 /// It holds for schedules that keep this rollout and this trainer work, not for every

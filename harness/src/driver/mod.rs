@@ -18,6 +18,7 @@
 //! pick, its multiplexing of the KL reference pass (`train::mux`), one-step-off's buffered
 //! batch) stays in the implementations.
 pub mod metrics;
+pub mod mode;
 pub mod plan;
 
 use anyhow::{Result, anyhow};
@@ -116,7 +117,7 @@ pub trait Workers {
     /// The step whose groups the trainer takes, if any.
     fn training(&self) -> Option<u64>;
     /// The allocation policy the core asks (`poll_allocation_with`).
-    fn policy(&self) -> &crate::alloc::Policy;
+    fn allocator(&self) -> &crate::alloc::Allocator;
 
     /// The core applied an allocation decision for a held group.
     fn allocated(&mut self, sched: &Scheduler<'_>, step: u64, a: Allocated) -> Result<()>;
@@ -242,7 +243,7 @@ fn rollout_side<W: Workers>(
 ) -> Result<()> {
     // Allocation decisions first: a committed or skipped group may call for a draw or end the
     // batch (aborts), an extended one for admissions.
-    while let Some(a) = sched.poll_allocation_with(now, w.policy()) {
+    while let Some(a) = sched.poll_allocation_with(now, w.allocator()) {
         w.allocated(sched, step, a)?;
     }
     while let Some(n) = sched.poll_draw(now) {

@@ -1,7 +1,92 @@
-//! The parts of the core's per-step [`Plan`](rolloutpipe_core::Plan) that `simulate` and
-//! `train` derive from their configs by one rule, so that the two cannot drift apart on them.
+//! The core's per-step [`Plan`] as `simulate` and `train` derive it from their configs: one
+//! rule ([`PlanSpec::plan`]), so that the two cannot drift apart on it.
 
-use rolloutpipe_core::Counters;
+use rolloutpipe_core::{AdmissionPolicy, Counters, DispatchPolicy, Plan, SubmitOrder};
+
+use super::mode::Mode;
+
+crate::named! {
+    /// The baseline FIFO's queue order as configs name it (the core's [`SubmitOrder`] without
+    /// the seed, which is the run's).
+    pub enum QueueOrder {
+        /// All samples of group 0, then group 1, ... (Slime's asyncio order).
+        GroupMajor = "group_major",
+        /// Sample 0 of every group of a draw batch, then sample 1, ...
+        Interleaved = "interleaved",
+        /// A seeded permutation within each draw batch.
+        Shuffled = "shuffled",
+    }
+}
+
+impl QueueOrder {
+    /// The core's order, a shuffle seeded by `seed`.
+    pub fn with_seed(self, seed: u64) -> SubmitOrder {
+        match self {
+            QueueOrder::GroupMajor => SubmitOrder::GroupMajor,
+            QueueOrder::Interleaved => SubmitOrder::Interleaved,
+            QueueOrder::Shuffled => SubmitOrder::Shuffled { seed },
+        }
+    }
+}
+
+/// What a step's plan is derived from, whichever config holds it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlanSpec {
+    /// The core's policies.
+    pub mode: Mode,
+    /// B: trainable groups per step.
+    pub batch: u32,
+    /// G: responses per prompt.
+    pub group: u16,
+    /// m: groups per micro-batch.
+    pub micro_batch: u32,
+    /// Optimizer steps per rollout.
+    pub opt_steps: u32,
+    /// Requests that may run at once (engines × slots).
+    pub slots: u32,
+    /// Attempts per request before its group is filtered.
+    pub max_attempts: u8,
+    /// Over-sampling cap as a multiple of B ([`max_groups`]).
+    pub max_groups_factor: f64,
+    /// Prompts drawn per draw decision.
+    pub draw_batch: u32,
+    /// Groups kept in progress beyond B.
+    pub draw_ahead: u32,
+    /// FGD: extra frontier groups.
+    pub frontier_width: u32,
+    /// The baseline queue order (FGD's fallback too).
+    pub order: SubmitOrder,
+}
+
+impl PlanSpec {
+    /// The fixed-G plan of this spec, FGD's frontier widened by `filter`. An allocation
+    /// policy then sets its own fields (`alloc::AllocSection::configure`).
+    pub fn plan(&self, filter: FilterEstimate) -> Plan {
+        let mut p = Plan::new(self.batch, self.group);
+        p.micro_batch = self.micro_batch;
+        p.opt_steps = self.opt_steps;
+        p.slots = self.slots;
+        p.max_attempts = self.max_attempts;
+        p.max_groups = max_groups(self.batch, self.max_groups_factor);
+        p.draw_batch = self.draw_batch;
+        p.draw_ahead = self.draw_ahead;
+        p.admission = if self.mode.frontier() {
+            AdmissionPolicy::Frontier {
+                width: self.frontier_width,
+                expected_filter_ppm: filter.ppm(),
+                fallback: self.order,
+            }
+        } else {
+            AdmissionPolicy::Fifo { order: self.order }
+        };
+        p.dispatch = if self.mode.pipelined() {
+            DispatchPolicy::Pipelined
+        } else {
+            DispatchPolicy::Sync
+        };
+        p
+    }
+}
 
 /// Prompts one step may draw at most, from the batch `batch` (B) and the over-sampling
 /// factor: `⌈B · factor⌉`, never below B (a step must be able to draw its batch), saturating
@@ -36,7 +121,7 @@ impl FilterEstimate {
     fn of(share: f64) -> Self {
         let share = if share.is_finite() { share } else { 0.0 };
         Self {
-            // Truncated, as both callers did before they shared this rule.
+            // Truncated: the parts per million below the share.
             ppm: (share.clamp(0.0, MAX_FILTER_ESTIMATE) * 1e6) as u32,
         }
     }
@@ -101,7 +186,7 @@ mod tests {
         // Integer factors: exact (the default configs: train 8 x 3.0, simulate B x 8.0).
         assert_eq!(max_groups(8, 3.0), 24);
         assert_eq!(max_groups(32, 8.0), 256);
-        // Non-integer: up, so a step may draw the fractional prompt (train used to floor).
+        // Non-integer: up, so a step may draw the fractional prompt.
         assert_eq!(max_groups(8, 1.1), 9);
         assert_eq!(max_groups(3, 1.5), 5);
         assert_eq!(max_groups(10, 1.05), 11);

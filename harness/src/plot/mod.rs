@@ -77,21 +77,7 @@ pub fn bars(
     categories: &[String],
     series: &[Series<f64>],
 ) -> anyhow::Result<()> {
-    ensure!(
-        !categories.is_empty(),
-        "bars {}: no categories",
-        path.display()
-    );
-    for s in series {
-        ensure!(
-            s.values.len() == categories.len(),
-            "bars {}: series `{}` has {} values for {} categories",
-            path.display(),
-            s.name,
-            s.values.len(),
-            categories.len()
-        );
-    }
+    check_bars(path, categories, series)?;
     let all = || series.iter().flat_map(|s| s.values.iter().copied());
     let (lo, hi) = (finite_min(all()), finite_max(all()));
     let pad = (hi - lo).max(1e-9) * 0.08;
@@ -153,6 +139,26 @@ pub fn bars(
             .map_err(err(path))?;
     }
     root.present().map_err(err(path))?;
+    Ok(())
+}
+
+/// Every series of a bar chart has one value per category.
+fn check_bars(path: &Path, categories: &[String], series: &[Series<f64>]) -> anyhow::Result<()> {
+    ensure!(
+        !categories.is_empty(),
+        "bars {}: no categories",
+        path.display()
+    );
+    for s in series {
+        ensure!(
+            s.values.len() == categories.len(),
+            "bars {}: series `{}` has {} values for {} categories",
+            path.display(),
+            s.name,
+            s.values.len(),
+            categories.len()
+        );
+    }
     Ok(())
 }
 
@@ -253,20 +259,7 @@ pub fn gantt(
     legend: &[(usize, String)],
 ) -> anyhow::Result<()> {
     ensure!(!rows.is_empty(), "gantt {}: no rows", path.display());
-    let x_hi = finite_max(rows.iter().flat_map(|r| r.spans.iter().map(|s| s.end))).max(1e-9);
-    let x_lo = rows
-        .iter()
-        .flat_map(|r| r.spans.iter().map(|s| s.start))
-        .filter(|v| v.is_finite())
-        .fold(f64::INFINITY, f64::min)
-        .min(x_hi);
-    let x_lo = if x_lo.is_finite() { x_lo } else { 0.0 };
-    // Empty room on the right keeps the legend off the spans.
-    let x_hi = if legend.is_empty() {
-        x_hi
-    } else {
-        x_hi + (x_hi - x_lo) * 0.3
-    };
+    let (x_lo, x_hi) = gantt_range(rows, !legend.is_empty());
     let n = rows.len();
     let height = (120 + 28 * n as u32).max(300);
     let root = root(path, (1000, height))?;
@@ -332,6 +325,25 @@ pub fn gantt(
     }
     root.present().map_err(err(path))?;
     Ok(())
+}
+
+/// The x range of a Gantt chart's spans, with empty room on the right for a legend (it keeps
+/// the legend off the spans).
+fn gantt_range(rows: &[GanttRow], legend: bool) -> (f64, f64) {
+    let x_hi = finite_max(rows.iter().flat_map(|r| r.spans.iter().map(|s| s.end))).max(1e-9);
+    let x_lo = rows
+        .iter()
+        .flat_map(|r| r.spans.iter().map(|s| s.start))
+        .filter(|v| v.is_finite())
+        .fold(f64::INFINITY, f64::min)
+        .min(x_hi);
+    let x_lo = if x_lo.is_finite() { x_lo } else { 0.0 };
+    let x_hi = if legend {
+        x_hi + (x_hi - x_lo) * 0.3
+    } else {
+        x_hi
+    };
+    (x_lo, x_hi)
 }
 
 /// Empirical CDFs of each series' values (a step line from 0 to 1).

@@ -10,6 +10,10 @@ use std::collections::BTreeMap;
 use anyhow::{Context, bail, ensure};
 use serde::{Deserialize, Serialize};
 
+pub use crate::driver::mode::{Mode, Schedule};
+pub use crate::driver::plan::QueueOrder;
+use crate::toml_config::{merge, parse_value};
+
 /// The embedded default system (engines, trainer, scheduler, run selection).
 pub const DEFAULT_SYSTEM_TOML: &str = include_str!("../../configs/sim/system.toml");
 /// The embedded default workloads (profiles and rollout settings).
@@ -51,67 +55,11 @@ pub struct RunConfig {
     pub profiles: Vec<String>,
     /// Rollout settings to run, in order (keys of `[setting.*]`).
     pub settings: Vec<String>,
-    /// Modes to run; the ideal bound is derived from `sync` whenever it runs.
-    pub modes: Vec<Mode>,
+    /// Modes to run (a mode, or `cgp` with its tail policies: `cgp-mux`, `cgp-migrate`,
+    /// `cgp-mux-migrate`); the ideal bound is derived from `sync` whenever it runs.
+    pub modes: Vec<Schedule>,
     /// The step shown in the Gantt plot and the Chrome trace.
     pub trace_step: u32,
-}
-
-/// A scheduling mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Mode {
-    /// Slime: FIFO admission in Slime's order, the whole batch goes to the trainer at the end.
-    Sync,
-    /// Complete-group pipelining: FIFO admission, each trainable group goes to the trainer at once.
-    Cgp,
-    /// CGP plus frontier-group dispatch (FGD) admission.
-    Rolloutpipe,
-    /// Asynchronous contrast: rollout of step k+1 overlaps training of step k, one version stale.
-    OneStepOff,
-    /// CGP plus tail multiplexing: idle rollout engines compute the old/ref log-probs of
-    /// complete groups with the same weights v_k, so the trainer runs only forward-backward.
-    CgpMux,
-    /// CGP plus long-tail migration: a few long requests move off an engine to idle ones.
-    CgpMigrate,
-    /// CGP with both.
-    CgpMuxMigrate,
-}
-
-impl Mode {
-    /// The name used in configs, tables and plots.
-    pub fn name(self) -> &'static str {
-        match self {
-            Mode::Sync => "sync",
-            Mode::Cgp => "cgp",
-            Mode::Rolloutpipe => "rolloutpipe",
-            Mode::OneStepOff => "one-step-off",
-            Mode::CgpMux => "cgp-mux",
-            Mode::CgpMigrate => "cgp-migrate",
-            Mode::CgpMuxMigrate => "cgp-mux-migrate",
-        }
-    }
-
-    /// Whether complete groups go to the trainer at once (CGP dispatch).
-    pub fn pipelined(self) -> bool {
-        !matches!(self, Mode::Sync | Mode::OneStepOff)
-    }
-
-    /// Whether idle engines take the trainer's forward-only log-prob work.
-    pub fn multiplexes(self) -> bool {
-        matches!(self, Mode::CgpMux | Mode::CgpMuxMigrate)
-    }
-
-    /// Whether long-tail requests migrate to idle engines.
-    pub fn migrates(self) -> bool {
-        matches!(self, Mode::CgpMigrate | Mode::CgpMuxMigrate)
-    }
-}
-
-impl std::fmt::Display for Mode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
 }
 
 /// The rollout engines (SGLang-like, continuous batching).
@@ -225,7 +173,7 @@ pub struct SchedulerConfig {
     /// Extra frontier groups beyond those the next micro-batch needs (FGD).
     pub frontier_width: u32,
     /// The order in which the FIFO (baseline) admission sees requests.
-    pub submit_order: SubmitOrderConfig,
+    pub submit_order: QueueOrder,
     /// Attempts per request before its group is filtered.
     pub max_attempts: u8,
     /// Over-sampling cap: prompts drawn per step are at most this times B.
@@ -233,18 +181,6 @@ pub struct SchedulerConfig {
     /// FGD's filter-share estimate for the first step, in [0, 1); later steps take the
     /// previous step's observed share (`driver::plan::FilterEstimate`, as `train` does).
     pub expected_filter: f64,
-}
-
-/// The baseline's queue order (see the core's `SubmitOrder`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SubmitOrderConfig {
-    /// All samples of group 0, then group 1, ... (Slime's asyncio order).
-    GroupMajor,
-    /// Sample 0 of every group of a draw batch, then sample 1, ...
-    Interleaved,
-    /// A seeded permutation within each draw batch.
-    Shuffled,
 }
 
 /// A benchmark profile: response lengths and pass rates.
@@ -369,6 +305,13 @@ impl SimConfig {
                 "run.settings names unknown setting `{name}`"
             );
         }
+        self.validate_system()?;
+        self.validate_profiles()?;
+        self.validate_settings()
+    }
+
+    /// The engines, the trainer, the tail policies and the scheduler.
+    fn validate_system(&self) -> anyhow::Result<()> {
         let ro = &self.rollout;
         ensure!(ro.engines >= 1, "rollout.engines must be at least 1");
         ensure!(
@@ -436,6 +379,10 @@ impl SimConfig {
             "scheduler.expected_filter must be in [0, 1), got {}",
             s.expected_filter
         );
+        Ok(())
+    }
+
+    fn validate_profiles(&self) -> anyhow::Result<()> {
         for (name, p) in &self.profile {
             let key = |field: &str| format!("profile.{name}.{field}");
             ensure!(
@@ -462,6 +409,11 @@ impl SimConfig {
                 );
             }
         }
+        Ok(())
+    }
+
+    fn validate_settings(&self) -> anyhow::Result<()> {
+        let ro = &self.rollout;
         for (name, s) in &self.setting {
             let key = |field: &str| format!("setting.{name}.{field}");
             ensure!(s.batch >= 1, "{} must be at least 1", key("batch"));
@@ -501,7 +453,7 @@ impl SimConfig {
                     .unwrap_or(0),
             ) + u64::from(s.cap);
             self.alloc
-                .policy(s.batch, s.group as u16)
+                .allocator(s.batch, s.group as u16)
                 .with_context(|| format!("setting {name}"))?;
             ensure!(
                 largest <= ro.kv_capacity_tokens,
@@ -529,18 +481,6 @@ fn non_negative(key: &str, v: f64) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Deep merge: tables merge key by key, anything else in `layer` replaces what `base` had.
-pub fn merge(base: &mut toml::Table, layer: toml::Table) {
-    for (key, value) in layer {
-        match (base.get_mut(&key), value) {
-            (Some(toml::Value::Table(b)), toml::Value::Table(l)) => merge(b, l),
-            (_, value) => {
-                base.insert(key, value);
-            }
-        }
-    }
-}
-
 /// Applies one `dotted.key=value` override. The value is read as TOML (`4`, `0.5`, `"x"`,
 /// `["a", "b"]`); a bare word that is not valid TOML is taken as a string (`run.modes` excepted,
 /// it is a list).
@@ -551,12 +491,7 @@ pub fn apply_set(table: &mut toml::Table, set: &str) -> anyhow::Result<()> {
     let path = path.trim();
     let raw = raw.trim();
     ensure!(!path.is_empty(), "--set `{set}`: empty key");
-    let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
-        Ok(mut t) => t
-            .remove("v")
-            .unwrap_or_else(|| toml::Value::String(raw.to_owned())),
-        Err(_) => toml::Value::String(raw.to_owned()),
-    };
+    let value = parse_value(raw);
     let keys: Vec<&str> = path.split('.').collect();
     let (last, parents) = keys.split_last().context("empty key")?;
     let mut cur = table;
@@ -599,7 +534,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.trainer.gpus, 4);
-        assert_eq!(c.run.modes, vec![Mode::Sync]);
+        assert_eq!(c.run.modes, vec![Schedule::of(Mode::Sync)]);
         assert_eq!(c.profile["math"].sigma, 0.7);
     }
 

@@ -11,159 +11,30 @@
 //! is done plus the weight sync. `one-step-off` instead rolls out step k+1 with the weights of
 //! step k-1 while the trainer trains step k; both sides meet at a barrier, sync, and go on.
 mod policies;
+mod state;
 mod workers;
 
 use std::collections::{HashMap, VecDeque};
 
 use anyhow::{Context, ensure};
-use rolloutpipe_core::{
-    AdmissionPolicy, DispatchPolicy, GroupId, GroupSlot, Plan, PolicyVersion, RequestId,
-    RequestSlot, Scheduler, StepSummary, SubmitOrder, Tick,
-};
+use rolloutpipe_core::{Plan, PolicyVersion, RequestId, Scheduler, StepSummary, Tick};
 
-use super::config::{MigrateVia, Mode, Routing, SimConfig, SubmitOrderConfig};
+pub use super::recording::{Recording, RequestSpan, Simulated};
+
+use super::config::{MigrateVia, Mode, Routing, Schedule, SimConfig};
 use super::engine::{Engine, Ns, Waiting, secs_to_ns};
-use super::metrics::{RunResult, StepMetrics, secs};
+use super::metrics::{RunResult, StepRecord, secs};
 use super::queue::EventQueue;
 use super::trainer::TrainerModel;
-use super::workload::{GroupDraw, Workload, name_hash};
-use crate::driver::{Report, metrics};
-
-/// What happened, for the trace and the Gantt plot (recorded only when asked).
-#[derive(Debug, Default, Clone)]
-pub struct Recording {
-    /// Requests: (step, engine, group, sample, start, end, tokens, finished normally).
-    pub requests: Vec<RequestSpan>,
-    /// Trainer work: (step, label, start, end).
-    pub trainer: Vec<(u64, String, Ns, Ns)>,
-    /// Weight syncs: (start, end).
-    pub syncs: Vec<(Ns, Ns)>,
-    /// Group materializations of trained groups: (step, group, time).
-    pub completions: Vec<(u64, u32, Ns)>,
-    /// Requests held per engine after each change: (time, engine, held).
-    pub held: Vec<(Ns, u16, u32)>,
-    /// Multiplexed log-prob work on rollout engines: (step, engine, group, start, end).
-    pub mux: Vec<(u64, u16, u32, Ns, Ns)>,
-    /// Migrations: (step, group, sample, from, to, time, tokens moved).
-    pub migrations: Vec<(u64, u32, u16, u16, u16, Ns, u32)>,
-}
-
-/// One request's life on an engine.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RequestSpan {
-    /// Step.
-    pub step: u64,
-    /// Engine index.
-    pub engine: u16,
-    /// Group (draw order).
-    pub group: u32,
-    /// Sample index.
-    pub sample: u16,
-    /// Admission time.
-    pub start: Ns,
-    /// Generation end or abort.
-    pub end: Ns,
-    /// Tokens generated.
-    pub tokens: u32,
-    /// False when aborted.
-    pub finished: bool,
-}
-
-/// The result of one run plus, if asked, its recording.
-#[derive(Debug, Clone)]
-pub struct Simulated {
-    /// Metrics.
-    pub result: RunResult,
-    /// Recording (empty unless asked).
-    pub recording: Recording,
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Ev {
-    Boundary {
-        engine: usize,
-        epoch: u64,
-    },
-    /// A multiplexed log-prob pass ended on an engine: wake the loop to reuse the engine.
-    MuxDone,
-    Reward {
-        key: usize,
-    },
-    MicroBatchDone {
-        step: u64,
-    },
-    OptimizerDone {
-        step: u64,
-    },
-    StartRollout {
-        step: u64,
-    },
-    StartTrain {
-        step: u64,
-    },
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ReqStatus {
-    Running,
-    Generated,
-    Done,
-    Aborted,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct ReqInfo {
-    id: RequestId,
-    version: PolicyVersion,
-    engine: u16,
-    start: Ns,
-    tokens: u32,
-    reward: f32,
-    status: ReqStatus,
-}
-
-/// Per-step bookkeeping on the simulator's side (the core holds the protocol state).
-#[derive(Debug)]
-struct StepCtx {
-    version: u64,
-    workload: Workload,
-    groups: Vec<GroupDraw>,
-    completed: Vec<bool>,
-    dispatched: Vec<GroupId>,
-    start: Ns,
-    rollout_end: Option<Ns>,
-    train_end: Option<Ns>,
-    trainer_busy: Ns,
-    last_mb: Ns,
-    last_opt: Ns,
-    tokens_generated: u64,
-    occupancy_area: f64,
-    retractions_at_start: u64,
-    retractions: u64,
-    completions: Vec<Ns>,
-    /// Per group: when its data has reached the trainer.
-    data_ready: Vec<Ns>,
-    /// Per group: when an engine finished its log-prob pass (tail multiplexing).
-    logprob_ready: Vec<Option<Ns>>,
-    /// Per group: its micro-batch has started (no engine may take its log-prob pass).
-    mb_started: Vec<bool>,
-    /// Engines' busy time when the step started (for its rollout idle time).
-    engine_busy_at_start: Ns,
-    mux_ns: Ns,
-    mux_groups: u32,
-    migrations: u32,
-    /// Samples of the groups dispatched to the trainer.
-    trained_samples: u64,
-    /// Groups the allocation policy extended.
-    extended: u32,
-    metrics: Option<StepMetrics>,
-    /// One-step-off: the barrier after this step's rollout has fired.
-    barrier_passed: bool,
-}
+use super::workload::{Workload, name_hash};
+use crate::driver::Report;
+use crate::driver::metrics::{self, Occupancy};
+use crate::driver::plan::{FilterEstimate, PlanSpec};
+use state::{CoreStorage, Ev, ReqInfo, ReqStatus, StepCtx};
 
 struct Sim<'c> {
     cfg: &'c SimConfig,
-    mode: Mode,
+    schedule: Schedule,
     setting_name: &'c str,
     profile_name: &'c str,
     steps: u64,
@@ -181,9 +52,9 @@ struct Sim<'c> {
     rolling: Option<u64>,
     training: Option<u64>,
     trainer_busy: bool,
+    /// Requests the engines hold.
     held_total: u64,
-    held_since: Ns,
-    filter: crate::driver::plan::FilterEstimate,
+    filter: FilterEstimate,
     /// The link that ships rollout data to the trainer is free from this time.
     link_free: Ns,
     /// Cache-aware routing: the engine holding each live group's prompt prefix.
@@ -195,103 +66,51 @@ struct Sim<'c> {
     record: bool,
     rec: Recording,
     /// The `[alloc]` policy.
-    policy: crate::alloc::Policy,
+    allocator: crate::alloc::Allocator,
     /// Most samples one group can end with (responses drawn per prompt).
     max_samples: u32,
-    /// The core's group capacity per step.
-    max_groups: u32,
     /// Requests reported generated to the core, in report order, awaiting its answer.
     generated_keys: VecDeque<usize>,
 }
 
-/// Storage for the core: two schedulers, so one-step-off can train step k while rolling out k+1.
-struct CoreStorage {
-    groups: [Vec<GroupSlot>; 2],
-    requests: [Vec<RequestSlot>; 2],
-}
-
-impl CoreStorage {
-    fn new(max_groups: u32, requests: usize) -> Self {
-        let g = max_groups as usize;
-        let r = requests;
-        Self {
-            groups: [vec![GroupSlot::EMPTY; g], vec![GroupSlot::EMPTY; g]],
-            requests: [vec![RequestSlot::EMPTY; r], vec![RequestSlot::EMPTY; r]],
-        }
-    }
-}
-
-/// Simulates `profile` x `setting` in `mode`; `record` keeps every span for traces and plots.
+/// Simulates `profile` x `setting` in `schedule` (a [`Mode`] or a mode with tail policies);
+/// `record` keeps every span for traces and plots.
 pub fn simulate(
     cfg: &SimConfig,
     profile: &str,
     setting: &str,
-    mode: Mode,
+    schedule: impl Into<Schedule>,
     record: bool,
 ) -> anyhow::Result<Simulated> {
-    let p = cfg
-        .profile
+    let schedule = schedule.into();
+    cfg.profile
         .get(profile)
         .with_context(|| format!("unknown profile `{profile}`"))?;
     let s = cfg
         .setting
         .get(setting)
         .with_context(|| format!("unknown setting `{setting}`"))?;
-    let max_running = s.max_running(&cfg.rollout);
     let max_groups = crate::driver::plan::max_groups(s.batch, cfg.scheduler.max_groups_factor);
-    let policy = cfg.alloc.policy(s.batch, s.group as u16)?;
+    let allocator = cfg.alloc.allocator(s.batch, s.group as u16)?;
     let mut alloc_plan = Plan::new(s.batch, s.group as u16);
     alloc_plan.max_groups = max_groups;
-    cfg.alloc.configure(&policy, &mut alloc_plan);
-    let max_samples = u32::from(cfg.alloc.max_group_samples(&policy, &alloc_plan));
-    let mut storage =
-        CoreStorage::new(max_groups, cfg.alloc.request_capacity(&policy, &alloc_plan));
+    cfg.alloc.configure(&allocator, &mut alloc_plan);
+    let max_samples = u32::from(cfg.alloc.max_group_samples(&allocator, &alloc_plan));
+    let mut storage = CoreStorage::new(
+        max_groups,
+        cfg.alloc.request_capacity(&allocator, &alloc_plan),
+    );
     let [g0, g1] = &mut storage.groups;
     let [r0, r1] = &mut storage.requests;
     let mut scheds = [Scheduler::new(g0, r0), Scheduler::new(g1, r1)];
-    let mut sim = Sim {
-        cfg,
-        mode,
-        setting_name: setting,
-        profile_name: profile,
-        steps: u64::from(cfg.run.steps),
-        slots: cfg.rollout.engines * max_running,
-        prompt_tokens: p.prompt_tokens,
-        verifier_ns: super::engine::secs_to_ns(cfg.rollout.verifier_latency_s),
-        trainer_model: TrainerModel::from_config(&cfg.trainer),
-        now: 0,
-        queue: EventQueue::default(),
-        engines: (0..cfg.rollout.engines)
-            .map(|_| Engine::new(&cfg.rollout, max_running, s.cap))
-            .collect(),
-        dirty: vec![false; cfg.rollout.engines as usize],
-        reqs: Vec::new(),
-        inflight: HashMap::new(),
-        ctxs: Vec::new(),
-        rolling: None,
-        training: None,
-        trainer_busy: false,
-        held_total: 0,
-        held_since: 0,
-        filter: crate::driver::plan::FilterEstimate::prior(cfg.scheduler.expected_filter),
-        link_free: 0,
-        prefix_home: HashMap::new(),
-        last_train_end: 0,
-        events: 0,
-        conserved: true,
-        record,
-        rec: Recording::default(),
-        policy,
-        max_samples,
-        max_groups,
-        generated_keys: VecDeque::new(),
-    };
+    let mut sim = Sim::new(cfg, (profile, setting), schedule, allocator, record)?;
+    sim.max_samples = max_samples;
     sim.queue.push(0, Ev::StartRollout { step: 0 });
     crate::driver::drive(&mut scheds, &mut sim)?;
-    let steps: Vec<StepMetrics> = sim.ctxs.iter().filter_map(|c| c.metrics.clone()).collect();
+    let steps: Vec<StepRecord> = sim.ctxs.iter().filter_map(|c| c.metrics.clone()).collect();
     ensure!(
         steps.len() as u64 == sim.steps,
-        "{profile}/{setting}/{mode}: simulation stalled after {} of {} steps at t = {:.3} s",
+        "{profile}/{setting}/{schedule}: simulation stalled after {} of {} steps at t = {:.3} s",
         steps.len(),
         sim.steps,
         secs(sim.now)
@@ -301,7 +120,7 @@ pub fn simulate(
         result: RunResult {
             profile: profile.to_owned(),
             setting: setting.to_owned(),
-            mode,
+            mode: schedule,
             steps,
             makespan,
             events: sim.events,
@@ -309,6 +128,59 @@ pub fn simulate(
         },
         recording: sim.rec,
     })
+}
+
+impl<'c> Sim<'c> {
+    /// A simulation of `profile` x `setting` in `schedule` at time 0, nothing run yet.
+    fn new(
+        cfg: &'c SimConfig,
+        (profile, setting): (&'c str, &'c str),
+        schedule: Schedule,
+        allocator: crate::alloc::Allocator,
+        record: bool,
+    ) -> anyhow::Result<Self> {
+        let p = cfg
+            .profile
+            .get(profile)
+            .with_context(|| format!("unknown profile `{profile}`"))?;
+        let s = &cfg.setting[setting];
+        let max_running = s.max_running(&cfg.rollout);
+        Ok(Sim {
+            cfg,
+            schedule,
+            setting_name: setting,
+            profile_name: profile,
+            steps: u64::from(cfg.run.steps),
+            slots: cfg.rollout.engines * max_running,
+            prompt_tokens: p.prompt_tokens,
+            verifier_ns: secs_to_ns(cfg.rollout.verifier_latency_s),
+            trainer_model: TrainerModel::from_config(&cfg.trainer),
+            now: 0,
+            queue: EventQueue::default(),
+            engines: (0..cfg.rollout.engines)
+                .map(|_| Engine::new(&cfg.rollout, max_running, s.cap))
+                .collect(),
+            dirty: vec![false; cfg.rollout.engines as usize],
+            reqs: Vec::new(),
+            inflight: HashMap::new(),
+            ctxs: Vec::new(),
+            rolling: None,
+            training: None,
+            trainer_busy: false,
+            held_total: 0,
+            filter: FilterEstimate::prior(cfg.scheduler.expected_filter),
+            link_free: 0,
+            prefix_home: HashMap::new(),
+            last_train_end: 0,
+            events: 0,
+            conserved: true,
+            record,
+            rec: Recording::default(),
+            allocator,
+            max_samples: 0,
+            generated_keys: VecDeque::new(),
+        })
+    }
 }
 
 fn tick(ns: Ns) -> Tick {
@@ -320,37 +192,26 @@ impl<'c> Sim<'c> {
         &self.cfg.setting[self.setting_name]
     }
 
-    fn plan(&self, max_groups: u32) -> Plan {
-        let s = self.setting();
-        let order = match self.cfg.scheduler.submit_order {
-            SubmitOrderConfig::GroupMajor => SubmitOrder::GroupMajor,
-            SubmitOrderConfig::Interleaved => SubmitOrder::Interleaved,
-            SubmitOrderConfig::Shuffled => SubmitOrder::Shuffled {
-                seed: self.cfg.run.seed,
-            },
+    /// The next step's plan: the rule `train` shares, FGD's frontier widened by the
+    /// previous step's filter rate.
+    fn plan(&self) -> Plan {
+        let (s, c) = (self.setting(), self.cfg);
+        let spec = PlanSpec {
+            mode: self.schedule.mode,
+            batch: s.batch,
+            group: s.group as u16,
+            micro_batch: s.micro_batch,
+            opt_steps: s.opt_steps,
+            slots: self.slots,
+            max_attempts: c.scheduler.max_attempts,
+            max_groups_factor: c.scheduler.max_groups_factor,
+            draw_batch: s.draw_batch,
+            draw_ahead: 0,
+            frontier_width: c.scheduler.frontier_width,
+            order: c.scheduler.submit_order.with_seed(c.run.seed),
         };
-        let mut plan = Plan::new(s.batch, s.group as u16);
-        plan.micro_batch = s.micro_batch;
-        plan.opt_steps = s.opt_steps;
-        plan.slots = self.slots;
-        plan.max_attempts = self.cfg.scheduler.max_attempts;
-        plan.max_groups = max_groups;
-        plan.draw_batch = s.draw_batch;
-        plan.draw_ahead = 0;
-        plan.admission = match self.mode {
-            Mode::Rolloutpipe => AdmissionPolicy::Frontier {
-                width: self.cfg.scheduler.frontier_width,
-                expected_filter_ppm: self.filter.ppm(),
-                fallback: order,
-            },
-            _ => AdmissionPolicy::Fifo { order },
-        };
-        plan.dispatch = if self.mode.pipelined() {
-            DispatchPolicy::Pipelined
-        } else {
-            DispatchPolicy::Sync
-        };
-        self.cfg.alloc.configure(&self.policy, &mut plan);
+        let mut plan = spec.plan(self.filter);
+        c.alloc.configure(&self.allocator, &mut plan);
         plan
     }
 
@@ -360,10 +221,11 @@ impl<'c> Sim<'c> {
 
     /// The weights version step `step`'s rollout uses.
     fn version(&self, step: u64) -> u64 {
-        match self.mode {
+        if self.schedule.mode.stale() {
             // One step stale: the rollout of step k uses the weights step k-1 trained from.
-            Mode::OneStepOff => step.saturating_sub(1),
-            _ => step,
+            step.saturating_sub(1)
+        } else {
+            step
         }
     }
 
@@ -404,7 +266,7 @@ impl<'c> Sim<'c> {
             last_mb: 0,
             last_opt: 0,
             tokens_generated: 0,
-            occupancy_area: 0.0,
+            occupancy: Occupancy::start(self.now),
             retractions_at_start: retractions,
             retractions: 0,
             completions: Vec::new(),
@@ -420,9 +282,11 @@ impl<'c> Sim<'c> {
             metrics: None,
             barrier_passed: false,
         });
+        // Requests still held (a surplus not yet aborted) count from the start.
+        let (now, held) = (self.now, self.held_total as i64);
+        self.ctx(step).occupancy.change(now, held);
         self.rolling = Some(step);
-        self.held_since = self.now;
-        if self.mode != Mode::OneStepOff {
+        if !self.schedule.mode.stale() {
             self.training = Some(step);
         }
         Ok(())
@@ -430,13 +294,8 @@ impl<'c> Sim<'c> {
 
     fn held_changed(&mut self, engine: u16, delta: i64) {
         if let Some(r) = self.rolling {
-            let now = self.now;
-            let c = &mut self.ctxs[r as usize];
-            if c.rollout_end.is_none() {
-                c.occupancy_area += self.held_total as f64 * (now - self.held_since) as f64;
-            }
+            self.ctxs[r as usize].occupancy.change(self.now, delta);
         }
-        self.held_since = self.now;
         self.held_total = (self.held_total as i64 + delta) as u64;
         if self.record {
             let held = self.engines[engine as usize].held() as u32;
@@ -535,15 +394,12 @@ impl<'c> Sim<'c> {
 
     fn rollout_ended(&mut self, step: u64) {
         let now = self.now;
-        let held = self.held_total as f64;
-        let since = self.held_since;
         let retractions: u64 = self.engines.iter().map(Engine::retractions).sum();
         let c = &mut self.ctxs[step as usize];
-        c.occupancy_area += held * (now - since) as f64;
+        c.occupancy.stop(now);
         c.rollout_end = Some(now);
         c.retractions = retractions - c.retractions_at_start;
-        self.held_since = now;
-        if self.mode == Mode::OneStepOff {
+        if self.schedule.mode.stale() {
             self.barrier();
         }
     }
@@ -593,10 +449,13 @@ impl<'c> Sim<'c> {
         // rollout included (one-step-off), so idle is clamped at 0.
         let busy = engine_busy.saturating_sub(c.engine_busy_at_start) as f64;
         let rollout_idle = metrics::rollout_idle((now - c.start) as f64, busy, engines) * 1e-9;
-        let slot_occupancy =
-            metrics::slot_occupancy(c.occupancy_area, (rollout_end - c.start) as f64, self.slots);
+        let slot_occupancy = metrics::slot_occupancy(
+            c.occupancy.area(),
+            (rollout_end - c.start) as f64,
+            self.slots,
+        );
         let completions: Vec<f64> = c.completions.iter().map(|&t| secs(t)).collect();
-        c.metrics = Some(StepMetrics {
+        c.metrics = Some(StepRecord {
             step,
             version: c.version,
             rollout_start: secs(c.start),
@@ -628,7 +487,7 @@ impl<'c> Sim<'c> {
         // FGD widens the next step's frontier by this step's filter rate (the rule `train` uses).
         self.filter.observe(&counters);
         self.training = None;
-        match self.mode {
+        match self.schedule.mode {
             Mode::OneStepOff => self.barrier(),
             _ => {
                 if step + 1 < self.steps {

@@ -1,10 +1,11 @@
-//! What one simulated run measures, per step and in total. The per-step definitions shared
-//! with `train` are in `crate::driver::metrics`.
+//! What one simulated run measures, per step ([`StepRecord`]: the step's times and counts) and
+//! in total ([`RunResult`]). The timing metrics are `train`'s too: each step's come from
+//! `crate::driver::metrics::Timing`, which defines them.
 use serde::Serialize;
 
-use super::config::Mode;
+use super::config::Schedule;
 use super::engine::Ns;
-use crate::driver::metrics;
+use crate::driver::metrics::{StepTimes, Timing};
 
 /// Seconds from nanoseconds.
 pub fn secs(ns: Ns) -> f64 {
@@ -12,8 +13,8 @@ pub fn secs(ns: Ns) -> f64 {
 }
 
 /// One RL step's measurements (times in seconds from the run's start).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct StepMetrics {
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StepRecord {
     /// Step index.
     pub step: u64,
     /// Policy version the rollout used.
@@ -71,8 +72,8 @@ pub struct StepMetrics {
     pub skipped: u32,
 }
 
-impl StepMetrics {
-    /// Rollout-to-train-end time (SPEC §3).
+impl StepRecord {
+    /// Rollout-to-train-end time.
     pub fn r2t(&self) -> f64 {
         self.train_end - self.rollout_start
     }
@@ -82,27 +83,36 @@ impl StepMetrics {
         self.rollout_end - self.rollout_start
     }
 
-    /// Trainer waiting ratio inside the rollout-to-train-end window
-    /// ([`metrics::wait_ratio`]).
+    /// The step's timing metrics, as `train` computes its own.
+    pub fn timing(&self) -> Timing {
+        Timing::of(&StepTimes {
+            rollout_s: self.rollout(),
+            window_s: self.r2t(),
+            // The simulated trainer does only this step's work inside its window.
+            busy_in_window_s: self.trainer_busy,
+            train_busy_s: self.trainer_busy,
+            last_tail_s: self.last_tail,
+            first_micro_batch_ready_s: self.first_micro_batch_ready,
+            since_prev_train_end_s: self.train_end - self.prev_train_end,
+            rollout_idle_s: self.rollout_idle,
+            slot_occupancy: self.slot_occupancy,
+        })
+    }
+
+    /// Trainer waiting ratio inside the rollout-to-train-end window.
     pub fn wait_ratio(&self) -> f64 {
-        metrics::wait_ratio(self.trainer_busy, self.r2t())
+        self.timing().trainer_wait_ratio
     }
 
-    /// Slime's `perf/wait_time_ratio` ([`metrics::slime_wait_ratio`]): the trainer's idle
-    /// share of the time since the previous step's training ended, which includes the weight
-    /// update.
+    /// Slime's `perf/wait_time_ratio`: the trainer's idle share of the time since the previous
+    /// step's training ended, which includes the weight update.
     pub fn slime_wait_ratio(&self) -> f64 {
-        metrics::slime_wait_ratio(self.trainer_busy, self.train_end, self.prev_train_end)
+        self.timing().slime_wait_ratio
     }
 
-    /// The bound given this rollout ([`metrics::bound`]).
+    /// The bound given this rollout.
     pub fn ideal(&self) -> f64 {
-        metrics::bound(
-            self.rollout(),
-            self.last_tail,
-            self.first_micro_batch_ready,
-            self.trainer_busy,
-        )
+        self.timing().bound_s
     }
 
     /// Rollout throughput, generated tokens per second of rollout.
@@ -123,10 +133,10 @@ pub struct RunResult {
     pub profile: String,
     /// Setting key.
     pub setting: String,
-    /// Mode.
-    pub mode: Mode,
+    /// Mode (with its tail policies).
+    pub mode: Schedule,
     /// Per-step measurements.
-    pub steps: Vec<StepMetrics>,
+    pub steps: Vec<StepRecord>,
     /// Total simulated time, s.
     pub makespan: f64,
     /// Simulated events processed (for the speed report).
@@ -143,22 +153,22 @@ fn mean(v: impl Iterator<Item = f64>) -> f64 {
 impl RunResult {
     /// Mean rollout-to-train-end time, s.
     pub fn mean_r2t(&self) -> f64 {
-        mean(self.steps.iter().map(StepMetrics::r2t))
+        mean(self.steps.iter().map(StepRecord::r2t))
     }
 
     /// Mean trainer waiting ratio.
     pub fn mean_wait_ratio(&self) -> f64 {
-        mean(self.steps.iter().map(StepMetrics::wait_ratio))
+        mean(self.steps.iter().map(StepRecord::wait_ratio))
     }
 
     /// Mean rollout duration, s.
     pub fn mean_rollout(&self) -> f64 {
-        mean(self.steps.iter().map(StepMetrics::rollout))
+        mean(self.steps.iter().map(StepRecord::rollout))
     }
 
     /// Mean throughput, tokens/s.
     pub fn mean_throughput(&self) -> f64 {
-        mean(self.steps.iter().map(StepMetrics::throughput))
+        mean(self.steps.iter().map(StepRecord::throughput))
     }
 
     /// Mean slot occupancy.
@@ -179,7 +189,7 @@ impl RunResult {
 
     /// Mean of Slime's `perf/wait_time_ratio` (includes the weight update).
     pub fn mean_slime_wait_ratio(&self) -> f64 {
-        mean(self.steps.iter().map(StepMetrics::slime_wait_ratio))
+        mean(self.steps.iter().map(StepRecord::slime_wait_ratio))
     }
 
     /// Mean rollout engines' idle time inside the r2t window, s per engine.
@@ -203,11 +213,11 @@ impl RunResult {
         mean(self.steps.iter().map(|s| s.trainer_busy))
     }
 
-    /// Mean ideal bound: SPEC §3's `T_rollout + T_train(last micro-batch)` (plus the optimizer
-    /// step), tightened by the trainer's own work: no schedule ends before the first micro-batch
+    /// Mean ideal bound: `T_rollout + T_train(last micro-batch)` (plus the optimizer step),
+    /// tightened by the trainer's own work: no schedule ends before the first micro-batch
     /// is ready plus all training. The second term binds when training outlasts the rollout.
     pub fn mean_ideal(&self) -> f64 {
-        mean(self.steps.iter().map(StepMetrics::ideal))
+        mean(self.steps.iter().map(StepRecord::ideal))
     }
 
     /// Mean rollout idle time between steps: from a step's batch being final to the next

@@ -11,10 +11,11 @@ pub mod driver;
 pub mod engine;
 pub mod metrics;
 pub mod queue;
+pub mod recording;
 pub mod report;
 pub mod trainer;
 pub mod workload;
 
 pub use config::{Mode, SimConfig};
 pub use driver::{Simulated, simulate};
-pub use metrics::{RunResult, StepMetrics};
+pub use metrics::{RunResult, StepRecord};

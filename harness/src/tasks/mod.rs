@@ -1,4 +1,4 @@
-//! Verifiable tasks (SPEC §7): problems generated from a seed with a disjoint held-out split,
+//! Verifiable tasks: problems generated from a seed with a disjoint held-out split,
 //! exact verifiers that turn a model's response into a reward, tokenizers that turn text into
 //! the ids the policy backends consume, and loading of users' own problems from JSONL.
 //!
@@ -129,7 +129,8 @@ impl fmt::Display for TaskError {
 impl std::error::Error for TaskError {}
 
 /// The reward interface: decides whether a response answers a problem. Implement this for a
-/// custom reward; the provided [`Verifier::reward`] maps verdicts to SPEC §7's rewards.
+/// custom reward; the provided [`Verifier::reward`] maps verdicts to rewards (1, 0, or
+/// minus the format penalty).
 pub trait Verifier: Send + Sync {
     /// Checks `response` (the decoded text after the prompt, stop token excluded) against
     /// `problem`. Must not panic on any input.

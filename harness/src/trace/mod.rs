@@ -34,6 +34,7 @@ impl ChromeTrace {
     }
 
     /// A span on a sequential track.
+    // One argument per field of the trace format's event; a struct would only rename them.
     #[allow(clippy::too_many_arguments)]
     pub fn complete(
         &mut self,
@@ -52,6 +53,7 @@ impl ChromeTrace {
     }
 
     /// A span that may overlap others on the same track; `id` must be unique within `cat`.
+    // One argument per field of the trace format's event; a struct would only rename them.
     #[allow(clippy::too_many_arguments)]
     pub fn async_span(
         &mut self,

@@ -9,7 +9,7 @@ use rolloutpipe_backends::{
     TrainBatch, TrainSequence, Trainer,
 };
 
-use super::config::TrainConfig;
+use super::config::{Operands, TrainConfig};
 use crate::tasks::{
     Problem, Split, Task, TaskOptions, Tokenizer, apply_carry_dropping_teacher, generate,
     load_jsonl_with, split_of, task_by_name, uniform_test_set,
@@ -94,7 +94,7 @@ fn task_options(cfg: &TrainConfig) -> TaskOptions {
         format_penalty: Some(t.format_penalty),
         heldout_per_mille: Some(t.heldout_per_mille),
         reverse: Some(t.reverse),
-        uniform_operands: Some(t.operands == "uniform"),
+        uniform_operands: Some(t.operands == Operands::Uniform),
     }
 }
 
@@ -123,65 +123,11 @@ pub fn tokenizer(cfg: &TrainConfig) -> anyhow::Result<Arc<dyn Tokenizer>> {
 /// Builds the task and its problem sets, checking every prompt against the tokenizer.
 pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Problems> {
     let t = &cfg.task;
-    let opts = task_options(cfg);
     let task = task(cfg)?;
-    let seed = cfg.run.seed;
     let (train, heldout, sft) = if t.jsonl.as_os_str().is_empty() {
-        let train = generate(task.as_ref(), seed, Split::Train, t.train_pool)?;
-        let held = generate(
-            task.as_ref(),
-            seed,
-            Split::HeldOut,
-            cfg.run.eval_problems as usize,
-        )?;
-        let n_sft = (cfg.sft.steps as usize * cfg.sft.batch as usize).max(1);
-        // Another seed, same split function: different training problems, none held out. With
-        // `sft.digits` < `task.digits` the warm start sees only shorter operands.
-        let sft_task = if cfg.sft.digits > 0 && cfg.sft.digits != t.digits && t.name != "countdown"
-        {
-            let o = TaskOptions {
-                digits: Some(cfg.sft.digits),
-                ..opts.clone()
-            };
-            Arc::from(task_by_name(&t.name, &o).context("sft.digits")?)
-        } else {
-            task.clone()
-        };
-        let mut sft = generate(sft_task.as_ref(), seed ^ 0x5F7_5EED, Split::Train, n_sft)?;
-        if cfg.sft.carry_drop > 0.0 {
-            let wrong =
-                apply_carry_dropping_teacher(&mut sft, cfg.sft.carry_drop, t.reverse, seed)?;
-            tracing::info!(
-                carry_drop = cfg.sft.carry_drop,
-                wrong,
-                of = sft.len(),
-                "SFT targets from the carry-dropping teacher"
-            );
-        }
-        (train, held, sft)
+        generated(cfg, &task)?
     } else {
-        let keys = crate::tasks::JsonlKeys {
-            input: t.input_key.clone(),
-            label: t.label_key.clone(),
-        };
-        let all = load_jsonl_with(&t.jsonl, task.as_ref(), &keys)
-            .with_context(|| format!("task.jsonl {}", t.jsonl.display()))?;
-        let (mut train, mut held) = (Vec::new(), Vec::new());
-        for p in all {
-            match split_of(&task.problem_key(&p), t.heldout_per_mille) {
-                Split::Train => train.push(p),
-                Split::HeldOut => held.push(p),
-            }
-        }
-        ensure!(
-            !train.is_empty() && !held.is_empty(),
-            "task.jsonl {}: {} training and {} held-out problems; both splits need at least one",
-            t.jsonl.display(),
-            train.len(),
-            held.len()
-        );
-        held.truncate(cfg.run.eval_problems as usize);
-        (train.clone(), held, train)
+        from_jsonl(cfg, task.as_ref())?
     };
     let mut pool = Vec::with_capacity(train.len());
     for p in train {
@@ -211,6 +157,71 @@ pub fn problems(cfg: &TrainConfig, tok: &dyn Tokenizer) -> anyhow::Result<Proble
         heldout,
         sft,
     })
+}
+
+/// Training, held-out and SFT problems.
+type Sets = (Vec<Problem>, Vec<Problem>, Vec<Problem>);
+
+/// The generated task's problem sets.
+fn generated(cfg: &TrainConfig, task: &Arc<dyn Task>) -> anyhow::Result<Sets> {
+    let (t, seed) = (&cfg.task, cfg.run.seed);
+    let train = generate(task.as_ref(), seed, Split::Train, t.train_pool)?;
+    let held = generate(
+        task.as_ref(),
+        seed,
+        Split::HeldOut,
+        cfg.run.eval_problems as usize,
+    )?;
+    let n_sft = (cfg.sft.steps as usize * cfg.sft.batch as usize).max(1);
+    // Another seed, same split function: different training problems, none held out. With
+    // `sft.digits` < `task.digits` the warm start sees only shorter operands.
+    let sft_task = if cfg.sft.digits > 0 && cfg.sft.digits != t.digits && t.name != "countdown" {
+        let o = TaskOptions {
+            digits: Some(cfg.sft.digits),
+            ..task_options(cfg)
+        };
+        Arc::from(task_by_name(&t.name, &o).context("sft.digits")?)
+    } else {
+        task.clone()
+    };
+    let mut sft = generate(sft_task.as_ref(), seed ^ 0x5F7_5EED, Split::Train, n_sft)?;
+    if cfg.sft.carry_drop > 0.0 {
+        let wrong = apply_carry_dropping_teacher(&mut sft, cfg.sft.carry_drop, t.reverse, seed)?;
+        tracing::info!(
+            carry_drop = cfg.sft.carry_drop,
+            wrong,
+            of = sft.len(),
+            "SFT targets from the carry-dropping teacher"
+        );
+    }
+    Ok((train, held, sft))
+}
+
+/// A JSONL file's problems, split by the problem key; SFT trains on the training split.
+fn from_jsonl(cfg: &TrainConfig, task: &dyn Task) -> anyhow::Result<Sets> {
+    let t = &cfg.task;
+    let keys = crate::tasks::JsonlKeys {
+        input: t.input_key.clone(),
+        label: t.label_key.clone(),
+    };
+    let all = load_jsonl_with(&t.jsonl, task, &keys)
+        .with_context(|| format!("task.jsonl {}", t.jsonl.display()))?;
+    let (mut train, mut held) = (Vec::new(), Vec::new());
+    for p in all {
+        match split_of(&task.problem_key(&p), t.heldout_per_mille) {
+            Split::Train => train.push(p),
+            Split::HeldOut => held.push(p),
+        }
+    }
+    ensure!(
+        !train.is_empty() && !held.is_empty(),
+        "task.jsonl {}: {} training and {} held-out problems; both splits need at least one",
+        t.jsonl.display(),
+        train.len(),
+        held.len()
+    );
+    held.truncate(cfg.run.eval_problems as usize);
+    Ok((train.clone(), held, train))
 }
 
 /// Supervised warm start: cross-entropy on `answer + eos` for `cfg.sft.steps` steps. Returns the

@@ -6,28 +6,29 @@
 //! and the clock. The core decides everything (which request takes a free slot, what to abort,
 //! how many prompts to draw, when a group goes to the trainer, when to step the optimizer); the
 //! harness only moves data. See `docs/training.md`.
-mod checkpoint;
+//!
+//! By layer:
+//!
+//! | module | what |
+//! |---|---|
+//! | [`config`] | the typed config: sections, loading and `--set`, validation, the plan |
+//! | [`run`] | the run: setup, the step loop (`run::steps`), one phase as the step driver's workers (`run::phase`), tail multiplexing and long-tail migration |
+//! | [`msg`] | the messages between the scheduler and the workers, one vocabulary for channels, wire and checkpoints |
+//! | [`workers`] | the workers (engine, trainer, verifier), their backends, and the [`Transport`] that starts them |
+//! | [`remote`] | the workers behind a caller's `send`: hosts, proxies, protocol and wire framing |
+//! | [`record`] | what a run writes: metrics, checkpoints, plots, the summary |
+//! | [`data`], [`guard`] | problems, SFT and evaluation; the run directory's checks |
 pub mod config;
-mod ctx;
 pub mod data;
-mod events;
 pub mod guard;
-pub mod metrics;
-mod migrate;
-mod mux;
-mod phase;
-mod plots;
+pub mod msg;
+pub mod record;
 pub mod remote;
 pub mod run;
-mod step_loop;
-pub mod steps;
-mod summary;
-pub mod transport;
-pub mod wire;
 pub mod workers;
 
 pub use config::{Mode, TrainConfig};
 pub use guard::RunOptions;
-pub use metrics::{Measured, StepMetrics, TrainedRecord, read_metrics};
+pub use record::metrics::{Measured, StepMetrics, TrainedRecord, read_metrics};
 pub use run::{RunOutcome, run, run_with, run_with_transport};
-pub use transport::{Local, Transport};
+pub use workers::transport::{Local, Transport};

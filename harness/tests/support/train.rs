@@ -4,14 +4,13 @@
 
 use std::path::PathBuf;
 
+use super::loopback::Loopback;
 use rolloutpipe_backends::Weights;
-use rolloutpipe_harness::train::remote::Loopback;
 use rolloutpipe_harness::train::{
     Mode, RunOptions, RunOutcome, TrainConfig, run, run_with_transport,
 };
 
-/// The `[model]` section of every tiny test run: a 1-layer model with GQA (2 query heads, 1
-/// KV head), small enough that a run takes a second.
+/// The `[model]` section of [`TrainConfig::tiny`], for TOML files the CLI tests write.
 pub const TINY_MODEL: &str = "[model]
 hidden_size = 32
 intermediate_size = 64
@@ -21,47 +20,28 @@ kv_heads = 1
 head_dim = 16
 ";
 
-/// The tiny run both equivalence tests start from (1-digit addition, a 1-layer model, a short
-/// SFT warm start, `rl.beta > 0`), in `mode`, with `[rl]` and `[rollout]` extras appended to
-/// their sections and `extra` overrides applied; validated.
-pub fn tiny_cfg(mode: Mode, rl: &str, rollout: &str, extra: &[&str]) -> TrainConfig {
-    let base = format!(
-        r#"
-[run]
-seed = 5
-steps = 3
-mode = "{}"
-eval_every = 0
-eval_problems = 8
-test_problems = 0
-checkpoint_every = 0
-progress = false
-[task]
-name = "add"
-digits = 1
-# Malformed answers score below wrong ones, so that groups have mixed rewards.
-format_penalty = 0.5
-{TINY_MODEL}[sft]
-steps = 100
-batch = 16
-lr = 1e-2
-carry_drop = 0.0
-[rl]
-batch_groups = 4
-group_size = 8
-lr = 1e-3
-beta = 0.1
-{rl}
-[rollout]
-max_groups_factor = 1.0
-{rollout}
-"#,
-        mode.name()
-    );
-    let sets: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-    let c = TrainConfig::from_partial_toml(&base)
-        .unwrap()
-        .with_overrides(&sets)
+/// The tiny run both equivalence tests start from ([`TrainConfig::tiny`] with a 100-step SFT
+/// warm start, 3 steps of 4 groups of 8, `rl.beta > 0`, no over-sampling, and malformed answers
+/// scored below wrong ones so that groups have mixed rewards), in `mode`, with `sets` applied;
+/// validated.
+pub fn tiny_cfg(mode: Mode, sets: &[&str]) -> TrainConfig {
+    let mode = format!("run.mode={}", mode.name());
+    let c = TrainConfig::tiny()
+        .set(&[
+            "run.seed=5",
+            "run.steps=3",
+            &mode,
+            "run.eval_problems=8",
+            "task.format_penalty=0.5",
+            "sft.steps=100",
+            "rl.group_size=8",
+            "rl.micro_batch=2",
+            "rl.max_new_tokens=6",
+            "rl.beta=0.1",
+            "rollout.slots=16",
+            "rollout.max_groups_factor=1.0",
+        ])
+        .and_then(|c| c.set(sets))
         .unwrap();
     c.validate().unwrap();
     c

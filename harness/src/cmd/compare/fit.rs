@@ -59,13 +59,7 @@ pub fn simulate_measured(
     let sim_cfg = SimConfig::load(&[(sim_path.display().to_string(), sim_toml)], &[])
         .context("the measured simulator config")?;
     for &mode in modes {
-        let sm = match mode {
-            Mode::Sync => sim::Mode::Sync,
-            Mode::Cgp => sim::Mode::Cgp,
-            Mode::Rolloutpipe => sim::Mode::Rolloutpipe,
-            Mode::OneStepOff => sim::Mode::OneStepOff,
-        };
-        let s = sim::simulate(&sim_cfg, "measured", "measured", sm, false)?;
+        let s = sim::simulate(&sim_cfg, "measured", "measured", mode, false)?;
         let ms: Vec<StepMetrics> = s
             .result
             .steps
@@ -73,10 +67,8 @@ pub fn simulate_measured(
             .map(|st| StepMetrics {
                 step: st.step,
                 rollout_s: st.rollout(),
-                rollout_to_train_end_s: st.r2t(),
-                trainer_wait_ratio: st.wait_ratio(),
                 train_busy_s: st.trainer_busy,
-                ideal_s: st.rollout() + st.last_tail,
+                timing: st.timing(),
                 ..StepMetrics::default()
             })
             .collect();
@@ -165,14 +157,20 @@ fn mean(v: &[f64]) -> f64 {
     }
 }
 
-/// The measured parameters in the simulator's config format (docs/simulator.md).
-pub fn simulator_config(
-    cfg: &TrainConfig,
-    m: &Measured,
-    acc_start: f64,
-    acc_late: f64,
-    modes: &[Mode],
-) -> anyhow::Result<String> {
+/// What the simulator's config is fitted to: decode iteration time, micro-batch time, and the
+/// response and prompt lengths.
+struct Fitted {
+    base_ms: f64,
+    per_seq_ms: f64,
+    mb_overhead: f64,
+    per_tok: f64,
+    mean_len: f64,
+    sigma: f64,
+    runaway: f64,
+    prompt: f64,
+}
+
+fn fitted(cfg: &TrainConfig, m: &Measured) -> Fitted {
     let decode: Vec<(f64, f64)> = m.decode.iter().map(|&(r, s)| (r as f64, s * 1e3)).collect();
     let (base_ms, per_seq_ms) = fit_nonneg(&decode);
     let mbs: Vec<(f64, f64)> = m
@@ -197,8 +195,46 @@ pub fn simulator_config(
     )
     .round()
     .max(1.0);
-    let clampacc = |a: f64| a.clamp(0.01, 0.99);
+    Fitted {
+        base_ms,
+        per_seq_ms,
+        mb_overhead,
+        per_tok,
+        mean_len,
+        sigma,
+        runaway,
+        prompt,
+    }
+}
+
+/// The measured parameters in the simulator's config format (docs/simulator.md).
+pub fn simulator_config(
+    cfg: &TrainConfig,
+    m: &Measured,
+    acc_start: f64,
+    acc_late: f64,
+    modes: &[Mode],
+) -> anyhow::Result<String> {
+    let f = fitted(cfg, m);
     let mut s = String::new();
+    write_system(&mut s, cfg, m, &f, modes)?;
+    write_workload(&mut s, cfg, &f, acc_start, acc_late)?;
+    Ok(s)
+}
+
+/// `[run]`, `[rollout]` and `[trainer]`.
+fn write_system(
+    s: &mut String,
+    cfg: &TrainConfig,
+    m: &Measured,
+    f: &Fitted,
+    modes: &[Mode],
+) -> std::fmt::Result {
+    let Fitted {
+        base_ms,
+        per_seq_ms,
+        ..
+    } = *f;
     writeln!(
         s,
         "# Measured by `rolloutpipe compare` on this machine (see docs/training.md)."
@@ -250,6 +286,16 @@ pub fn simulator_config(
         s,
         "abort_s = 0.0  # train aborts in-process (the core's poll_abort), no server round trip\n"
     )?;
+    write_trainer(s, m, f)
+}
+
+/// `[trainer]`: the fitted micro-batch cost line, the optimizer step and the weight sync.
+fn write_trainer(s: &mut String, m: &Measured, f: &Fitted) -> std::fmt::Result {
+    let Fitted {
+        mb_overhead,
+        per_tok,
+        ..
+    } = *f;
     writeln!(s, "[trainer]\ngpus = 1")?;
     writeln!(
         s,
@@ -267,6 +313,25 @@ pub fn simulator_config(
         s,
         "data_transfer_s_per_mtok = 0.0  # samples reach the trainer in-process, no Ray put\n"
     )?;
+    Ok(())
+}
+
+/// `[scheduler]`, `[profile.measured]` and `[setting.measured]`.
+fn write_workload(
+    s: &mut String,
+    cfg: &TrainConfig,
+    f: &Fitted,
+    acc_start: f64,
+    acc_late: f64,
+) -> std::fmt::Result {
+    let Fitted {
+        mean_len,
+        sigma,
+        runaway,
+        prompt,
+        ..
+    } = *f;
+    let clampacc = |a: f64| a.clamp(0.01, 0.99);
     let order = &cfg.rollout.submit_order;
     writeln!(
         s,
@@ -303,7 +368,7 @@ pub fn simulator_config(
         cfg.rollout.draw_batch,
         cfg.rl.opt_steps
     )?;
-    Ok(s)
+    Ok(())
 }
 
 #[cfg(test)]

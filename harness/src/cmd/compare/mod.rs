@@ -68,91 +68,19 @@ pub struct Run {
 
 /// Runs `compare`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let mut base = match &args.config {
-        Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("reading config {}", p.display()))?;
-            TrainConfig::from_partial_toml(&text)?
-        }
-        None => TrainConfig::default_config()?,
-    };
-    let mut sets = args.sets.clone();
-    if let Some(b) = &args.backend {
-        sets.push(format!("run.backend=\"{b}\""));
-    }
-    base = base.with_overrides(&sets)?;
-    anyhow::ensure!(!args.modes.is_empty(), "--modes is empty");
-    anyhow::ensure!(
-        (1..=MAX_REPEATS).contains(&args.repeats),
-        "--repeats must be in 1..={MAX_REPEATS}, got {}",
-        args.repeats
-    );
-    let modes: Vec<Mode> = args
-        .modes
-        .iter()
-        .map(|m| Mode::parse(m))
-        .collect::<anyhow::Result<_>>()?;
-    for (i, m) in modes.iter().enumerate() {
-        anyhow::ensure!(!modes[..i].contains(m), "--modes names {} twice", m.name());
-    }
-    base.validate()?;
+    let (base, modes) = setup(&args)?;
     // Refuse before the first run starts, not after it finished: the per-mode run
     // directories and the top-level compare.md, compare.json, plots and fitted config.
     let _lock = crate::rundir::claim_dir(&args.out, args.force, "--out")?;
     crate::interrupt::install()?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
-
-    let sft_dir = args.out.join(modes[0].name()).join("rep0").join("sft");
-    let mut runs: Vec<Run> = Vec::new();
-    let mut stopped: Option<String> = None;
-    'rounds: for repeat in 0..args.repeats {
-        for &mode in &modes {
-            let mut cfg = base.clone();
-            cfg.run.mode = mode;
-            if mode == Mode::OneStepOff {
-                cfg.rl.old_logprobs = crate::train::config::OldLogprobs::Rollout;
-            }
-            if !runs.is_empty() && cfg.sft.steps > 0 {
-                // Every run starts from the same warm-started weights; SFT runs once.
-                cfg.model.dir = sft_dir.clone();
-                cfg.sft.steps = 0;
-            }
-            cfg.validate()?;
-            let dir = args.out.join(mode.name()).join(format!("rep{repeat}"));
-            tracing::info!(mode = mode.name(), repeat, "compare: running");
-            let opts = crate::train::RunOptions {
-                resume: false,
-                force: args.force,
-            };
-            match crate::train::run_with(&cfg, &dir, opts) {
-                Ok(outcome) => runs.push(Run {
-                    mode,
-                    repeat,
-                    outcome,
-                }),
-                Err(e) if crate::interrupt::requested() => {
-                    stopped = Some(format!("{e:#}"));
-                    break 'rounds;
-                }
-                Err(e) => return Err(e),
-            }
-            if crate::interrupt::requested() {
-                stopped = Some(format!(
-                    "interrupted after {} {}",
-                    mode.name(),
-                    dir.display()
-                ));
-                break 'rounds;
-            }
-        }
-    }
+    let (runs, stopped) = rounds(&args, &base, &modes)?;
     anyhow::ensure!(
         !runs.is_empty(),
         "interrupted before any run finished: {}",
         stopped.unwrap_or_default()
     );
-
     let seed = base.run.seed;
     let measured = report::measured_rows(&modes, &runs, seed);
     let cuts = report::paired_cuts(&modes, &runs, seed);
@@ -208,4 +136,85 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The base config (default or `--config`, with `--set` and `--backend`) and the modes, the
+/// first the baseline; refused before anything runs.
+fn setup(args: &Args) -> anyhow::Result<(TrainConfig, Vec<Mode>)> {
+    let mut base = match &args.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("reading config {}", p.display()))?;
+            TrainConfig::from_partial_toml(&text)?
+        }
+        None => TrainConfig::default_config()?,
+    };
+    let mut sets = args.sets.clone();
+    if let Some(b) = &args.backend {
+        sets.push(format!("run.backend=\"{b}\""));
+    }
+    base = base.with_overrides(&sets)?;
+    anyhow::ensure!(!args.modes.is_empty(), "--modes is empty");
+    anyhow::ensure!(
+        (1..=MAX_REPEATS).contains(&args.repeats),
+        "--repeats must be in 1..={MAX_REPEATS}, got {}",
+        args.repeats
+    );
+    let modes: Vec<Mode> = args
+        .modes
+        .iter()
+        .map(|m| Mode::parse(m))
+        .collect::<anyhow::Result<_>>()?;
+    for (i, m) in modes.iter().enumerate() {
+        anyhow::ensure!(!modes[..i].contains(m), "--modes names {} twice", m.name());
+    }
+    base.validate()?;
+    Ok((base, modes))
+}
+
+/// The runs, mode after mode in each round; with the reason when a signal stopped them early.
+fn rounds(
+    args: &Args,
+    base: &TrainConfig,
+    modes: &[Mode],
+) -> anyhow::Result<(Vec<Run>, Option<String>)> {
+    let sft_dir = args.out.join(modes[0].name()).join("rep0").join("sft");
+    let mut runs: Vec<Run> = Vec::new();
+    for repeat in 0..args.repeats {
+        for &mode in modes {
+            let mut cfg = base.clone();
+            cfg.run.mode = mode;
+            if mode == Mode::OneStepOff {
+                cfg.rl.old_logprobs = crate::train::config::OldLogprobs::Rollout;
+            }
+            if !runs.is_empty() && cfg.sft.steps > 0 {
+                // Every run starts from the same warm-started weights; SFT runs once.
+                cfg.model.dir = sft_dir.clone();
+                cfg.sft.steps = 0;
+            }
+            cfg.validate()?;
+            let dir = args.out.join(mode.name()).join(format!("rep{repeat}"));
+            tracing::info!(mode = mode.name(), repeat, "compare: running");
+            let opts = crate::train::RunOptions {
+                resume: false,
+                force: args.force,
+            };
+            match crate::train::run_with(&cfg, &dir, opts) {
+                Ok(outcome) => runs.push(Run {
+                    mode,
+                    repeat,
+                    outcome,
+                }),
+                Err(e) if crate::interrupt::requested() => {
+                    return Ok((runs, Some(format!("{e:#}"))));
+                }
+                Err(e) => return Err(e),
+            }
+            if crate::interrupt::requested() {
+                let why = format!("interrupted after {} {}", mode.name(), dir.display());
+                return Ok((runs, Some(why)));
+            }
+        }
+    }
+    Ok((runs, None))
 }

@@ -19,7 +19,7 @@ fn timed(ms: &[StepMetrics]) -> &[StepMetrics] {
 pub struct RunMedians {
     /// Rollout-to-train-end time, s.
     pub r2t: f64,
-    /// Trainer waiting ratio (SPEC's, inside the rollout-to-train-end window).
+    /// Trainer waiting ratio (inside the rollout-to-train-end window).
     pub wait: f64,
     /// Rollout time, s.
     pub rollout: f64,
@@ -33,11 +33,11 @@ fn medians(ms: &[StepMetrics]) -> RunMedians {
     let ms = timed(ms);
     let m = |f: fn(&StepMetrics) -> f64| stats::median(&ms.iter().map(f).collect::<Vec<_>>());
     RunMedians {
-        r2t: m(|s| s.rollout_to_train_end_s),
-        wait: m(|s| s.trainer_wait_ratio),
+        r2t: m(|s| s.timing.rollout_to_train_end_s),
+        wait: m(|s| s.timing.trainer_wait_ratio),
         rollout: m(|s| s.rollout_s),
         busy: m(|s| s.train_busy_s),
-        ideal: m(|s| s.ideal_s),
+        ideal: m(|s| s.timing.ideal_s),
     }
 }
 
@@ -214,6 +214,36 @@ pub fn render(
     }
     let _ = writeln!(s);
     let base = modes[0].name();
+    cuts_table(&mut s, base, cuts, simulated);
+    if let Some(b) = measured.iter().find(|r| r.mode == base) {
+        let share = b.rollout.median / b.r2t.median;
+        let _ = writeln!(
+            s,
+            "\nRollout share of a {base} step (median rollout / median rollout-to-train-end): {:.2}{}",
+            share,
+            if share < 0.5 {
+                " - below 0.5: the rollout has little tail for pipelining to hide training behind, so this workload understates what CGP does on GPUs"
+            } else {
+                ""
+            }
+        );
+    }
+    for r in runs {
+        let _ = writeln!(
+            s,
+            "{} round {}: held-out accuracy {:.3} -> {:.3} over {} steps",
+            r.mode.name(),
+            r.repeat,
+            r.outcome.accuracy_start,
+            r.outcome.accuracy_end,
+            r.outcome.metrics.len()
+        );
+    }
+    s
+}
+
+/// The cuts against the baseline, paired by round, beside the simulator's predictions.
+fn cuts_table(s: &mut String, base: &str, cuts: &[Cut], simulated: &[ModeRow]) {
     let sim_of = |m: &str| simulated.iter().find(|r| r.mode == m);
     if !cuts.is_empty() {
         let _ = writeln!(
@@ -243,31 +273,6 @@ pub fn render(
             pct(&c.wait)
         );
     }
-    if let Some(b) = measured.iter().find(|r| r.mode == base) {
-        let share = b.rollout.median / b.r2t.median;
-        let _ = writeln!(
-            s,
-            "\nRollout share of a {base} step (median rollout / median rollout-to-train-end): {:.2}{}",
-            share,
-            if share < 0.5 {
-                " - below 0.5: the rollout has little tail for pipelining to hide training behind, so this workload understates what CGP does on GPUs"
-            } else {
-                ""
-            }
-        );
-    }
-    for r in runs {
-        let _ = writeln!(
-            s,
-            "{} round {}: held-out accuracy {:.3} -> {:.3} over {} steps",
-            r.mode.name(),
-            r.repeat,
-            r.outcome.accuracy_start,
-            r.outcome.accuracy_end,
-            r.outcome.metrics.len()
-        );
-    }
-    s
 }
 
 /// Bars of the medians (measured and simulated) and the per-step medians over rounds.
@@ -321,7 +326,7 @@ pub fn plots(
                 let v: Vec<f64> = of_mode
                     .iter()
                     .filter_map(|r| r.outcome.metrics.get(k))
-                    .map(|x| x.rollout_to_train_end_s)
+                    .map(|x| x.timing.rollout_to_train_end_s)
                     .collect();
                 (k as f64, stats::median(&v))
             })

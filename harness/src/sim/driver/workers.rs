@@ -28,8 +28,8 @@ impl crate::driver::Workers for Sim<'_> {
         self.training
     }
 
-    fn policy(&self) -> &crate::alloc::Policy {
-        &self.policy
+    fn allocator(&self) -> &crate::alloc::Allocator {
+        &self.allocator
     }
 
     /// Allocation decisions (VIGOR's rounds, Pilot-Commit's verdicts): a round-2 request is
@@ -144,7 +144,7 @@ impl crate::driver::Workers for Sim<'_> {
         if sched.is_batch_final() && self.ctxs[step as usize].rollout_end.is_none() {
             self.rollout_ended(step);
         }
-        if self.mode.migrates() && sched.view().pending_requests() == 0 {
+        if self.schedule.migrate && sched.view().pending_requests() == 0 {
             self.migrate(step);
         }
         Ok(())
@@ -155,7 +155,7 @@ impl crate::driver::Workers for Sim<'_> {
         // Slime hands the batch over only after `abort` returned; CGP ships each group as it is
         // dispatched. Either way the data crosses one link, group after group.
         let mut from = self.link_free.max(self.now);
-        if !self.mode.pipelined() && d.seq == 0 {
+        if !self.schedule.mode.pipelined() && d.seq == 0 {
             from = from.max(self.now + secs_to_ns(self.cfg.rollout.abort_s));
         }
         let c = &mut self.ctxs[step as usize];
@@ -241,7 +241,7 @@ impl crate::driver::Workers for Sim<'_> {
 
     /// Multiplexing, then every engine whose state changed schedules its next event.
     fn polled(&mut self, admissible: bool) -> anyhow::Result<()> {
-        if self.mode.multiplexes() && !admissible {
+        if self.schedule.multiplex && !admissible {
             self.multiplex();
         }
         for e in 0..self.engines.len() {
@@ -292,7 +292,7 @@ impl crate::driver::Workers for Sim<'_> {
                 reports.push(Report::Begin {
                     step,
                     version: PolicyVersion(self.version(step)),
-                    plan: self.plan(self.max_groups),
+                    plan: self.plan(),
                 });
             }
             Ev::StartTrain { step } => self.training = Some(step),

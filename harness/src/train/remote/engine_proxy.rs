@@ -6,12 +6,15 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
 use std::time::Instant;
 
-use rolloutpipe_backends::{Sequence, Weights};
-use rolloutpipe_core::RequestId;
+use rolloutpipe_backends::Weights;
+use rolloutpipe_core::{PolicyVersion, RequestId};
 
-use super::super::wire::{self, EngineMsg, EngineReply, WireAdd, WireResume};
-use super::super::workers::{EngineCmd, Event, commands, report};
+use super::protocol::{EngineMsg, EngineReply};
+use super::wire;
 use super::{Link, Publisher, Route};
+use crate::train::msg::{Add, EngineCmd, EngineOut, Event, Moved, RefPass};
+use crate::train::workers::{commands, report};
+
 /// The scheduler's side of one remote engine.
 pub(super) struct EngineProxy {
     pub(super) engine: u16,
@@ -35,17 +38,9 @@ impl EngineProxy {
             for cmd in cmds {
                 match cmd {
                     EngineCmd::Shutdown => return,
-                    EngineCmd::Add {
-                        rid,
-                        prompt,
-                        params,
-                    } => {
-                        if self.take(rid) {
-                            q.adds.push(WireAdd {
-                                rid,
-                                prompt: prompt.to_vec(),
-                                params: (&params).into(),
-                            });
+                    EngineCmd::Add(add) => {
+                        if self.take(add.rid) {
+                            q.adds.push(add);
                         }
                     }
                     EngineCmd::Cancel(rid) => {
@@ -53,9 +48,9 @@ impl EngineProxy {
                             q.cancels.push(rid);
                         }
                     }
-                    EngineCmd::Resume { rid, state } => {
-                        if self.take(rid) {
-                            q.resumes.push(WireResume::new(rid, *state));
+                    EngineCmd::Resume(m) => {
+                        if self.take(m.rid) {
+                            q.resumes.push(*m);
                         }
                     }
                     EngineCmd::Migrate { min_generated } => {
@@ -68,13 +63,8 @@ impl EngineProxy {
                             return;
                         }
                     }
-                    EngineCmd::RefLogprobs {
-                        step,
-                        index,
-                        seqs,
-                        temperature,
-                    } => {
-                        if !self.ref_logprobs(step, index, seqs, temperature) {
+                    EngineCmd::RefLogprobs(pass) => {
+                        if !self.ref_logprobs(pass) {
                             return;
                         }
                     }
@@ -105,10 +95,10 @@ impl EngineProxy {
     /// preempted at once (false).
     fn take(&mut self, rid: RequestId) -> bool {
         if self.dead {
-            self.emit(Event::EngineFailed {
+            self.emit(Event::Engine {
                 engine: self.engine,
-                lost: vec![rid],
-                preempted: true,
+                out: EngineOut::Preempted(vec![rid]),
+                started: Instant::now(),
             });
             return false;
         }
@@ -129,10 +119,10 @@ impl EngineProxy {
         );
         self.dead = true;
         let lost: Vec<RequestId> = self.started.drain().map(|(r, _)| r).collect();
-        self.emit(Event::EngineFailed {
+        self.emit(Event::Engine {
             engine: self.engine,
-            lost,
-            preempted: true,
+            out: EngineOut::Preempted(lost),
+            started: Instant::now(),
         });
     }
 
@@ -181,17 +171,15 @@ impl EngineProxy {
                 reprefilled,
             }) => {
                 let ended = Instant::now();
-                for (rid, tokens, secs) in reprefilled {
+                for done in reprefilled {
                     self.emit(Event::Resumed {
                         engine: self.engine,
-                        rid,
-                        tokens,
-                        secs,
+                        done,
                         ended,
                     });
                 }
                 for o in outs {
-                    report(self.engine, o.into(), &mut self.started, &self.events);
+                    report(self.engine, o, &mut self.started, &self.events);
                 }
                 if active != self.started.len() {
                     self.emit(Event::Fatal(format!(
@@ -212,28 +200,19 @@ impl EngineProxy {
     /// One `RefLogprobs` round trip (tail multiplexing): the host's reference model computes
     /// the group's pass. A lost host loses the pass, which the trainer then computes itself.
     /// False when the run must stop.
-    fn ref_logprobs(
-        &mut self,
-        step: u64,
-        index: usize,
-        seqs: Vec<Sequence>,
-        temperature: f32,
-    ) -> bool {
+    fn ref_logprobs(&mut self, pass: RefPass) -> bool {
         let engine = self.engine;
         if self.dead {
             self.emit(Event::RefLost { engine });
             return true;
         }
-        let seqs = (seqs.into_iter()).map(|s| (s.prompt, s.response)).collect();
-        let msg = wire::encode(&EngineMsg::RefLogprobs { seqs, temperature }, &[]);
+        let msg = wire::encode(&EngineMsg::RefLogprobs(pass), &[]);
         let started = Instant::now();
         match self.ask(Route::Engine(engine), msg) {
-            Asked::Reply(EngineReply::RefLogprobs { logprobs }) => {
+            Asked::Reply(EngineReply::RefLogprobs(done)) => {
                 self.emit(Event::RefLogprobs {
                     engine,
-                    step,
-                    index,
-                    logprobs: logprobs.into_iter().map(|l| l.0).collect(),
+                    done,
                     started,
                     ended: Instant::now(),
                 });
@@ -258,10 +237,9 @@ impl EngineProxy {
             let msg = wire::encode(&EngineMsg::Migrate { min_generated }, &[]);
             match self.ask(Route::Engine(engine), msg) {
                 Asked::Reply(EngineReply::Migrated { moved: m }) => {
-                    moved = m.map(|r| {
-                        let (rid, st) = r.into_state();
-                        self.started.remove(&rid);
-                        (rid, Box::new(st))
+                    moved = m.map(|m| {
+                        self.started.remove(&m.rid);
+                        Box::new(m)
                     });
                 }
                 Asked::Reply(other) => return self.unexpected(&other, "Migrate"),
@@ -275,7 +253,7 @@ impl EngineProxy {
 
     /// Publishes `master` (once for all engines) and has the host load it; false when the run
     /// must stop.
-    fn sync(&mut self, master: &Arc<Weights>, version: rolloutpipe_core::PolicyVersion) -> bool {
+    fn sync(&mut self, master: &Arc<Weights>, version: PolicyVersion) -> bool {
         let engine = self.engine;
         if !self.dead {
             if let Err(e) = self.publisher.publish(master) {
@@ -319,8 +297,8 @@ enum Asked {
 /// cancels.
 #[derive(Debug, Default)]
 struct Queued {
-    adds: Vec<WireAdd>,
-    resumes: Vec<WireResume>,
+    adds: Vec<Add>,
+    resumes: Vec<Moved>,
     cancels: Vec<RequestId>,
 }
 
